@@ -1,0 +1,67 @@
+# mpigpt: the two commands of the quick start (`make run`, `make test`) and their helpers.
+# Everything goes through CMake in build/; `make deps` installs the Debian (and npm test-oracle)
+# packages the build and the tests need, skipping what is already there.
+
+BUILD      ?= build
+JOBS       ?= $(shell nproc)
+CMAKE_ARGS ?=
+NATIVE     ?= ON
+NPM_DIR    := .deps/npm
+
+DEB_PACKAGES := build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev \
+  libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libfmt-dev doctest-dev \
+  libopenblas-openmp-dev nlohmann-json3-dev libicu-dev fortunes nodejs python3-matplotlib python3-numpy
+
+# Root may start mpirun only when it says so; tests also need --oversubscribe on 2 cores.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
+
+FORTUNES := $(filter-out %.dat %.u8,$(wildcard /usr/share/games/fortunes/*))
+RUN_NP   ?= 1
+
+.PHONY: all build deps run test bench clean
+
+all: build
+
+deps:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "make deps: installing$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	else echo "make deps: all Debian packages present"; fi
+	@# npm: Debian's nodejs lacks it (its own package), NodeSource's nodejs carries it.
+	@command -v npm >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends npm; }
+	@if [ ! -f $(NPM_DIR)/node_modules/gpt-3-encoder/package.json ]; then \/node_modules/gpt-3-encoder/package.json ]; then \
+	  echo "make deps: installing the npm test oracle gpt-3-encoder"; \
+	  mkdir -p $(NPM_DIR) && npm install --silent --no-audit --no-fund --prefix $(NPM_DIR) gpt-3-encoder@1.1.4; \
+	fi
+
+$(BUILD)/build.ninja:
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DMPIGPT_NATIVE=$(NATIVE) $(CMAKE_ARGS)
+
+build: $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS)
+
+# The default demo: byte-level fortunes corpus, tiny GPT-2, a few hundred steps on the CPU.
+$(BUILD)/data/fortunes.idx: | build
+	$(BUILD)/mpigpt prepare-data --output $(BUILD)/data/fortunes --tokenizer byte \
+	  --format delimited --delimiter % $(FORTUNES)
+
+run: deps build $(BUILD)/data/fortunes.idx
+	$(MPIRUN) -np $(RUN_NP) -x OMP_NUM_THREADS=$$(( $(JOBS) / $(RUN_NP) > 0 ? $(JOBS) / $(RUN_NP) : 1 )) \
+	  $(BUILD)/mpigpt train --config inputs/tiny.ini --data.path $(BUILD)/data/fortunes \
+	  --training.metrics_file $(BUILD)/tiny_metrics.jsonl
+
+test: deps build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+
+bench: deps build
+	OMP_NUM_THREADS=2 $(BUILD)/mpigpt bench --config inputs/gpt2_124m_bench.ini
+
+clean:
+	rm -rf $(BUILD)
