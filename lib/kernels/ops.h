@@ -1,0 +1,117 @@
+// The op interface: every numerical operation the model and optimizer need, filled by one
+// backend per device (cpu/ fp32 + OpenBLAS, the reference; cuda/ later). Model code calls only
+// this table and never branches on the backend (DESIGN principle 5).
+//
+// Dimension letters: B batch, T sequence, C channels, N = B*T rows, V vocab (Vp padded),
+// NH query heads, NKV key/value heads, HD head dim, F MLP hidden, OC/IC linear out/in features.
+// Argument order: outputs (gradients prefixed d), inputs, saved activations, weights, sizes.
+// Gradient conventions: weight/bias gradients always ACCUMULATE (+=, so micro-batches add up);
+// input gradients OVERWRITE unless the op says "accumulates" (norms add into the residual
+// stream gradient they are given). An undefined Tensor (ptr == nullptr) means "not wanted".
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "lib/core/tensor.h"
+
+namespace mpigpt {
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;
+
+  // ---- memory ---------------------------------------------------------------------------
+  virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned
+  virtual void release(void* p) = 0;
+  // dst = src (same dtype and numel); either side may live on the host.
+  virtual void copy(Tensor dst, Tensor src) = 0;
+  virtual void fill(Tensor t, float value) = 0;
+  virtual void scale(Tensor t, float s) = 0;  // t *= s
+  // out = a + b (out may alias a or b). Shapes: equal numel.
+  virtual void add(Tensor out, Tensor a, Tensor b) = 0;
+
+  // ---- matrix products ------------------------------------------------------------------
+  // c (M,N) = alpha * op(a) @ op(b) + beta * c, row-major; op(x) = x^T when trans_x.
+  virtual void gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) = 0;
+  // out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC); bias optional.
+  virtual void linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) = 0;
+  // dinp (N,IC) = dout @ weight; dweight (OC,IC) += dout^T @ inp; dbias (OC) += sum over rows.
+  virtual void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                               Tensor weight) = 0;
+
+  // ---- embedding ------------------------------------------------------------------------
+  // out (N,C) = wte[tokens - vocab_start] (+ wpe[positions] when wpe is given).
+  // tokens, positions (N) i32. wte holds rows [vocab_start, vocab_start + rows) of the
+  // vocabulary (the whole vocabulary unless it is split over tensor-parallel ranks); a token
+  // outside that range contributes zeros.
+  virtual void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
+                                 int64_t vocab_start) = 0;
+  // dwte += scatter of dout rows by token, dwpe += scatter by position (each optional).
+  virtual void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
+                                  int64_t vocab_start) = 0;
+
+  // ---- normalisation ----------------------------------------------------------------------
+  // LayerNorm over C: out (N,C), mean (N), rstd (N) saved; inp (N,C); weight, bias (C).
+  virtual void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight,
+                                 Tensor bias, float eps) = 0;
+  // dinp (N,C) ACCUMULATES; dweight, dbias (C) accumulate.
+  virtual void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                                  Tensor mean, Tensor rstd, Tensor weight) = 0;
+  // RMSNorm over C: out = inp * rstd * weight; rstd (N) saved.
+  virtual void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) = 0;
+  // dinp (N,C) ACCUMULATES; dweight (C) accumulates.
+  virtual void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd,
+                                Tensor weight) = 0;
+
+  // ---- activations ------------------------------------------------------------------------
+  // GELU, tanh approximation (GPT-2). out, inp same shape; dinp may alias dout.
+  virtual void gelu_forward(Tensor out, Tensor inp) = 0;
+  virtual void gelu_backward(Tensor dinp, Tensor dout, Tensor inp) = 0;
+  // SwiGLU: inp (N, 2F) = [gate | up] per row, out (N,F) = silu(gate) * up.
+  virtual void swiglu_forward(Tensor out, Tensor inp) = 0;
+  // dinp (N,2F) from dout (N,F).
+  virtual void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) = 0;
+
+  // ---- attention --------------------------------------------------------------------------
+  // qkv (N, (NH + 2*NKV)*HD) rows hold the NH query heads, then NKV key heads, then NKV value
+  // heads (HD each). Rotary embedding (rotate-half convention of GPT-NeoX / HF Llama: element
+  // i pairs with i + HD/2, angle = pos * theta^(-2i/HD)) applied in place to the q and k heads.
+  virtual void rope_forward(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) = 0;
+  // dqkv in place: the inverse rotation of its q and k heads (v untouched).
+  virtual void rope_backward(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) = 0;
+  // Elements of f32 state attention_forward saves for attention_backward (backend-specific:
+  // the CPU keeps the probabilities, a fused kernel only the log-sum-exp).
+  virtual int64_t attention_saved_numel(int64_t B, int64_t T, int64_t NH) const = 0;
+  // Causal softmax(q k^T / sqrt(HD)) v per (batch, head); query head h reads key/value head
+  // h / (NH/NKV) (grouped-query attention). out (B,T,NH*HD), qkv (B,T,(NH+2*NKV)*HD).
+  virtual void attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) = 0;
+  // dqkv (B,T,(NH+2*NKV)*HD) overwritten.
+  virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH,
+                                  int NKV, int HD) = 0;
+
+  // ---- loss ---------------------------------------------------------------------------------
+  // Fused softmax + cross-entropy over the first V of Vp columns of logits (N,Vp).
+  // losses (N) = -log softmax(row)[target]; a row whose target is < 0 is ignored (loss 0).
+  // When dlogits (N,Vp) is given (it may alias logits) it receives
+  // (softmax - onehot(target)) * dloss for kept rows, 0 for ignored rows and padded columns.
+  virtual void crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets,
+                                             int64_t V, float dloss) = 0;
+
+  // ---- optimizer ----------------------------------------------------------------------------
+  // AdamW on a flat range, decoupled weight decay and bias correction (step >= 1):
+  //   g = grad * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+  //   param -= lr * ( (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps) + weight_decay * param )
+  virtual void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2,
+                     float eps, float weight_decay, int64_t step, float grad_scale) = 0;
+  // Sum of squares (for the global gradient norm) and plain sum, returned to the host in double.
+  virtual double sum_squares(Tensor t) = 0;
+  virtual double sum(Tensor t) = 0;
+};
+
+// The CPU reference backend (fp32, OpenBLAS, OpenMP threads).
+std::unique_ptr<Ops> make_cpu_ops();
+
+}  // namespace mpigpt

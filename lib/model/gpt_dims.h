@@ -1,0 +1,39 @@
+// The sizes of a GPT, resolved once (from io's ModelConfig by lib/train, or directly in tests):
+// everything lib/model needs to know about the network's shape, nothing about files or ranks.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace mpigpt {
+
+enum class Family { GPT2, Llama };
+
+struct GptDims {
+  Family family = Family::GPT2;
+  int L = 4;          // layers
+  int C = 256;        // channels
+  int NH = 4;         // query heads
+  int NKV = 4;        // key/value heads (grouped-query attention when < NH)
+  int F = 1024;       // MLP hidden size
+  int T = 256;        // sequence length the activations are sized for
+  int maxT = 256;     // rows of the learned position table (GPT-2)
+  int V = 257;        // real vocabulary
+  int Vp = 384;       // padded vocabulary (rows of the embedding / logits columns)
+  bool tied = true;   // output projection = input embedding
+  float eps = 1e-5f;  // norm epsilon
+  float rope_theta = 10000.f;
+  float init_std = 0.02f;
+
+  int HD() const { return C / NH; }
+  int qkv_dim() const { return (NH + 2 * NKV) * HD(); }
+  bool gpt2() const { return family == Family::GPT2; }
+  // Model FLOPs of one training step (forward + backward = 3x forward) per token, counted as
+  // Megatron does: every GEMM, causal attention halved, the logits GEMM over Vp.
+  double train_flops_per_token() const;
+  int64_t num_params() const;
+};
+
+// Vocabulary padded up to a multiple of `multiple` (Megatron: 128 * tp).
+inline int pad_vocab(int V, int multiple) { return (V + multiple - 1) / multiple * multiple; }
+
+}  // namespace mpigpt

@@ -1,0 +1,68 @@
+// Formatting and recording of training metrics.
+#include "lib/train/metrics.h"
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "lib/core/error.h"
+
+namespace mpigpt {
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const int64_t t = int64_t(s + 0.5);
+  if (t >= 3600) return fmt::format("{}h{:02}m{:02}s", t / 3600, t / 60 % 60, t % 60);
+  if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+std::string format_step(const StepMetrics& m) {
+  const int w = int(std::to_string(m.total_iters).size());
+  return fmt::format(
+      "iter {:>{}}/{} | samples {} | lr {:.3e} | loss {:.4f} | grad norm {:.3f} | {:.1f} ms/iter | "
+      "{:.0f} tok/s | {:.3f} TFLOP/s | MFU {:.1f}% | mem {:.0f} MiB | eta {}",
+      m.iter, w, m.total_iters, m.consumed_samples, m.lr, m.loss, m.grad_norm, m.ms_per_iter, m.tokens_per_s,
+      m.tflops, 100.0 * m.mfu, m.peak_mem_mib, format_duration(m.eta_s));
+}
+
+MetricsWriter::MetricsWriter(const std::string& path) {
+  if (path.empty()) return;
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
+  out_.open(path, std::ios::trunc);
+  if (!out_) fail("training.metrics_file = '{}' cannot be opened for writing; choose a writable path", path);
+}
+
+void MetricsWriter::step(const StepMetrics& m) {
+  if (!out_.is_open()) return;
+  nlohmann::json j = {{"iter", m.iter},
+                      {"consumed_samples", m.consumed_samples},
+                      {"lr", m.lr},
+                      {"loss", m.loss},
+                      {"grad_norm", m.grad_norm},
+                      {"ms_per_iter", m.ms_per_iter},
+                      {"tokens_per_s", m.tokens_per_s},
+                      {"tflops", m.tflops},
+                      {"mfu", m.mfu},
+                      {"peak_mem_mib", m.peak_mem_mib}};
+  out_ << j.dump() << '\n';
+  out_.flush();
+}
+
+void MetricsWriter::eval(int64_t iter, double val_loss) {
+  if (!out_.is_open()) return;
+  out_ << nlohmann::json{{"iter", iter}, {"val_loss", val_loss}}.dump() << '\n';
+  out_.flush();
+}
+
+double peak_rss_mib() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_maxrss) / 1024.0;  // Linux reports KiB
+}
+
+}  // namespace mpigpt

@@ -1,0 +1,40 @@
+// Training metrics: the numbers of one log interval, their console line and their JSONL record.
+#pragma once
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+namespace mpigpt {
+
+struct StepMetrics {
+  int64_t iter = 0, total_iters = 0;
+  int64_t consumed_samples = 0;
+  double lr = 0, loss = 0, grad_norm = 0;
+  double ms_per_iter = 0;    // mean over the interval
+  double tokens_per_s = 0;   // over all ranks
+  double tflops = 0;         // model TFLOP/s per rank
+  double mfu = 0;            // tflops / peak, in [0, 1]
+  double peak_mem_mib = 0;   // peak resident memory of this rank
+  double eta_s = 0;          // time to finish at the current pace
+};
+
+// "iter   20/300 | samples 1280 | lr 3.00e-04 | loss 2.3456 | grad norm 0.812 | 153.2 ms/iter | ..."
+std::string format_step(const StepMetrics& m);
+// "eta 1h02m03s" style durations.
+std::string format_duration(double seconds);
+
+// Appends one JSON object per line; no file when path is empty.
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path);
+  void step(const StepMetrics& m);
+  void eval(int64_t iter, double val_loss);
+
+ private:
+  std::ofstream out_;
+};
+
+// Peak resident set size of this process, MiB.
+double peak_rss_mib();
+
+}  // namespace mpigpt

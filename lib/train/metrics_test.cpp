@@ -1,0 +1,64 @@
+// Tests of the log line, the JSONL metrics file and the FLOP count used for MFU.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "lib/model/gpt_dims.h"
+#include "lib/train/metrics.h"
+
+using namespace mpigpt;
+
+TEST_CASE("log line carries every field") {
+  StepMetrics m;
+  m.iter = 20;
+  m.total_iters = 300;
+  m.consumed_samples = 160;
+  m.lr = 1e-3;
+  m.loss = 2.5;
+  m.grad_norm = 0.75;
+  m.ms_per_iter = 123.4;
+  m.tokens_per_s = 16600;
+  m.tflops = 0.05;
+  m.mfu = 0.25;
+  m.peak_mem_mib = 99;
+  m.eta_s = 3725;
+  const std::string s = format_step(m);
+  for (const char* part : {"iter  20/300", "samples 160", "lr 1.000e-03", "loss 2.5000", "grad norm 0.750",
+                           "123.4 ms/iter", "16600 tok/s", "0.050 TFLOP/s", "MFU 25.0%", "mem 99 MiB", "eta 1h02m05s"})
+    CHECK_MESSAGE(s.find(part) != std::string::npos, part, " not in: ", s);
+}
+
+TEST_CASE("metrics file holds one JSON object per line") {
+  const auto path = std::filesystem::temp_directory_path() / "mpigpt_metrics_test" / "m.jsonl";
+  {
+    MetricsWriter w(path.string());
+    StepMetrics m;
+    m.iter = 1;
+    m.loss = 3.0;
+    w.step(m);
+    w.eval(1, 2.5);
+  }
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  CHECK(nlohmann::json::parse(line)["loss"] == 3.0);
+  std::getline(in, line);
+  CHECK(nlohmann::json::parse(line)["val_loss"] == 2.5);
+  std::filesystem::remove_all(path.parent_path());
+}
+
+TEST_CASE("model FLOPs per token follow Megatron's count for the GPT-2 124M shape") {
+  GptDims d;
+  d.L = 12;
+  d.C = 768;
+  d.NH = 12;
+  d.NKV = 12;
+  d.F = 3072;
+  d.T = 1024;
+  d.Vp = 50304;
+  // 6 * (12 * 12 C^2 per layer... ) written out: per layer 24 C^2 + 2 T C (causal), logits 2 C Vp.
+  const double fwd = 12 * (24.0 * 768 * 768 + 2.0 * 1024 * 768) + 2.0 * 768 * 50304;
+  CHECK(d.train_flops_per_token() == doctest::Approx(3 * fwd));
+}

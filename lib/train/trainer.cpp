@@ -1,0 +1,233 @@
+// The training loop.
+#include "lib/train/trainer.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "io/dataset.h"
+#include "io/tokenizer.h"
+#include "lib/core/log.h"
+#include "lib/core/rng.h"
+#include "lib/model/gpt.h"
+#include "lib/optim/adamw.h"
+#include "lib/optim/lr_schedule.h"
+#include "lib/train/metrics.h"
+#include "lib/train/peak.h"
+
+namespace mpigpt {
+
+using Clock = std::chrono::steady_clock;
+static double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+GptDims make_dims(const Config& cfg, int vocab_size) {
+  const ModelConfig& m = cfg.model;
+  GptDims d;
+  d.family = m.family == "llama" ? Family::Llama : Family::GPT2;
+  d.L = m.num_layers;
+  d.C = m.hidden;
+  d.NH = m.num_heads;
+  d.NKV = m.num_kv_heads > 0 ? m.num_kv_heads : m.num_heads;
+  d.F = m.ffn_hidden;
+  d.T = m.seq_len;
+  d.maxT = m.max_position > 0 ? m.max_position : m.seq_len;
+  if (m.vocab_size > 0 && m.vocab_size < vocab_size)
+    fail("model.vocab_size = {} is smaller than the tokenizer's vocabulary {}; set it to 0 (use the tokenizer's) "
+         "or at least {}", m.vocab_size, vocab_size, vocab_size);
+  d.V = m.vocab_size > 0 ? m.vocab_size : vocab_size;
+  d.Vp = pad_vocab(d.V, m.vocab_multiple * cfg.parallel.tp);
+  d.tied = m.tie_embeddings;
+  d.eps = float(m.norm_eps);
+  d.rope_theta = float(m.rope_theta);
+  d.init_std = float(m.init_std);
+  return d;
+}
+
+namespace {
+
+// Where the tokens of a step come from: the prepared dataset, or random ids for benchmarks.
+struct Batches {
+  std::unique_ptr<GptDataset> train, valid;
+  int T = 0, V = 0;
+  uint64_t seed = 0;
+  // tokens/targets of global sample `index` of the train (or validation) split.
+  void get(bool is_train, int64_t index, int32_t* tokens, int32_t* targets) const {
+    const GptDataset* ds = is_train ? train.get() : valid.get();
+    if (ds) return ds->get(index, tokens, targets);
+    for (int t = 0; t <= T; ++t) {  // synthetic: a random stream, targets shifted by one
+      int32_t id = int32_t(bits_at(seed, is_train ? 1 : 2, uint64_t(index) * (T + 1) + t) % uint64_t(V));
+      if (t < T) tokens[t] = id;
+      if (t > 0) targets[t - 1] = id;
+    }
+  }
+};
+
+}  // namespace
+
+TrainResult train(const Config& cfg, const Comm& world, const TrainOptions& opts) {
+  const TrainingConfig& tc = cfg.training;
+  const ParallelConfig& pc = cfg.parallel;
+  const bool last_rank = world.rank() == world.size() - 1;
+  if (pc.tp * pc.pp * pc.cp * pc.ep * pc.expert_tp * pc.vpp != 1)
+    fail("parallel: tp={} pp={} vpp={} cp={} ep={} expert_tp={}: this build trains with data parallelism only; "
+         "set every model-parallel size to 1", pc.tp, pc.pp, pc.vpp, pc.cp, pc.ep, pc.expert_tp);
+  if (cfg.engine.backend != "cpu")
+    fail("engine.backend = '{}' is not available in this build; use engine.backend = cpu", cfg.engine.backend);
+  if (tc.precision != "fp32")
+    fail("training.precision = '{}' needs the CUDA backend; use training.precision = fp32 on the CPU", tc.precision);
+  if (cfg.engine.recompute != "none")
+    fail("engine.recompute = '{}' is not available on the CPU backend; use engine.recompute = none",
+         cfg.engine.recompute);
+  if (cfg.engine.threads > 0) omp_set_num_threads(cfg.engine.threads);
+
+  // ---- data -------------------------------------------------------------------------------
+  Batches data;
+  int vocab = 0;
+  if (opts.synthetic_data) {
+    vocab = cfg.model.vocab_size > 0 ? cfg.model.vocab_size : 50257;
+  } else {
+    auto tok = make_tokenizer(cfg.data);
+    vocab = tok->vocab_size();
+    if (cfg.data.path.empty())
+      fail("data.path is not set; prepare a dataset with `mpigpt prepare-data --output PREFIX FILES...` and pass "
+           "--data.path PREFIX");
+  }
+  const GptDims d = make_dims(cfg, vocab);
+  data.T = d.T;
+  data.V = d.V;
+  data.seed = tc.seed;
+  if (!opts.synthetic_data) {
+    auto src = TokenSource::open(cfg.data.path);
+    if (!cfg.data.valid_path.empty()) {
+      data.train = std::make_unique<GptDataset>(src, Split::Train, 0.0, d.T, tc.seed, d.V);
+      data.valid = std::make_unique<GptDataset>(TokenSource::open(cfg.data.valid_path), Split::Train, 0.0, d.T,
+                                                tc.seed, d.V);
+    } else {
+      data.train = std::make_unique<GptDataset>(src, Split::Train, cfg.data.valid_fraction, d.T, tc.seed, d.V);
+      if (cfg.data.valid_fraction > 0)
+        data.valid = std::make_unique<GptDataset>(src, Split::Valid, cfg.data.valid_fraction, d.T, tc.seed, d.V);
+    }
+  }
+
+  // ---- model and optimizer ------------------------------------------------------------------
+  const int dp = world.size();
+  const int MB = tc.micro_batch, GB = tc.global_batch;
+  const int per_rank = GB / dp, num_micro = per_rank / MB;
+  auto ops = make_cpu_ops();
+  GPT model(d, *ops, MB);
+  model.init_weights(tc.seed);
+  AdamWConfig ac;
+  ac.beta1 = float(tc.beta1);
+  ac.beta2 = float(tc.beta2);
+  ac.eps = float(tc.eps);
+  ac.weight_decay = float(tc.weight_decay);
+  ac.no_decay = parse_no_decay(tc.no_decay);
+  AdamW opt(*ops, model.params(), model.params_flat(), model.grads_flat(), ac);
+  LrSchedule sched{tc.lr, tc.min_lr, tc.warmup_iters,
+                   tc.decay_iters > 0 ? tc.decay_iters : std::max<int64_t>(tc.train_iters - tc.warmup_iters, 0),
+                   parse_decay_style(tc.lr_schedule)};
+  const double peak = tc.peak_tflops > 0 ? tc.peak_tflops * 1e12 : measured_peak_flops(*ops);
+  const double flops_per_step = d.train_flops_per_token() * double(GB) * d.T / dp;  // per rank
+  if (world.rank() == 0 && !opts.quiet) {
+    log_line("model: {} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
+             "parameters", d.gpt2() ? "gpt2" : "llama", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
+             model.num_params() / 1e6);
+    log_line("batch: global {} = {} data-parallel ranks x {} micro-batches x {} sequences of {} tokens", GB, dp,
+             num_micro, MB, d.T);
+    if (data.train)
+      log_line("data: {} ({} train samples per epoch{})", cfg.data.path, data.train->samples_per_epoch(),
+               data.valid ? fmt::format(", {} validation", data.valid->samples_per_epoch()) : std::string());
+    log_line("memory: parameters+gradients+Adam {:.1f} MiB, activations {:.1f} MiB, peak for MFU {:.1f} "
+             "GFLOP/s per rank", 16.0 * model.num_params() / 1048576, model.activation_bytes() / 1048576.0,
+             peak / 1e9);
+  }
+
+  // ---- loop -----------------------------------------------------------------------------------
+  const int64_t N = int64_t(MB) * d.T;
+  std::vector<int32_t> tokens(size_t(per_rank) * d.T), targets(size_t(per_rank) * d.T);
+  MetricsWriter metrics(last_rank ? tc.metrics_file : std::string());
+  TrainResult result;
+
+  // Mean loss over `count` validation micro-batches per rank.
+  auto evaluate = [&]() {
+    double sums[2] = {0, 0};  // loss sum, token count
+    for (int64_t k = 0; k < tc.eval_iters; ++k) {
+      for (int b = 0; b < MB; ++b)
+        data.get(false, (k * dp + world.rank()) * MB + b, tokens.data() + b * d.T, targets.data() + b * d.T);
+      sums[0] += model.forward(tokens.data(), targets.data(), 0.0f);
+      sums[1] += double(std::count_if(targets.begin(), targets.begin() + N, [](int32_t t) { return t >= 0; }));
+    }
+    world.allreduce_sum(sums, 2);
+    return sums[0] / std::max(sums[1], 1.0);
+  };
+
+  StepMetrics m;
+  m.total_iters = tc.train_iters;
+  double interval_loss = 0, interval_ms = 0, total_ms = 0;
+  int interval_steps = 0;
+  for (int64_t it = 1; it <= tc.train_iters; ++it) {
+    const auto t0 = Clock::now();
+    // This rank's samples of the global batch: the global batch index alone decides them.
+    for (int j = 0; j < per_rank; ++j)
+      data.get(true, (it - 1) * GB + int64_t(world.rank()) * per_rank + j, tokens.data() + size_t(j) * d.T,
+               targets.data() + size_t(j) * d.T);
+    int64_t counts[1] = {std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t >= 0; })};
+    world.allreduce_sum(counts, 1);
+    const float dloss = 1.0f / float(std::max<int64_t>(counts[0], 1));
+
+    model.zero_grads();
+    double loss_sum = 0;
+    for (int mb = 0; mb < num_micro; ++mb) {
+      loss_sum += model.forward(tokens.data() + size_t(mb) * N, targets.data() + size_t(mb) * N, dloss);
+      model.backward();
+    }
+    world.allreduce_sum(model.grads_flat());
+    world.allreduce_sum(&loss_sum, 1);
+    const double loss = loss_sum / double(std::max<int64_t>(counts[0], 1));
+    const double norm = grad_norm(*ops, model.grads_flat());
+    if (!std::isfinite(loss) || !std::isfinite(norm))
+      fail("iteration {}: loss {} / gradient norm {} is not finite; lower training.lr (now {}) or raise "
+           "training.warmup_iters", it, loss, norm, tc.lr);
+    const double lr = sched.at(it);
+    opt.step(float(lr), clip_scale(norm, tc.clip_grad));
+    const double ms = ms_since(t0);
+
+    result.losses.push_back(loss);
+    result.grad_norms.push_back(norm);
+    result.step_ms.push_back(ms);
+    interval_loss += loss;
+    interval_ms += ms;
+    total_ms += ms;
+    ++interval_steps;
+    if (it % tc.log_interval == 0 || it == tc.train_iters) {
+      m.iter = it;
+      m.consumed_samples = it * GB;
+      m.lr = lr;
+      m.loss = interval_loss / interval_steps;
+      m.grad_norm = norm;
+      m.ms_per_iter = interval_ms / interval_steps;
+      m.tokens_per_s = double(GB) * d.T / (m.ms_per_iter / 1e3);
+      m.tflops = flops_per_step / (m.ms_per_iter / 1e3) / 1e12;
+      m.mfu = m.tflops * 1e12 / peak;
+      m.peak_mem_mib = peak_rss_mib();
+      m.eta_s = double(tc.train_iters - it) * total_ms / double(it) / 1e3;
+      if (last_rank && !opts.quiet) log_line("{}", format_step(m));
+      metrics.step(m);
+      interval_loss = interval_ms = 0;
+      interval_steps = 0;
+    }
+    if (data.valid && tc.eval_interval > 0 && (it % tc.eval_interval == 0 || it == tc.train_iters)) {
+      const double vl = evaluate();
+      result.val_losses.emplace_back(it, vl);
+      if (last_rank && !opts.quiet) log_line("validation at iter {}: loss {:.4f} (perplexity {:.2f})", it, vl, std::exp(vl));
+      metrics.eval(it, vl);
+    }
+  }
+  return result;
+}
+
+}  // namespace mpigpt

@@ -1,0 +1,32 @@
+// The training loop: builds backend, data, model and optimizer from a validated Config, runs
+// micro-batches with gradient accumulation, the optimizer step, logging, and evaluation.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "io/config.h"
+#include "lib/model/gpt_dims.h"
+#include "parallel/comm.h"
+
+namespace mpigpt {
+
+struct TrainOptions {
+  bool synthetic_data = false;  // random tokens instead of data.path (benchmarks)
+  bool quiet = false;           // no per-step log lines (benchmarks and tests)
+};
+
+struct TrainResult {
+  std::vector<double> losses;      // training loss of every step (mean over the global batch)
+  std::vector<double> grad_norms;  // before clipping
+  std::vector<double> step_ms;     // wall time of every step
+  std::vector<std::pair<int64_t, double>> val_losses;  // (iter, loss) of every evaluation
+};
+
+// Resolve the network's sizes from the model config and the tokenizer's vocabulary.
+GptDims make_dims(const Config& cfg, int vocab_size);
+
+// Train as configured. `world` is the communicator of all ranks of the job.
+TrainResult train(const Config& cfg, const Comm& world, const TrainOptions& opts = {});
+
+}  // namespace mpigpt
