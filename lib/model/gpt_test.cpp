@@ -161,3 +161,27 @@ TEST_CASE("init depends on (seed, name, element) only; output projections are sc
   init_param(t2[4], 42, c.data());
   CHECK(a == c);
 }
+
+TEST_CASE("causality: logits at position t depend on tokens <= t and on no later token") {
+  for (Family fam : {Family::GPT2, Family::Llama}) {
+    CAPTURE(int(fam));
+    GptDims d = tiny_dims(fam);
+    auto ops = make_cpu_ops();
+    GPT model(d, *ops, 1);
+    model.init_weights(4);
+    Batch b = make_batch(d, 1);
+    model.forward(b.tokens.data(), b.targets.data(), 0.0f);
+    const std::vector<float> base(model.logits().f32(), model.logits().f32() + d.T * d.Vp);
+    const int changed = 2;
+    b.tokens[changed] = (b.tokens[changed] + 1) % d.V;
+    model.forward(b.tokens.data(), b.targets.data(), 0.0f);
+    const float* now = model.logits().f32();
+    for (int t = 0; t < d.T; ++t) {
+      double diff = 0;
+      for (int v = 0; v < d.V; ++v) diff = std::max(diff, double(std::abs(now[t * d.Vp + v] - base[t * d.Vp + v])));
+      CAPTURE(t);
+      if (t < changed) CHECK(diff == 0.0);
+      else CHECK(diff > 1e-4);  // the changed token and every later position see it
+    }
+  }
+}
