@@ -14,8 +14,9 @@ double measured_peak_flops(Ops& ops) {
   Tensor ta = a.tensor({n, n}), tb = b.tensor({n, n}), tc = c.tensor({n, n});
   ops.fill(ta, 0.5f);
   ops.fill(tb, 0.25f);
+  ops.gemm(tc, ta, tb, false, true, 1.0f, 0.0f);  // warm-up: thread pool start, page faults
   double best = 1e30;
-  for (int rep = 0; rep < 4; ++rep) {
+  for (int rep = 0; rep < 6; ++rep) {
     const auto t0 = std::chrono::steady_clock::now();
     ops.gemm(tc, ta, tb, false, true, 1.0f, 0.0f);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
