@@ -39,3 +39,7 @@ cli_test(token_beyond_vocab fail "token id [0-9]+.*257|257.*token id" "T=vocab &
 # End to end: a short training run whose loss must fall, on one and on two data-parallel ranks.
 # (300 steps of a 2-layer, 32-channel model: the validation loss goes from 5.55 to about 2.9.)
 cli_test(train_short ok "validation at iter 300: loss [0-2]\\.|validation at iter 300: loss 3\\.[0-2]" "T=run1 && ${PREP} ${FORTUNES} && ${BIN} train ${TINY} --training.train_iters 300 --training.log_interval 50 --training.lr 3e-3 --training.eval_interval 150 --data.path ${CLI_DIR}/run1/c")
+
+# The layout plan for any world size, without training.
+cli_test(dry_run ok "rank 5 = \\(tp 1, cp 0, ep 0, dp 0, pp 1\\) \\| layers 2-3, 6-7 \\+head" "${BIN} train --dry-run --world-size 8 --tp 2 --pp 2 --parallel.vpp 2 --model.num_layers 8 --training.global_batch 16")
+cli_test(dry_run_bad_order fail "parallel.order = 'tp-dp-xp'" "${BIN} train --dry-run --world-size 8 --parallel.order tp-dp-xp")

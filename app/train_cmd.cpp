@@ -9,13 +9,14 @@
 #include "io/config.h"
 #include "lib/core/log.h"
 #include "lib/kernels/ops.h"
+#include "lib/train/layout.h"
 #include "lib/train/peak.h"
 #include "lib/train/trainer.h"
 
 namespace mpigpt::app {
 
 int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench) {
-  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup"});
+  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "world-size"});
   if (parsed.help) {
     if (mpi.rank() == 0)
       fmt::print("usage: mpirun -np N mpigpt {} [--config FILE.ini ...] [--section.key value ...]\n\n{}",
@@ -26,10 +27,15 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     fail("unexpected argument '{}'; options are written --section.key value (see mpigpt train --help)",
          parsed.positional[0]);
   Config& cfg = parsed.config;
-  int steps = 10, warmup = 2;
+  int steps = 10, warmup = 2, world_size = mpi.size();
+  bool dry_run = false;
   for (const auto& [k, v] : parsed.flags) {
-    if (!bench) fail("--{} is a flag of `mpigpt bench`, not of `mpigpt train`", k);
-    int* dst = k == "bench-steps" ? &steps : &warmup;
+    if (k == "dry-run") {
+      dry_run = true;
+      continue;
+    }
+    if (bench == (k == "world-size")) fail("--{} is not a flag of `mpigpt {}`", k, bench ? "bench" : "train");
+    int* dst = k == "bench-steps" ? &steps : k == "world-size" ? &world_size : &warmup;
     try {
       *dst = std::stoi(v);
     } catch (...) {
@@ -44,13 +50,19 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     opts.synthetic_data = true;
     opts.quiet = true;
   }
-  cfg.validate(mpi.size());
+  if (world_size != mpi.size() && !dry_run)
+    fail("--world-size {} only plans a layout with --dry-run; this job has {} rank(s)", world_size, mpi.size());
+  cfg.validate(world_size);
+  if (dry_run) {
+    if (mpi.rank() == 0) fmt::print("{}", layout_report(cfg, world_size));
+    return 0;
+  }
   if (mpi.rank() == 0) fmt::print("mpigpt {}: {} rank(s), resolved configuration:\n{}\n", bench ? "bench" : "train",
                                   mpi.size(), cfg.to_ini());
   std::fflush(stdout);
 
-  Comm world(MPI_COMM_WORLD);
-  TrainResult r = train(cfg, world, opts);
+  Mesh mesh(MPI_COMM_WORLD, mesh_sizes(cfg.parallel));
+  TrainResult r = train(cfg, mesh, opts);
   if (bench && mpi.rank() == 0) {
     std::vector<double> t(r.step_ms.begin() + warmup, r.step_ms.end());
     std::sort(t.begin(), t.end());

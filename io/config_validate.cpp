@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "io/config.h"
+#include "parallel/rank_grid.h"
 #include "lib/core/error.h"
 
 namespace mpigpt {
@@ -35,22 +36,6 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return parts;
 }
 
-void check_order(const std::string& order) {
-  const std::vector<std::string> axes = {"tp", "cp", "ep", "dp", "pp"};
-  const std::string fix = "write the five axes tp, cp, ep, dp, pp once each, joined by '-' (default tp-cp-ep-dp-pp)";
-  std::vector<std::string> seen;
-  for (const std::string& a : split(order, '-')) {
-    if (std::find(axes.begin(), axes.end(), a) == axes.end())
-      fail("parallel.order = '{}': '{}' is not an axis; {}", order, a, fix);
-    if (std::find(seen.begin(), seen.end(), a) != seen.end())
-      fail("parallel.order = '{}' names the axis {} twice; {}", order, a, fix);
-    seen.push_back(a);
-  }
-  for (const std::string& a : axes)
-    if (std::find(seen.begin(), seen.end(), a) == seen.end())
-      fail("parallel.order = '{}' lacks the axis {}; {}", order, a, fix);
-}
-
 void check_no_decay(const std::string& list) {
   for (const std::string& kind : split(list, ','))
     if (kind != "norms" && kind != "biases" && kind != "embeddings")
@@ -71,7 +56,7 @@ void check_ranges(const Config& c) {
   one_of("training.precision", t.precision, {"fp32", "bf16"});
   one_of("engine.backend", e.backend, {"cpu", "cuda"});
   one_of("data.tokenizer", c.data.tokenizer, {"byte", "gpt2"});
-  check_order(p.order);
+  parse_order(p.order);  // the rank grid's own check
   check_no_decay(t.no_decay);
 
   at_least("parallel.tp", p.tp, 1);

@@ -16,6 +16,10 @@ void mpi_check(int rc, const char* call, const char* file, int line) {
 }
 
 Comm::Comm(MPI_Comm comm) : comm_(comm) {
+  if (comm == MPI_COMM_NULL) {  // not a member of any group of this kind
+    size_ = 0;
+    return;
+  }
   MPIGPT_MPI(MPI_Comm_rank(comm, &rank_));
   MPIGPT_MPI(MPI_Comm_size(comm, &size_));
 }

@@ -11,7 +11,7 @@ namespace mpigpt {
 
 class Comm {
  public:
-  explicit Comm(MPI_Comm comm);
+  explicit Comm(MPI_Comm comm);  // MPI_COMM_NULL: a rank outside the group (size 0)
   int rank() const { return rank_; }
   int size() const { return size_; }
   MPI_Comm mpi() const { return comm_; }

@@ -68,10 +68,12 @@ struct Batches {
 
 }  // namespace
 
-TrainResult train(const Config& cfg, const Comm& world, const TrainOptions& opts) {
+TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts) {
+  // Only data parallelism so far: the dp group is where gradients and losses are summed.
+  const Comm& world = mesh.dp_cp();
   const TrainingConfig& tc = cfg.training;
   const ParallelConfig& pc = cfg.parallel;
-  const bool last_rank = world.rank() == world.size() - 1;
+  const bool last_rank = mesh.rank() == mesh.world_size() - 1;
   if (pc.tp * pc.pp * pc.cp * pc.ep * pc.expert_tp * pc.vpp != 1)
     fail("parallel: tp={} pp={} vpp={} cp={} ep={} expert_tp={}: this build trains with data parallelism only; "
          "set every model-parallel size to 1", pc.tp, pc.pp, pc.vpp, pc.cp, pc.ep, pc.expert_tp);
@@ -132,7 +134,8 @@ TrainResult train(const Config& cfg, const Comm& world, const TrainOptions& opts
                    parse_decay_style(tc.lr_schedule)};
   const double peak = tc.peak_tflops > 0 ? tc.peak_tflops * 1e12 : measured_peak_flops(*ops);
   const double flops_per_step = d.train_flops_per_token() * double(GB) * d.T / dp;  // per rank
-  if (world.rank() == 0 && !opts.quiet) {
+  if (mesh.rank() == 0 && !opts.quiet) {
+    log_line("mesh: {}", mesh.describe());
     log_line("model: {} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
              "parameters", d.gpt2() ? "gpt2" : "llama", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
              model.num_params() / 1e6);

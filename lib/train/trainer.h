@@ -7,7 +7,7 @@
 
 #include "io/config.h"
 #include "lib/model/gpt_dims.h"
-#include "parallel/comm.h"
+#include "parallel/mesh.h"
 
 namespace mpigpt {
 
@@ -26,7 +26,7 @@ struct TrainResult {
 // Resolve the network's sizes from the model config and the tokenizer's vocabulary.
 GptDims make_dims(const Config& cfg, int vocab_size);
 
-// Train as configured. `world` is the communicator of all ranks of the job.
-TrainResult train(const Config& cfg, const Comm& world, const TrainOptions& opts = {});
+// Train as configured on the ranks of `mesh` (built from cfg.parallel).
+TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts = {});
 
 }  // namespace mpigpt

@@ -1,0 +1,65 @@
+// Communicator construction for the mesh.
+#include "parallel/mesh.h"
+
+namespace mpigpt {
+
+static int world_size_of(MPI_Comm c) {
+  int n = 1;
+  MPIGPT_MPI(MPI_Comm_size(c, &n));
+  return n;
+}
+
+static int world_rank_of(MPI_Comm c) {
+  int r = 0;
+  MPIGPT_MPI(MPI_Comm_rank(c, &r));
+  return r;
+}
+
+Mesh::Mesh(MPI_Comm world, const MeshSizes& sizes)
+    : sizes_(sizes),
+      rank_(world_rank_of(world)),
+      world_size_(world_size_of(world)),
+      dense_(dense_grid(sizes, world_size_)),
+      expert_(expert_grid(sizes, world_size_)),
+      world_(world),
+      tp_(split(dense_, "tp")),
+      cp_(split(dense_, "cp")),
+      dp_(split(dense_, "dp")),
+      dp_cp_(split(dense_, "dp-cp")),
+      pp_(split(dense_, "pp")),
+      mp_(split(dense_, "tp-pp")),
+      tp_dp_cp_(split(dense_, "tp-dp-cp")),
+      embd_(MPI_COMM_NULL),
+      etp_(split(expert_, "tp")),
+      ep_(split(expert_, "ep")),
+      edp_(split(expert_, "dp")) {
+  coords_ = {dense_.coord(rank_, "tp"), dense_.coord(rank_, "cp"), expert_.coord(rank_, "ep"),
+             dense_.coord(rank_, "dp"), dense_.coord(rank_, "pp"), expert_.coord(rank_, "tp"),
+             expert_.coord(rank_, "dp")};
+  // Embedding group: the first and the last stage of this rank's pipeline.
+  const bool edge = coords_.pp == 0 || coords_.pp == sizes_.pp - 1;
+  MPI_Comm e = MPI_COMM_NULL;
+  MPIGPT_MPI(MPI_Comm_split(world, edge ? dense_.group_index(rank_, "pp") : MPI_UNDEFINED, rank_, &e));
+  if (e != MPI_COMM_NULL) {
+    owned_.push_back(e);
+    embd_ = Comm(e);
+  }
+}
+
+Mesh::~Mesh() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  for (MPI_Comm& c : owned_) MPI_Comm_free(&c);
+}
+
+MPI_Comm Mesh::split(const RankGrid& g, const std::string& group) {
+  MPI_Comm c = MPI_COMM_NULL;
+  MPIGPT_MPI(MPI_Comm_split(world_.mpi(), g.group_index(rank_, group), g.group_rank(rank_, group), &c));
+  owned_.push_back(c);
+  return c;
+}
+
+std::string Mesh::describe() const { return describe_rank(sizes_, world_size_, rank_); }
+
+}  // namespace mpigpt

@@ -1,0 +1,67 @@
+// Eight ranks: every communicator of the Mesh holds exactly the ranks the grid says, in the
+// grid's order, and collectives over them sum over exactly those ranks.
+#include "parallel/mesh.h"
+
+#include <doctest/doctest.h>
+
+#include <vector>
+
+using namespace mpigpt;
+
+namespace {
+
+// World ranks of a communicator's members, in its own rank order.
+std::vector<int> world_ranks(const Comm& c) {
+  std::vector<int> out(c.size());
+  MPI_Group g, w;
+  MPI_Comm_group(c.mpi(), &g);
+  MPI_Comm_group(MPI_COMM_WORLD, &w);
+  std::vector<int> local(c.size());
+  for (int i = 0; i < c.size(); ++i) local[i] = i;
+  MPI_Group_translate_ranks(g, c.size(), local.data(), w, out.data());
+  MPI_Group_free(&g);
+  MPI_Group_free(&w);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("mesh communicators match the rank grid (tp2 pp2 dp2, two orders; ep2 expert grid)") {
+  for (const char* order : {"tp-cp-ep-dp-pp", "pp-dp-ep-cp-tp"}) {
+    CAPTURE(order);
+    Mesh mesh(MPI_COMM_WORLD, MeshSizes{2, 2, 1, 2, 1, order});
+    REQUIRE(mesh.world_size() == 8);
+    const int r = mesh.rank();
+    const RankGrid& d = mesh.dense();
+    CHECK(world_ranks(mesh.tp()) == d.members(r, "tp"));
+    CHECK(world_ranks(mesh.dp()) == d.members(r, "dp"));
+    CHECK(world_ranks(mesh.pp()) == d.members(r, "pp"));
+    CHECK(world_ranks(mesh.cp()) == d.members(r, "cp"));
+    CHECK(world_ranks(mesh.dp_cp()) == d.members(r, "dp-cp"));
+    CHECK(world_ranks(mesh.mp()) == d.members(r, "tp-pp"));
+    CHECK(world_ranks(mesh.tp_dp_cp()) == d.members(r, "tp-dp-cp"));
+    CHECK(world_ranks(mesh.ep()) == mesh.expert().members(r, "ep"));
+    CHECK(world_ranks(mesh.expert_dp()) == mesh.expert().members(r, "dp"));
+    CHECK(mesh.expert_dp_size() == 2);
+    // pp = 2: every rank is a first or last stage, so all are in the embedding group.
+    REQUIRE(mesh.in_embedding_group());
+    CHECK(world_ranks(mesh.embedding()) == d.members(r, "pp"));
+    // A sum over tp counts its members.
+    int64_t one[1] = {1};
+    mesh.tp().allreduce_sum(one, 1);
+    CHECK(one[0] == 2);
+    CHECK(mesh.describe().find("TP2-CP1-EP2-DP2-PP2 rank " + std::to_string(r)) == 0);
+  }
+}
+
+TEST_CASE("embedding group holds only the first and last stages when pp = 4") {
+  Mesh mesh(MPI_COMM_WORLD, MeshSizes{1, 4, 1, 1, 1, "tp-cp-ep-dp-pp"});
+  const int pp = mesh.coords().pp;
+  CHECK(mesh.in_embedding_group() == (pp == 0 || pp == 3));
+  if (mesh.in_embedding_group()) {
+    const auto stages = world_ranks(mesh.embedding());
+    REQUIRE(stages.size() == 2);
+    CHECK(mesh.dense().coord(stages[0], "pp") == 0);
+    CHECK(mesh.dense().coord(stages[1], "pp") == 3);
+  }
+}
