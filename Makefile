@@ -8,7 +8,7 @@ CMAKE_ARGS ?=
 NATIVE     ?= ON
 NPM_DIR    := .deps/npm
 
-DEB_PACKAGES := build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev \
+DEB_PACKAGES := build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev openssh-client \
   libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libfmt-dev doctest-dev \
   libopenblas-openmp-dev nlohmann-json3-dev libicu-dev fortunes nodejs python3-matplotlib python3-numpy
 
