@@ -1,13 +1,39 @@
 // Comm: the collective interface a component receives for the one group it talks to. MPI
-// backend (host memory). Every call is checked; a failure throws (and the job aborts).
+// backend (host memory); a NCCL backend will fill the same interface. Every call is checked (a
+// failure throws, and the job aborts) and counted: stats() gives the payload bytes per kind of
+// call, which is how the communication volume per group and step is measured.
 #pragma once
 #include <mpi.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "lib/core/tensor.h"
 
 namespace mpigpt {
+
+// Payload bytes this rank handed to each kind of call (what it contributes, not wire traffic).
+struct CommStats {
+  int64_t allreduce = 0, reduce_scatter = 0, all_gather = 0, broadcast = 0, send = 0, recv = 0, all_to_all = 0;
+  int64_t calls = 0;
+  int64_t total() const { return allreduce + reduce_scatter + all_gather + broadcast + send + recv + all_to_all; }
+};
+
+// A pending non-blocking operation; wait() completes it (the destructor waits too, so a
+// request is never abandoned with its buffers in flight).
+class Request {
+ public:
+  Request() = default;
+  explicit Request(std::vector<MPI_Request> r) : reqs_(std::move(r)) {}
+  Request(Request&& o) noexcept : reqs_(std::move(o.reqs_)) { o.reqs_.clear(); }
+  Request& operator=(Request&& o) noexcept;
+  ~Request();
+  void wait();
+  bool done() const { return reqs_.empty(); }
+
+ private:
+  std::vector<MPI_Request> reqs_;
+};
 
 class Comm {
  public:
@@ -15,16 +41,38 @@ class Comm {
   int rank() const { return rank_; }
   int size() const { return size_; }
   MPI_Comm mpi() const { return comm_; }
+  const CommStats& stats() const { return stats_; }
+  void reset_stats() const { stats_ = {}; }
 
-  // In-place sums over the group (no-ops when the group has one rank).
+  // In-place sums / maxima over the group (no-ops when the group has one rank).
   void allreduce_sum(Tensor t) const;
+  void allreduce_max(Tensor t) const;
   void allreduce_sum(double* x, int n) const;
   void allreduce_sum(int64_t* x, int n) const;
+  // out (n) = the sum over ranks of this rank's block of inp (size * n), block r to rank r.
+  void reduce_scatter_sum(Tensor out, Tensor inp) const;
+  // out (size * n) = the concatenation of every rank's inp (n), in rank order.
+  void all_gather(Tensor out, Tensor inp) const;
+  void broadcast(Tensor t, int root) const;
+  void send(Tensor t, int peer, int tag = 0) const;
+  void recv(Tensor t, int peer, int tag = 0) const;
+  // out gets recv_counts[r] elements from each rank r (concatenated), inp sends
+  // send_counts[r] elements to each rank r (consecutive blocks).
+  void all_to_all_v(Tensor out, const std::vector<int64_t>& recv_counts, Tensor inp,
+                    const std::vector<int64_t>& send_counts) const;
+
+  // Non-blocking variants: the buffers must stay untouched until wait().
+  Request iallreduce_sum(Tensor t) const;
+  Request ireduce_scatter_sum(Tensor out, Tensor inp) const;
+  Request iall_gather(Tensor out, Tensor inp) const;
+  Request isend(Tensor t, int peer, int tag = 0) const;
+  Request irecv(Tensor t, int peer, int tag = 0) const;
   void barrier() const;
 
  private:
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
+  mutable CommStats stats_;
 };
 
 // Throws mpigpt::Error with the MPI error string when rc is not MPI_SUCCESS.
