@@ -20,6 +20,11 @@
 namespace mpigpt {
 
 using Clock = std::chrono::steady_clock;
+
+// Targets that count towards the loss (negative ids are ignored positions).
+static int64_t count_targets(const int32_t* begin, const int32_t* end) {
+  return std::count_if(begin, end, [](int32_t t) { return t >= 0; });
+}
 static double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
@@ -154,6 +159,8 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   std::vector<int32_t> tokens(size_t(per_rank) * d.T), targets(size_t(per_rank) * d.T);
   MetricsWriter metrics(last_rank ? tc.metrics_file : std::string());
   TrainResult result;
+  result.flops_per_step = flops_per_step;
+  result.peak_flops = peak;
 
   // Mean loss over `count` validation micro-batches per rank.
   auto evaluate = [&]() {
@@ -162,7 +169,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       for (int b = 0; b < MB; ++b)
         data.get(false, (k * dp + world.rank()) * MB + b, tokens.data() + b * d.T, targets.data() + b * d.T);
       sums[0] += model.forward(tokens.data(), targets.data(), 0.0f);
-      sums[1] += double(std::count_if(targets.begin(), targets.begin() + N, [](int32_t t) { return t >= 0; }));
+      sums[1] += double(count_targets(targets.data(), targets.data() + N));
     }
     world.allreduce_sum(sums, 2);
     return sums[0] / std::max(sums[1], 1.0);
@@ -178,7 +185,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     for (int j = 0; j < per_rank; ++j)
       data.get(true, (it - 1) * GB + int64_t(world.rank()) * per_rank + j, tokens.data() + size_t(j) * d.T,
                targets.data() + size_t(j) * d.T);
-    int64_t counts[1] = {std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t >= 0; })};
+    int64_t counts[1] = {count_targets(targets.data(), targets.data() + targets.size())};
     world.allreduce_sum(counts, 1);
     const float dloss = 1.0f / float(std::max<int64_t>(counts[0], 1));
 

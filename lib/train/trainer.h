@@ -21,6 +21,8 @@ struct TrainResult {
   std::vector<double> grad_norms;  // before clipping
   std::vector<double> step_ms;     // wall time of every step
   std::vector<std::pair<int64_t, double>> val_losses;  // (iter, loss) of every evaluation
+  double flops_per_step = 0;   // model FLOPs of one step on this rank
+  double peak_flops = 0;       // the rate MFU is measured against (configured or measured)
 };
 
 // Resolve the network's sizes from the model config and the tokenizer's vocabulary.
