@@ -100,6 +100,31 @@ class Ops {
   virtual void crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets,
                                              int64_t V, float dloss) = 0;
 
+  // The same loss with the vocabulary split over tensor-parallel ranks (Megatron's
+  // vocab-parallel cross-entropy), as three per-shard steps the caller joins with all-reduces:
+  //   softmax_shard_max -> all-reduce MAX of maxes -> softmax_shard_sums -> all-reduce SUM of
+  //   sumexp and target_logit -> crossentropy_shard_finish.
+  // Each rank holds logits (N,Vl) for the global columns [vocab_start, vocab_start + Vl); global
+  // columns >= V are padding and never enter the softmax (a shard may be all padding). targets (N)
+  // i32 hold global ids < V; a row whose target is < 0 is ignored. With one shard (vocab_start 0,
+  // Vl = Vp) the three steps give crossentropy_forward_backward's result to fp32 rounding.
+  // sumexp and target_logit may be two halves of one (2,N) buffer so that one all-reduce sums both.
+  //
+  // maxes (N) = max over this shard's valid columns of logits (N,Vl); -inf where it has none.
+  virtual void softmax_shard_max(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) = 0;
+  // With maxes (N) the global row maxima: sumexp (N) = sum over the valid columns of
+  // exp(logits - maxes); target_logit (N) = logits[row, target - vocab_start] when the target lies
+  // in this shard, else 0. Both are 0 on ignored rows.
+  virtual void softmax_shard_sums(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
+                                  int64_t vocab_start, int64_t V) = 0;
+  // With the global maxes, sumexp and target_logit (N): losses (N) = log(sumexp) + maxes -
+  // target_logit, 0 on ignored rows (every rank gets the full losses). When dlogits (N,Vl) is given
+  // (it may alias logits) it receives this shard's (softmax - onehot(target)) * dloss for kept
+  // rows, 0 for ignored rows and padded columns. losses is optional too.
+  virtual void crossentropy_shard_finish(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
+                                         Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
+                                         float dloss) = 0;
+
   // ---- optimizer ----------------------------------------------------------------------------
   // AdamW on a flat range, decoupled weight decay and bias correction (step >= 1):
   //   g = grad * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;

@@ -60,6 +60,12 @@ class CpuOps final : public Ops {
   // cpu_loss.cpp
   void crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
                                      float dloss) override;
+  void softmax_shard_max(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) override;
+  void softmax_shard_sums(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
+                          int64_t vocab_start, int64_t V) override;
+  void crossentropy_shard_finish(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
+                                 Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
+                                 float dloss) override;
 
   // cpu_optim.cpp
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
