@@ -1,74 +1,210 @@
-// GPT forward and backward over one micro-batch, for both families.
+// GPT forward and backward per model chunk and micro-batch, for both families, with tensor
+// and sequence parallelism through the TensorParallel pairs.
 #include "lib/model/gpt.h"
 
+#include <algorithm>
 
 namespace mpigpt {
 
-GPT::GPT(const GptDims& d, Ops& ops, int B) : d_(d), ops_(ops), B_(B), arena_(ops) {
+struct GPT::Slot {
+  explicit Slot(Ops& ops) : arena(ops) {}
+  int mb = -1;
+  bool busy = false;
+  Arena arena;
+  Tensor tokens, targets, losses;  // (N): tokens on the embedding's chunk, targets on the head's
+  std::vector<Tensor> resid;       // resid[i]: input of the chunk's i-th layer; resid.back(): output
+  std::vector<BlockActs> a;
+  Tensor xf, xf_mean, xf_rstd, xf_full, logits;  // head
+  bool have_grad_logits = false;
+};
+
+GPT::GPT(const GptDims& d, Ops& ops, int B)
+    : GPT(d, ops, B, ModelPlacement{}, TensorParallel(nullptr, false), build_param_table(d), -1) {}
+
+GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const TensorParallel& tp,
+         std::vector<ParamInfo> table, int64_t buffer_numel)
+    : d_(d), ops_(ops), B_(B), tp_(tp), table_(std::move(table)), arena_(ops) {
   MPIGPT_CHECK(d.C % d.NH == 0 && d.NH % d.NKV == 0, "C={} NH={} NKV={}", d.C, d.NH, d.NKV);
   MPIGPT_CHECK(d.Vp >= d.V && d.T <= d.maxT, "V={} Vp={} T={} maxT={}", d.V, d.Vp, d.T, d.maxT);
-  table_ = build_param_table(d);
-  num_params_ = table_.back().offset + table_.back().numel();
-  params_ = Buffer(ops, size_t(num_params_) * 4);
-  grads_ = Buffer(ops, size_t(num_params_) * 4);
+  MPIGPT_CHECK(pl.tp == tp_.size() && d.NH % pl.tp == 0 && d.NKV % pl.tp == 0 && d.Vp % pl.tp == 0,
+               "placement tp {} vs group {}, NH {} NKV {} Vp {}", pl.tp, tp_.size(), d.NH, d.NKV, d.Vp);
+  N_ = int64_t(B) * d.T;
+  MPIGPT_CHECK(N_ % tp_.size() == 0, "B*T = {} rows do not split over tp {}", N_, tp_.size());
+  Nl_ = tp_.local_rows(N_);
+  nh_ = d.NH / pl.tp;
+  nkv_ = d.NKV / pl.tp;
+  for (const auto& p : table_) {
+    num_params_ += p.numel();
+    buffer_numel_ = std::max(buffer_numel_, p.offset + p.numel());
+  }
+  MPIGPT_CHECK(buffer_numel < 0 || buffer_numel >= buffer_numel_, "buffer of {} < {}", buffer_numel, buffer_numel_);
+  if (buffer_numel > 0) buffer_numel_ = buffer_numel;
+  params_ = Buffer(ops, size_t(buffer_numel_) * 4);
+  grads_ = Buffer(ops, size_t(buffer_numel_) * 4);
+  setup(pl);
+}
 
-  const bool g = d.gpt2();
-  for (int l = 0; l < d.L; ++l) {
-    w_.push_back(weights(params_, l));
-    g_.push_back(weights(grads_, l));
-  }
-  wte_ = view_of(params_, "embedding.word.weight");
-  dwte_ = view_of(grads_, "embedding.word.weight");
-  if (g) {
-    wpe_ = view_of(params_, "embedding.position.weight");
-    dwpe_ = view_of(grads_, "embedding.position.weight");
-    nfb_ = view_of(params_, "final_norm.bias");
-    dnfb_ = view_of(grads_, "final_norm.bias");
-  }
-  nfw_ = view_of(params_, "final_norm.weight");
-  dnfw_ = view_of(grads_, "final_norm.weight");
-  head_ = d.tied ? wte_ : view_of(params_, "lm_head.weight");
-  dhead_ = d.tied ? dwte_ : view_of(grads_, "lm_head.weight");
+GPT::~GPT() = default;
 
-  // Activations: one arena for everything a step keeps alive.
-  const int64_t N = int64_t(B) * d.T, C = d.C, F = d.F;
-  arena_.plan(&tokens_, {N}, DType::I32);
-  arena_.plan(&targets_, {N}, DType::I32);
-  arena_.plan(&positions_, {N}, DType::I32);
-  arena_.plan(&losses_, {N});
-  resid_.resize(d.L + 1);
-  for (auto& r : resid_) arena_.plan(&r, {N, C});
-  a_.resize(d.L);
-  for (auto& a : a_) {
-    arena_.plan(&a.n1, {N, C});
-    if (g) arena_.plan(&a.n1_mean, {N});
-    arena_.plan(&a.n1_rstd, {N});
-    arena_.plan(&a.qkv, {N, d.qkv_dim()});
-    arena_.plan(&a.att_saved, {ops.attention_saved_numel(B, d.T, d.NH)});
-    arena_.plan(&a.att, {N, int64_t(d.NH) * d.HD()});
-    arena_.plan(&a.mid, {N, C});
-    arena_.plan(&a.n2, {N, C});
-    if (g) arena_.plan(&a.n2_mean, {N});
-    arena_.plan(&a.n2_rstd, {N});
-    arena_.plan(&a.fc, {N, g ? F : 2 * F});
-    arena_.plan(&a.act, {N, F});
+void GPT::setup(const ModelPlacement& pl) {
+  const bool g = d_.gpt2();
+  // Parameter index ranges: the table is embedding, layers in chunk order, head.
+  auto index_of = [&](const std::string& prefix) {
+    for (size_t i = 0; i < table_.size(); ++i)
+      if (table_[i].name.rfind(prefix, 0) == 0) return int(i);
+    return -1;
+  };
+  std::vector<std::pair<int, int>> ranges = pl.chunks;
+  if (ranges.empty()) ranges.push_back({0, d_.L});
+  local_of_layer_.assign(d_.L, -1);
+  const bool replica = !table_.empty() && table_[0].replica;
+  const int n_embed = pl.first_stage ? (g ? 2 : 1) : 0;
+  embed_params_ = {0, n_embed};
+  int next = n_embed + (replica ? 1 : 0);
+  for (size_t c = 0; c < ranges.size(); ++c) {
+    Chunk ch;
+    ch.first_layer = ranges[c].first;
+    ch.end_layer = ranges[c].second;
+    ch.embed = pl.first_stage && c == 0;
+    ch.head = pl.last_stage && c + 1 == ranges.size();
+    ch.first_param = ch.embed ? 0 : next;
+    for (int l = ch.first_layer; l < ch.end_layer; ++l) {
+      MPIGPT_CHECK(index_of("layers." + std::to_string(l) + ".") == next, "layer {} out of table order", l);
+      local_of_layer_[l] = int(w_.size());
+      w_.push_back(weights(params_, l));
+      g_.push_back(weights(grads_, l));
+      const std::string prefix = "layers." + std::to_string(l) + ".";
+      int n = 0;
+      while (next + n < int(table_.size()) && table_[next + n].name.rfind(prefix, 0) == 0) ++n;
+      layer_params_.push_back({next, next + n});
+      next += n;
+    }
+    ch.end_param = ch.head ? int(table_.size()) : next;
+    chunks_.push_back(std::move(ch));
   }
-  arena_.plan(&xf_, {N, C});
-  if (g) arena_.plan(&xf_mean_, {N});
-  arena_.plan(&xf_rstd_, {N});
-  arena_.plan(&logits_, {N, d.Vp});
-  arena_.plan(&dres_, {N, C});
-  arena_.plan(&dn_, {N, C});
-  arena_.plan(&dqkv_, {N, d.qkv_dim()});
-  arena_.plan(&datt_, {N, int64_t(d.NH) * d.HD()});
-  arena_.plan(&dfc_, {N, g ? F : 2 * F});
-  arena_.plan(&dact_, {N, F});
+  head_params_ = {next, pl.last_stage ? int(table_.size()) : next};
+  MPIGPT_CHECK(pl.last_stage || next == int(table_.size()), "parameter table has {} entries, expected {}",
+               table_.size(), next);
+
+  if (pl.first_stage) {
+    wte_ = param(0);
+    dwte_ = grad(0);
+    if (g) {
+      wpe_ = view_of(params_, "embedding.position.weight");
+      dwpe_ = view_of(grads_, "embedding.position.weight");
+    }
+  }
+  if (pl.last_stage) {
+    nfw_ = view_of(params_, "final_norm.weight");
+    dnfw_ = view_of(grads_, "final_norm.weight");
+    if (g) {
+      nfb_ = view_of(params_, "final_norm.bias");
+      dnfb_ = view_of(grads_, "final_norm.bias");
+    }
+    // Tied: the word embedding, or on a later stage its replica, is the head.
+    const std::string head = d_.tied ? "embedding.word.weight" : "lm_head.weight";
+    const int h = index_of(head);
+    MPIGPT_CHECK(h >= 0 && table_[h].name == head, "no {} in the parameter table", head);
+    head_ = param(h);
+    dhead_ = grad(h);
+  }
+
+  // Shared buffers: positions and the backward scratch (one backward runs at a time).
+  const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
+  arena_.plan(&positions_, {N_}, DType::I32);
+  arena_.plan(&dres_, {Nl_, C});
+  arena_.plan(&dn_, {Nl_, C});
+  arena_.plan(&full_, {N_, C});
+  arena_.plan(&dqkv_, {N_, (nh_ + 2 * nkv_) * HD});
+  arena_.plan(&datt_, {N_, nh_ * HD});
+  arena_.plan(&dfc_, {N_, g ? Fl : 2 * Fl});
+  arena_.plan(&dact_, {N_, Fl});
+  arena_.plan(&ce_max_, {N_});
+  arena_.plan(&ce_sum_, {N_});
+  arena_.plan(&ce_target_, {N_});
   arena_.commit();
-
   // Without packing, positions restart at 0 in every row.
-  std::vector<int32_t> pos(N);
-  for (int64_t i = 0; i < N; ++i) pos[i] = int32_t(i % d.T);
-  ops.copy(positions_, Tensor(pos.data(), {N}, DType::I32));
+  std::vector<int32_t> pos(N_);
+  for (int64_t i = 0; i < N_; ++i) pos[i] = int32_t(i % d_.T);
+  ops_.copy(positions_, Tensor(pos.data(), {N_}, DType::I32));
+}
+
+GPT::Slot* GPT::find(int c, int mb) const {
+  for (const auto& s : chunks_[c].slots)
+    if (s->busy && s->mb == mb) return s.get();
+  return nullptr;
+}
+
+GPT::Slot& GPT::acquire(int c, int mb) {
+  if (Slot* s = find(c, mb)) return *s;
+  Chunk& ch = chunks_[c];
+  for (auto& s : ch.slots)
+    if (!s->busy) {
+      s->busy = true;
+      s->mb = mb;
+      return *s;
+    }
+  // A new set of activations: the schedule has one more micro-batch in flight here.
+  auto s = std::make_unique<Slot>(ops_);
+  const bool g = d_.gpt2(), sp = tp_.sequence_parallel();
+  const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
+  Arena& A = s->arena;
+  if (ch.embed) A.plan(&s->tokens, {N_}, DType::I32);
+  const int n = ch.end_layer - ch.first_layer;
+  s->resid.resize(n + 1);
+  for (auto& r : s->resid) A.plan(&r, {Nl_, C});
+  s->a.resize(n);
+  for (auto& a : s->a) {
+    A.plan(&a.n1, {Nl_, C});
+    if (g) A.plan(&a.n1_mean, {Nl_});
+    A.plan(&a.n1_rstd, {Nl_});
+    if (sp) A.plan(&a.n1_full, {N_, C});
+    A.plan(&a.qkv, {N_, (nh_ + 2 * nkv_) * HD});
+    A.plan(&a.att_saved, {ops_.attention_saved_numel(B_, d_.T, nh_)});
+    A.plan(&a.att, {N_, nh_ * HD});
+    A.plan(&a.mid, {Nl_, C});
+    A.plan(&a.n2, {Nl_, C});
+    if (g) A.plan(&a.n2_mean, {Nl_});
+    A.plan(&a.n2_rstd, {Nl_});
+    if (sp) A.plan(&a.n2_full, {N_, C});
+    A.plan(&a.fc, {N_, g ? Fl : 2 * Fl});
+    A.plan(&a.act, {N_, Fl});
+  }
+  if (ch.head) {
+    A.plan(&s->targets, {N_}, DType::I32);
+    A.plan(&s->losses, {N_});
+    A.plan(&s->xf, {Nl_, C});
+    if (g) A.plan(&s->xf_mean, {Nl_});
+    A.plan(&s->xf_rstd, {Nl_});
+    if (sp) A.plan(&s->xf_full, {N_, C});
+    A.plan(&s->logits, {N_, d_.Vp / tp_.size()});
+  }
+  A.commit();
+  if (!sp) {  // without sequence parallelism the column-parallel input is the norm output itself
+    for (auto& a : s->a) {
+      a.n1_full = a.n1;
+      a.n2_full = a.n2;
+    }
+    s->xf_full = s->xf;
+  }
+  s->busy = true;
+  s->mb = mb;
+  ch.slots.push_back(std::move(s));
+  return *ch.slots.back();
+}
+
+void GPT::release(int c, int mb) {
+  if (Slot* s = find(c, mb)) {
+    s->busy = false;
+    s->have_grad_logits = false;
+  }
+}
+
+size_t GPT::activation_bytes() const {
+  size_t n = arena_.bytes();
+  for (const auto& ch : chunks_)
+    for (const auto& s : ch.slots) n += s->arena.bytes();
+  return n;
 }
 
 Tensor GPT::view_of(const Buffer& buf, const std::string& name) const {
@@ -93,6 +229,12 @@ Tensor GPT::param(int i) const {
 Tensor GPT::grad(int i) const {
   const auto& p = table_.at(i);
   return Tensor(static_cast<float*>(grads_.data()) + p.offset, p.shape, DType::F32, ops_.device());
+}
+
+Tensor GPT::logits() const {
+  const Slot* s = find(num_chunks() - 1, 0);
+  MPIGPT_CHECK(s && chunks_.back().head, "logits(): no forward of micro-batch 0 through the head");
+  return s->logits;
 }
 
 void GPT::init_weights(uint64_t seed) {
@@ -121,71 +263,142 @@ void GPT::norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor i
     ops_.rmsnorm_backward(dinp, dw, dout, inp, rstd, w);
 }
 
-double GPT::forward(const int32_t* tokens, const int32_t* targets, float dloss) {
-  const int64_t N = int64_t(B_) * d_.T;
-  ops_.copy(tokens_, Tensor(const_cast<int32_t*>(tokens), {N}, DType::I32));
-  ops_.copy(targets_, Tensor(const_cast<int32_t*>(targets), {N}, DType::I32));
-  ops_.embedding_forward(resid_[0], tokens_, positions_, wte_, wpe_, 0);
-  for (int l = 0; l < d_.L; ++l) block_forward(l, resid_[l], resid_[l + 1]);
-  norm_forward(xf_, xf_mean_, xf_rstd_, resid_[d_.L], nfw_, nfb_);
-  ops_.linear_forward(logits_, xf_, head_, Tensor());
-  have_grad_logits_ = dloss != 0.0f;
-  ops_.crossentropy_forward_backward(losses_, have_grad_logits_ ? logits_ : Tensor(), logits_, targets_, d_.V,
-                                     dloss);
-  return ops_.sum(losses_);
+Tensor GPT::chunk_input(int c, int mb) {
+  MPIGPT_CHECK(!chunks_[c].embed, "chunk {} starts with the embedding; it takes tokens, not activations", c);
+  return acquire(c, mb).resid[0];
 }
 
-void GPT::block_forward(int l, Tensor x_in, Tensor x_out) {
-  const Block& w = w_[l];
-  BlockActs& a = a_[l];
+Tensor GPT::chunk_output(int c, int mb) const {
+  const Slot* s = find(c, mb);
+  MPIGPT_CHECK(s && !chunks_[c].head, "chunk_output({}, {}): no such forward in flight", c, mb);
+  return s->resid.back();
+}
+
+double GPT::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, float dloss) {
+  const Chunk& ch = chunks_[c];
+  Slot& s = acquire(c, mb);
+  if (ch.embed) {
+    // A vocabulary-parallel lookup: each tp rank adds the rows of its vocabulary shard (and
+    // rank 0 the positions), the row-parallel reduction completes the sum.
+    ops_.copy(s.tokens, Tensor(const_cast<int32_t*>(tokens), {N_}, DType::I32));
+    Tensor x0 = tp_.row_output_target(s.resid[0], full_);
+    ops_.embedding_forward(x0, s.tokens, positions_, wte_, tp_.rank() == 0 ? wpe_ : Tensor(),
+                           int64_t(tp_.rank()) * wte_.size(0));
+    tp_.row_output_forward(s.resid[0], x0);
+  }
+  for (int l = ch.first_layer; l < ch.end_layer; ++l) {
+    const int i = l - ch.first_layer;
+    block_forward(l, s.a[i], s.resid[i], s.resid[i + 1]);
+  }
+  if (!ch.head) return 0.0;
+  ops_.copy(s.targets, Tensor(const_cast<int32_t*>(targets), {N_}, DType::I32));
+  return head_forward(s, dloss);
+}
+
+double GPT::head_forward(Slot& s, float dloss) {
+  norm_forward(s.xf, s.xf_mean, s.xf_rstd, s.resid.back(), nfw_, nfb_);
+  Tensor xf = tp_.column_input_forward(s.xf_full, s.xf);
+  ops_.linear_forward(s.logits, xf, head_, Tensor());
+  s.have_grad_logits = dloss != 0.0f;
+  Tensor dlogits = s.have_grad_logits ? s.logits : Tensor();
+  if (tp_.size() == 1) {
+    ops_.crossentropy_forward_backward(s.losses, dlogits, s.logits, s.targets, d_.V, dloss);
+  } else {
+    // Vocabulary-parallel cross-entropy: the row max, then the sum of exponentials and the
+    // target's logit over the tp group; the gradient needs nothing more (Megatron's scheme).
+    const int64_t vocab_start = int64_t(tp_.rank()) * s.logits.size(1);
+    ops_.softmax_shard_max(ce_max_, s.logits, vocab_start, d_.V);
+    tp_.allreduce_max(ce_max_);
+    ops_.softmax_shard_sums(ce_sum_, ce_target_, s.logits, ce_max_, s.targets, vocab_start, d_.V);
+    tp_.allreduce_sum(ce_target_);
+    tp_.allreduce_sum(ce_sum_);
+    ops_.crossentropy_shard_finish(s.losses, dlogits, s.logits, ce_max_, ce_sum_, ce_target_, s.targets,
+                                   vocab_start, d_.V, dloss);
+  }
+  return ops_.sum(s.losses);
+}
+
+void GPT::block_forward(int l, BlockActs& a, Tensor x_in, Tensor x_out) {
+  const Block& w = w_[local_of_layer_[l]];
   auto as3 = [&](Tensor t) { return t.view({B_, d_.T, t.size(1)}); };
+  const bool bias_here = tp_.rank() == 0;  // a row-parallel bias is added once, before the reduction
   norm_forward(a.n1, a.n1_mean, a.n1_rstd, x_in, w.n1w, w.n1b);
-  ops_.linear_forward(a.qkv, a.n1, w.qkvw, w.qkvb);
-  if (!d_.gpt2()) ops_.rope_forward(a.qkv, positions_, d_.NH, d_.NKV, d_.HD(), d_.rope_theta);
-  ops_.attention_forward(as3(a.att), a.att_saved, as3(a.qkv), d_.NH, d_.NKV, d_.HD());
-  ops_.linear_forward(a.mid, a.att, w.projw, w.projb);
+  Tensor n1 = tp_.column_input_forward(a.n1_full, a.n1);
+  ops_.linear_forward(a.qkv, n1, w.qkvw, w.qkvb);
+  if (!d_.gpt2()) ops_.rope_forward(a.qkv, positions_, nh_, nkv_, d_.HD(), d_.rope_theta);
+  ops_.attention_forward(as3(a.att), a.att_saved, as3(a.qkv), nh_, nkv_, d_.HD());
+  Tensor mid = tp_.row_output_target(a.mid, full_);
+  ops_.linear_forward(mid, a.att, w.projw, bias_here ? w.projb : Tensor());
+  tp_.row_output_forward(a.mid, mid);
   ops_.add(a.mid, a.mid, x_in);
   norm_forward(a.n2, a.n2_mean, a.n2_rstd, a.mid, w.n2w, w.n2b);
-  ops_.linear_forward(a.fc, a.n2, w.fcw, w.fcb);
+  Tensor n2 = tp_.column_input_forward(a.n2_full, a.n2);
+  ops_.linear_forward(a.fc, n2, w.fcw, w.fcb);
   if (d_.gpt2())
     ops_.gelu_forward(a.act, a.fc);
   else
     ops_.swiglu_forward(a.act, a.fc);
-  ops_.linear_forward(x_out, a.act, w.fpw, w.fpb);
+  Tensor out = tp_.row_output_target(x_out, full_);
+  ops_.linear_forward(out, a.act, w.fpw, bias_here ? w.fpb : Tensor());
+  tp_.row_output_forward(x_out, out);
   ops_.add(x_out, x_out, a.mid);
 }
 
-void GPT::backward() {
-  MPIGPT_CHECK(have_grad_logits_, "backward() needs a forward() with dloss != 0 before it");
-  have_grad_logits_ = false;
-  // logits_ now holds d(loss)/d(logits).
-  ops_.linear_backward(dn_, dhead_, Tensor(), logits_, xf_, head_);
+void GPT::backward_chunk(int c, int mb, const GradsFinal& final) {
+  const Chunk& ch = chunks_[c];
+  Slot* s = find(c, mb);
+  MPIGPT_CHECK(s, "backward_chunk({}, {}) without its forward", c, mb);
+  if (ch.head) {
+    head_backward(*s);
+    if (final && head_params_.first < head_params_.second) final(head_params_.first, head_params_.second);
+  }
+  // On entry dres_ = d(loss)/d(chunk output); on exit d(loss)/d(chunk input).
+  for (int l = ch.end_layer - 1; l >= ch.first_layer; --l) {
+    const int i = l - ch.first_layer;
+    block_backward(l, s->a[i], s->resid[i], dres_);
+    if (final) final(layer_params_[local_of_layer_[l]].first, layer_params_[local_of_layer_[l]].second);
+  }
+  if (ch.embed) {
+    Tensor dx0 = tp_.row_output_backward(full_, dres_);
+    ops_.embedding_backward(dwte_, dwpe_, dx0, s->tokens, positions_, int64_t(tp_.rank()) * dwte_.size(0));
+    if (final) final(embed_params_.first, embed_params_.second);
+  }
+  release(c, mb);
+}
+
+void GPT::head_backward(Slot& s) {
+  MPIGPT_CHECK(s.have_grad_logits, "backward needs a forward with dloss != 0 before it");
+  s.have_grad_logits = false;
+  // s.logits now holds d(loss)/d(logits); full_ receives the (partial over tp) d(xf).
+  ops_.linear_backward(full_, dhead_, Tensor(), s.logits, s.xf_full, head_);
+  Tensor dxf = tp_.column_input_backward(dn_, full_);
   ops_.fill(dres_, 0.0f);
-  norm_backward(dres_, dnfw_, dnfb_, dn_, resid_[d_.L], xf_mean_, xf_rstd_, nfw_);
-  for (int l = d_.L - 1; l >= 0; --l) block_backward(l, resid_[l], dres_);
-  ops_.embedding_backward(dwte_, dwpe_, dres_, tokens_, positions_, 0);
+  norm_backward(dres_, dnfw_, dnfb_, dxf, s.resid.back(), s.xf_mean, s.xf_rstd, nfw_);
 }
 
 // On entry dres = d(loss)/d(x_out); on exit d(loss)/d(x_in).
-void GPT::block_backward(int l, Tensor x_in, Tensor dres) {
-  const Block& w = w_[l];
-  const Block& g = g_[l];
-  BlockActs& a = a_[l];
+void GPT::block_backward(int l, BlockActs& a, Tensor x_in, Tensor dres) {
+  const Block& w = w_[local_of_layer_[l]];
+  const Block& g = g_[local_of_layer_[l]];
   auto as3 = [&](Tensor t) { return t.view({B_, d_.T, t.size(1)}); };
   // x_out = mid + proj(act(fc(norm2(mid))))
-  ops_.linear_backward(dact_, g.fpw, g.fpb, dres, a.act, w.fpw);
+  Tensor dout = tp_.row_output_backward(full_, dres);
+  ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
   if (d_.gpt2())
     ops_.gelu_backward(dfc_, dact_, a.fc);
   else
     ops_.swiglu_backward(dfc_, dact_, a.fc);
-  ops_.linear_backward(dn_, g.fcw, g.fcb, dfc_, a.n2, w.fcw);
-  norm_backward(dres, g.n2w, g.n2b, dn_, a.mid, a.n2_mean, a.n2_rstd, w.n2w);  // dres = d(mid)
+  ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, a.n2_full, w.fcw);
+  Tensor dn2 = tp_.column_input_backward(dn_, full_);
+  norm_backward(dres, g.n2w, g.n2b, dn2, a.mid, a.n2_mean, a.n2_rstd, w.n2w);  // dres = d(mid)
   // mid = x_in + proj(attention(qkv(norm1(x_in))))
-  ops_.linear_backward(datt_, g.projw, g.projb, dres, a.att, w.projw);
-  ops_.attention_backward(as3(dqkv_), as3(datt_), as3(a.qkv), as3(a.att), a.att_saved, d_.NH, d_.NKV, d_.HD());
-  if (!d_.gpt2()) ops_.rope_backward(dqkv_, positions_, d_.NH, d_.NKV, d_.HD(), d_.rope_theta);
-  ops_.linear_backward(dn_, g.qkvw, g.qkvb, dqkv_, a.n1, w.qkvw);
-  norm_backward(dres, g.n1w, g.n1b, dn_, x_in, a.n1_mean, a.n1_rstd, w.n1w);  // dres = d(x_in)
+  Tensor dmid = tp_.row_output_backward(full_, dres);
+  ops_.linear_backward(datt_, g.projw, g.projb, dmid, a.att, w.projw);
+  ops_.attention_backward(as3(dqkv_), as3(datt_), as3(a.qkv), as3(a.att), a.att_saved, nh_, nkv_, d_.HD());
+  if (!d_.gpt2()) ops_.rope_backward(dqkv_, positions_, nh_, nkv_, d_.HD(), d_.rope_theta);
+  ops_.linear_backward(full_, g.qkvw, g.qkvb, dqkv_, a.n1_full, w.qkvw);
+  Tensor dn1 = tp_.column_input_backward(dn_, full_);
+  norm_backward(dres, g.n1w, g.n1b, dn1, x_in, a.n1_mean, a.n1_rstd, w.n1w);  // dres = d(x_in)
 }
 
 }  // namespace mpigpt

@@ -1,77 +1,130 @@
 // The GPT: embedding, L transformer blocks, final norm and output head, forward and backward
 // written once against ops.h. Both families (GPT-2 and Llama) share this code; they differ in
 // the norm (LayerNorm/RMSNorm), positions (learned/RoPE), MLP (GELU/SwiGLU), biases and tying.
+//
+// One GPT object is what one rank holds: its tensor-parallel shard of the layers of its model
+// chunks (virtual pipeline stages), the embedding on the first stage and the head on the last.
+// Each chunk runs forward and backward per micro-batch; a chunk keeps one set of activations
+// per micro-batch in flight (pipeline schedules run several forwards before their backwards).
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "lib/kernels/buffer.h"
 #include "lib/kernels/ops.h"
 #include "lib/model/gpt_dims.h"
 #include "lib/model/params.h"
+#include "parallel/tensor_parallel.h"
 
 namespace mpigpt {
 
 class GPT {
  public:
-  // Activations are sized for micro-batches of B sequences of d.T tokens.
+  // The whole model on one rank; activations sized for micro-batches of B sequences of d.T.
   GPT(const GptDims& d, Ops& ops, int B);
+  // This rank's part: `table` from build_param_table(d, pl), its offsets possibly moved by a
+  // data-parallel buffer plan of `buffer_numel` elements.
+  GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const TensorParallel& tp,
+      std::vector<ParamInfo> table, int64_t buffer_numel);
+  ~GPT();
 
   const GptDims& dims() const { return d_; }
   int batch() const { return B_; }
   const std::vector<ParamInfo>& params() const { return table_; }
-  Tensor params_flat() const { return params_.tensor({num_params_}); }
-  Tensor grads_flat() const { return grads_.tensor({num_params_}); }
+  Tensor params_flat() const { return params_.tensor({buffer_numel_}); }
+  Tensor grads_flat() const { return grads_.tensor({buffer_numel_}); }
   Tensor param(int i) const;
   Tensor grad(int i) const;
-  int64_t num_params() const { return num_params_; }
-  size_t activation_bytes() const { return arena_.bytes(); }
+  int64_t num_params() const { return num_params_; }  // elements this rank holds (without padding)
+  size_t activation_bytes() const;                   // of every activation set allocated so far
 
-  // Initialise every parameter from (seed, its name, element index).
+  // Initialise every parameter from (seed, its name, global element index).
   void init_weights(uint64_t seed);
   void zero_grads();
 
-  // Forward over one micro-batch. tokens and targets: host arrays of B*T ids (target < 0 is
-  // ignored). Returns the sum of the token losses. With dloss != 0 the logits are replaced by
-  // their gradient scaled by dloss (the loss's weight per token), ready for backward().
-  double forward(const int32_t* tokens, const int32_t* targets, float dloss);
-  // Accumulates the gradients of the last forward (which must have had dloss != 0).
-  void backward();
-  // The logits of the last forward without gradient, (B*T, Vp).
-  Tensor logits() const { return logits_; }
+  // ---- per chunk and micro-batch (the pipeline stage interface) -----------------------------
+  int num_chunks() const { return int(chunks_.size()); }
+  bool has_embedding(int c) const { return chunks_[c].embed; }
+  bool has_head(int c) const { return chunks_[c].head; }
+  // Parameter indices [first, end) of chunk c (its layers, plus embedding / head it holds).
+  std::pair<int, int> chunk_params(int c) const { return {chunks_[c].first_param, chunks_[c].end_param}; }
+  // Rows of the activations passed between chunks: (B*T, C), or (B*T/tp, C) with sequence
+  // parallelism.
+  int64_t boundary_rows() const { return Nl_; }
+  // Where a received input activation of (c, mb) goes (for chunks without the embedding).
+  Tensor chunk_input(int c, int mb);
+  // Forward of chunk c on micro-batch mb. tokens/targets: host arrays of B*T ids of that
+  // micro-batch (the first chunk reads tokens, the head's chunk targets; target < 0 is
+  // ignored). Returns the sum of the token losses on the head's chunk, else 0. With
+  // dloss != 0 the logits become their gradient scaled by dloss, ready for backward.
+  double forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, float dloss);
+  Tensor chunk_output(int c, int mb) const;  // the activation to pass on (not on the head's chunk)
+  // Where the received gradient of chunk c's output goes; backward_chunk leaves the gradient
+  // of its input there (valid until the next backward).
+  Tensor chunk_grad(int c) const { (void)c; return dres_; }
+  // Backward of (c, mb); frees its activations. When `final` is given it is called with the
+  // parameter index ranges whose gradients this backward completed (the caller passes it on
+  // the last micro-batch, so a data-parallel bucket can start reducing).
+  using GradsFinal = std::function<void(int first_param, int end_param)>;
+  void backward_chunk(int c, int mb, const GradsFinal& final = {});
+  // Frees the activations of (c, mb) without a backward (evaluation).
+  void release(int c, int mb);
+
+  // ---- the whole model at once (one chunk; tests and single-stage use) ----------------------
+  double forward(const int32_t* tokens, const int32_t* targets, float dloss) {
+    return forward_chunk(0, 0, tokens, targets, dloss);
+  }
+  void backward() { backward_chunk(0, 0); }
+  // The logits of the last forward of micro-batch 0 without gradient, (B*T, Vp/tp).
+  Tensor logits() const;
 
  private:
   struct Block {  // one layer's weights (views into the flat buffers) ...
     Tensor n1w, n1b, qkvw, qkvb, projw, projb, n2w, n2b, fcw, fcb, fpw, fpb;
   };
   struct BlockActs {  // ... and the activations its backward needs
-    Tensor n1, n1_mean, n1_rstd, qkv, att_saved, att, mid, n2, n2_mean, n2_rstd, fc, act;
+    Tensor n1, n1_mean, n1_rstd, n1_full, qkv, att_saved, att, mid, n2, n2_mean, n2_rstd, n2_full, fc, act;
   };
+  struct Slot;  // the activations of one micro-batch in one chunk
+  struct Chunk {
+    int first_layer = 0, end_layer = 0, first_param = 0, end_param = 0;
+    bool embed = false, head = false;
+    std::vector<std::unique_ptr<Slot>> slots;
+  };
+  void setup(const ModelPlacement& pl);
+  Slot& acquire(int c, int mb);
+  Slot* find(int c, int mb) const;
   Block weights(const Buffer& buf, int l) const;
   Tensor view_of(const Buffer& buf, const std::string& name) const;
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor w, Tensor b);
   void norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
                      Tensor w);
-  void block_forward(int l, Tensor x_in, Tensor x_out);
-  void block_backward(int l, Tensor x_in, Tensor dres);
+  void block_forward(int l, BlockActs& a, Tensor x_in, Tensor x_out);
+  void block_backward(int l, BlockActs& a, Tensor x_in, Tensor dres);
+  double head_forward(Slot& s, float dloss);
+  void head_backward(Slot& s);
 
   GptDims d_;
   Ops& ops_;
   int B_;
+  TensorParallel tp_;
+  int64_t N_ = 0, Nl_ = 0;  // rows of a micro-batch, and of its sequence shard
+  int nh_ = 0, nkv_ = 0;    // heads this tp rank computes
   std::vector<ParamInfo> table_;
-  int64_t num_params_ = 0;
+  int64_t num_params_ = 0, buffer_numel_ = 0;
   Buffer params_, grads_;
-  std::vector<Block> w_, g_;  // weights and their gradients per layer
+  std::vector<Chunk> chunks_;
+  std::vector<int> local_of_layer_;                // global layer -> index into w_, g_, layer_params_
+  std::vector<Block> w_, g_;                       // weights and their gradients per local layer
+  std::vector<std::pair<int, int>> layer_params_;  // parameter index range per local layer
+  std::pair<int, int> embed_params_{0, 0}, head_params_{0, 0};
   Tensor wte_, wpe_, nfw_, nfb_, head_, dwte_, dwpe_, dnfw_, dnfb_, dhead_;
 
-  Arena arena_;
-  Tensor tokens_, targets_, positions_, losses_;
-  std::vector<Tensor> resid_;  // resid_[l]: input of layer l; resid_[L]: output of the last
-  std::vector<BlockActs> a_;
-  Tensor xf_, xf_mean_, xf_rstd_, logits_;
-  // Backward scratch, shared by all layers.
-  Tensor dres_, dn_, dqkv_, datt_, dfc_, dact_;
-  bool have_grad_logits_ = false;
+  Arena arena_;  // shared by every chunk: positions and backward scratch
+  Tensor positions_;
+  Tensor dres_, dn_, full_, dqkv_, datt_, dfc_, dact_, ce_max_, ce_sum_, ce_target_;
 };
 
 }  // namespace mpigpt

@@ -9,41 +9,15 @@
 #include <vector>
 
 #include "lib/core/rng.h"
+#include "lib/model/gpt_test_util.h"
 
 using namespace mpigpt;
 
 namespace {
 
-GptDims tiny_dims(Family f) {
-  GptDims d;
-  d.family = f;
-  d.L = 2;
-  d.C = 16;
-  d.NH = 4;
-  d.NKV = f == Family::Llama ? 2 : 4;
-  d.F = f == Family::Llama ? 24 : 64;
-  d.T = 6;
-  d.maxT = 8;
-  d.V = 23;
-  d.Vp = 32;
-  d.tied = f == Family::GPT2;
-  d.init_std = 0.3f;  // large weights: strong non-linearity and gradients well above fp32 noise
-  return d;
-}
-
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
-
-Batch make_batch(const GptDims& d, int B) {
-  Batch b;
-  for (int i = 0; i < B * d.T; ++i) {
-    b.tokens.push_back(int32_t(bits_at(5, 1, i) % d.V));
-    // One ignored target checks that masked positions carry no gradient.
-    b.targets.push_back(i == 3 ? -1 : int32_t(bits_at(5, 2, i) % d.V));
-  }
-  return b;
-}
+GptDims tiny_dims(Family f) { return testing::tiny_gpt_dims(f); }
+using Batch = testing::TinyBatch;
+Batch make_batch(const GptDims& d, int B) { return testing::tiny_batch(d, B); }
 
 void check_gradients(Family fam) {
   const GptDims d = tiny_dims(fam);

@@ -1,8 +1,10 @@
-// The GPT parameter table and weight initialisation.
+// The GPT parameter table, its tensor-parallel shards and weight initialisation.
 #include "lib/model/params.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "lib/core/error.h"
 #include "lib/core/rng.h"
 
 namespace mpigpt {
@@ -17,41 +19,122 @@ const char* param_kind_name(ParamKind k) {
   return "?";
 }
 
-std::vector<ParamInfo> build_param_table(const GptDims& d) {
+int64_t ParamInfo::global_index(int64_t i) const {
+  const int64_t cols = shape.ndim > 1 ? shape[1] : 1, gcols = global.ndim > 1 ? global[1] : 1;
+  int64_t row = i / cols;
+  const int64_t col = col_begin + i % cols;
+  if (row_blocks.empty()) return row * gcols + col;
+  for (const auto& [first, count] : row_blocks) {
+    if (row < count) return (first + row) * gcols + col;
+    row -= count;
+  }
+  fail("{}: local element {} lies beyond its row blocks", name, i);
+}
+
+namespace {
+
+// Builds the table of one rank: `add` decides the local part of each global tensor.
+struct TableBuilder {
+  const GptDims& d;
+  const ModelPlacement& pl;
   std::vector<ParamInfo> t;
+
+  static ParamInfo make(std::string name, Shape g, ParamKind k, float std, int64_t valid_rows) {
+    ParamInfo p;
+    p.name = std::move(name);
+    p.shape = p.global = g;
+    p.kind = k;
+    p.init_std = std;
+    p.valid_rows = valid_rows;
+    return p;
+  }
+
+  // Local rows: block r of every one of `parts` equal parts of the global rows.
+  ParamInfo& add_rows(std::string name, Shape g, ParamKind k, float std, std::vector<int64_t> parts,
+                      int64_t valid_rows = -1) {
+    ParamInfo p = make(std::move(name), g, k, std, valid_rows);
+    if (pl.tp > 1) {
+      int64_t first = 0, rows = 0;
+      for (int64_t part : parts) {
+        MPIGPT_CHECK(part % pl.tp == 0, "{}: {} rows do not split over tp {}", p.name, part, pl.tp);
+        p.row_blocks.push_back({first + pl.tp_rank * (part / pl.tp), part / pl.tp});
+        first += part;
+        rows += part / pl.tp;
+      }
+      p.shape = g.ndim > 1 ? Shape{rows, g[1]} : Shape{rows};
+      p.split = TpSplit::Rows;
+    }
+    t.push_back(std::move(p));
+    return t.back();
+  }
+  ParamInfo& add_cols(std::string name, Shape g, ParamKind k, float std) {
+    ParamInfo p = make(std::move(name), g, k, std, -1);
+    if (pl.tp > 1) {
+      MPIGPT_CHECK(g[1] % pl.tp == 0, "{}: {} columns do not split over tp {}", p.name, g[1], pl.tp);
+      p.col_begin = pl.tp_rank * (g[1] / pl.tp);
+      p.shape = Shape{g[0], g[1] / pl.tp};
+      p.split = TpSplit::Cols;
+    }
+    t.push_back(std::move(p));
+    return t.back();
+  }
+  void add_full(std::string name, Shape g, ParamKind k, float std = 0) {
+    t.push_back(make(std::move(name), g, k, std, -1));
+  }
+};
+
+}  // namespace
+
+std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement& pl) {
+  TableBuilder b{d, pl, {}};
   const bool g = d.gpt2();
   // Residual-branch output projections are scaled by 1/sqrt(2L) (GPT-2 paper, Megatron).
   const float out_std = d.init_std / std::sqrt(2.0f * d.L);
-  auto add = [&](std::string name, Shape s, ParamKind k, float std = 0, int64_t valid_rows = -1) {
-    t.push_back(ParamInfo{std::move(name), s, k, 0, std, valid_rows});
-  };
-  add("embedding.word.weight", {d.Vp, d.C}, ParamKind::Embedding, d.init_std, d.V);
-  if (g) add("embedding.position.weight", {d.maxT, d.C}, ParamKind::Embedding, d.init_std);
-  for (int l = 0; l < d.L; ++l) {
-    std::string p = "layers." + std::to_string(l) + ".";
-    add(p + "attn_norm.weight", {d.C}, ParamKind::Norm);
-    if (g) add(p + "attn_norm.bias", {d.C}, ParamKind::Bias);
-    add(p + "attn.qkv.weight", {d.qkv_dim(), d.C}, ParamKind::Weight, d.init_std);
-    if (g) add(p + "attn.qkv.bias", {d.qkv_dim()}, ParamKind::Bias);
-    add(p + "attn.proj.weight", {d.C, d.NH * d.HD()}, ParamKind::Weight, out_std);
-    if (g) add(p + "attn.proj.bias", {d.C}, ParamKind::Bias);
-    add(p + "mlp_norm.weight", {d.C}, ParamKind::Norm);
-    if (g) add(p + "mlp_norm.bias", {d.C}, ParamKind::Bias);
-    // SwiGLU's gate and up projections are one [gate; up] matrix.
-    add(p + "mlp.fc.weight", {int64_t(g ? d.F : 2 * d.F), d.C}, ParamKind::Weight, d.init_std);
-    if (g) add(p + "mlp.fc.bias", {d.F}, ParamKind::Bias);
-    add(p + "mlp.proj.weight", {d.C, d.F}, ParamKind::Weight, out_std);
-    if (g) add(p + "mlp.proj.bias", {d.C}, ParamKind::Bias);
+  const int64_t HD = d.HD(), q = int64_t(d.NH) * HD, kv = int64_t(d.NKV) * HD, F = d.F;
+  if (pl.first_stage) {
+    b.add_rows("embedding.word.weight", {d.Vp, d.C}, ParamKind::Embedding, d.init_std, {d.Vp}, d.V);
+    if (g) b.add_full("embedding.position.weight", {d.maxT, d.C}, ParamKind::Embedding, d.init_std);
   }
-  add("final_norm.weight", {d.C}, ParamKind::Norm);
-  if (g) add("final_norm.bias", {d.C}, ParamKind::Bias);
-  if (!d.tied) add("lm_head.weight", {d.Vp, d.C}, ParamKind::Weight, d.init_std, d.V);
+  std::vector<std::pair<int, int>> chunks = pl.chunks;
+  if (chunks.empty()) chunks.push_back({0, d.L});
+  for (const auto& [first, end] : chunks)
+    for (int l = first; l < end; ++l) {
+      std::string p = "layers." + std::to_string(l) + ".";
+      b.add_full(p + "attn_norm.weight", {d.C}, ParamKind::Norm);
+      if (g) b.add_full(p + "attn_norm.bias", {d.C}, ParamKind::Bias);
+      // A tp rank holds its query heads and the key/value heads they read: three row blocks.
+      b.add_rows(p + "attn.qkv.weight", {q + 2 * kv, d.C}, ParamKind::Weight, d.init_std, {q, kv, kv});
+      if (g) b.add_rows(p + "attn.qkv.bias", {q + 2 * kv}, ParamKind::Bias, 0, {q, kv, kv});
+      b.add_cols(p + "attn.proj.weight", {d.C, q}, ParamKind::Weight, out_std);
+      if (g) b.add_full(p + "attn.proj.bias", {d.C}, ParamKind::Bias);
+      b.add_full(p + "mlp_norm.weight", {d.C}, ParamKind::Norm);
+      if (g) b.add_full(p + "mlp_norm.bias", {d.C}, ParamKind::Bias);
+      // SwiGLU's gate and up projections are one [gate; up] matrix, split as two blocks.
+      if (g)
+        b.add_rows(p + "mlp.fc.weight", {F, d.C}, ParamKind::Weight, d.init_std, {F});
+      else
+        b.add_rows(p + "mlp.fc.weight", {2 * F, d.C}, ParamKind::Weight, d.init_std, {F, F});
+      if (g) b.add_rows(p + "mlp.fc.bias", {F}, ParamKind::Bias, 0, {F});
+      b.add_cols(p + "mlp.proj.weight", {d.C, F}, ParamKind::Weight, out_std);
+      if (g) b.add_full(p + "mlp.proj.bias", {d.C}, ParamKind::Bias);
+    }
+  if (pl.last_stage) {
+    b.add_full("final_norm.weight", {d.C}, ParamKind::Norm);
+    if (g) b.add_full("final_norm.bias", {d.C}, ParamKind::Bias);
+    if (!d.tied) b.add_rows("lm_head.weight", {d.Vp, d.C}, ParamKind::Weight, d.init_std, {d.Vp}, d.V);
+  }
+  if (pl.last_stage && d.tied && !pl.first_stage) {
+    // First in the buffer: its gradient is complete only after the sum with stage 0's, at the
+    // end of the step, and the data-parallel bucket holding the first parameters reduces last.
+    b.add_rows("embedding.word.weight", {d.Vp, d.C}, ParamKind::Embedding, d.init_std, {d.Vp}, d.V).replica = true;
+    std::rotate(b.t.begin(), b.t.end() - 1, b.t.end());
+  }
   int64_t off = 0;
-  for (auto& p : t) {
+  for (auto& p : b.t) {
     p.offset = off;
     off += p.numel();
   }
-  return t;
+  return b.t;
 }
 
 void init_param(const ParamInfo& p, uint64_t seed, float* dst) {
@@ -62,10 +145,13 @@ void init_param(const ParamInfo& p, uint64_t seed, float* dst) {
     return;
   }
   const uint64_t stream = stream_of(p.name);
-  const int64_t cols = p.shape.ndim > 1 ? p.shape[p.shape.ndim - 1] : 1;
-  const int64_t limit = p.valid_rows < 0 ? n : p.valid_rows * cols;
+  const int64_t gcols = p.global.ndim > 1 ? p.global[1] : 1;
+  const int64_t limit = p.valid_rows < 0 ? p.global.numel() : p.valid_rows * gcols;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) dst[i] = i < limit ? p.init_std * normal_at(seed, stream, uint64_t(i)) : 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t gi = p.global_index(i);
+    dst[i] = gi < limit ? p.init_std * normal_at(seed, stream, uint64_t(gi)) : 0.0f;
+  }
 }
 
 }  // namespace mpigpt

@@ -1,8 +1,11 @@
-// The parameter table of a GPT: every weight's global name, shape, kind and place in the one
-// flat parameter buffer, and its initialisation from the counter-based RNG indexed by the
-// element's position in the global tensor (DESIGN principle 3).
+// The parameter table of a GPT: every weight's global name, global shape, kind, the part of it
+// this rank holds (tensor-parallel shard, pipeline stage) and its place in the rank's flat
+// parameter buffer; and its initialisation from the counter-based RNG indexed by the element's
+// position in the global tensor (DESIGN principle 3), so every layout holds exactly the slices
+// of the single-rank model.
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lib/core/tensor.h"
@@ -13,20 +16,53 @@ namespace mpigpt {
 enum class ParamKind { Weight, Bias, Norm, Embedding };
 const char* param_kind_name(ParamKind k);
 
-struct ParamInfo {
-  std::string name;    // stable, layout-independent (global layer numbers), e.g. "layers.3.attn.qkv.weight"
-  Shape shape;         // global shape
-  ParamKind kind;
-  int64_t offset = 0;  // first element in the flat buffer
-  float init_std = 0;  // normal(0, init_std); 0 with kind Norm = ones, else zeros
-  int64_t valid_rows = -1;  // rows beyond this (vocabulary padding) initialise to zero; -1 = all
-  int64_t numel() const { return shape.numel(); }
+// How a parameter is split over the tensor-parallel ranks.
+enum class TpSplit {
+  None,  // replicated on every tp rank
+  Rows,  // output rows split: column-parallel linears (heads, MLP up), vocab-parallel embedding/head
+  Cols,  // input columns split: row-parallel linears (attention out, MLP down)
 };
 
-// Parameters in buffer order: embedding, blocks 0..L-1, final norm, output head (untied only).
-std::vector<ParamInfo> build_param_table(const GptDims& d);
+struct ParamInfo {
+  std::string name;    // stable, layout-independent (global layer numbers), e.g. "layers.3.attn.qkv.weight"
+  Shape shape;         // shape of the part this rank holds
+  ParamKind kind = ParamKind::Weight;
+  int64_t offset = 0;  // first element in the rank's flat buffer
+  float init_std = 0;  // normal(0, init_std); 0 with kind Norm = ones, else zeros
+  int64_t valid_rows = -1;  // global rows beyond this (vocabulary padding) initialise to zero; -1 = all
+  Shape global;        // shape of the whole tensor
+  TpSplit split = TpSplit::None;
+  // The local rows are these global row blocks {first, count} one after the other (empty: all
+  // rows). QKV and SwiGLU's [gate; up] have several blocks: a tp rank holds its heads of Q, K
+  // and V, and its columns of gate and up.
+  std::vector<std::pair<int64_t, int64_t>> row_blocks;
+  int64_t col_begin = 0;  // the local columns are global columns [col_begin, col_begin + local cols)
+  // The tied output embedding on the last pipeline stage: a copy of embedding.word.weight that
+  // is kept equal to stage 0's (synchronised at init, gradient summed over the embedding
+  // group). Not a parameter of its own: not counted in the gradient norm, not saved.
+  bool replica = false;
+  int64_t numel() const { return shape.numel(); }
+  // Global flat index of local element i.
+  int64_t global_index(int64_t i) const;
+};
 
-// Write the initial values of `p` into `dst` (host memory, p.numel() floats).
+// Which part of the model a rank holds.
+struct ModelPlacement {
+  int tp = 1, tp_rank = 0;
+  // Layer ranges [first, end) of this rank's model chunks (virtual pipeline stages) in order;
+  // empty: one chunk with every layer.
+  std::vector<std::pair<int, int>> chunks;
+  bool first_stage = true;  // holds the embedding (in chunk 0)
+  bool last_stage = true;   // holds the final norm and the output head (in the last chunk)
+  int num_chunks() const { return chunks.empty() ? 1 : int(chunks.size()); }
+};
+
+// This rank's parameters in buffer order: embedding (first stage) or the tied head's replica
+// (last stage), the layers of every chunk, final norm and head (last stage); offsets contiguous (a data-parallel buffer plan may move
+// them). With the default placement: the whole single-rank model.
+std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement& pl = {});
+
+// Write the initial values of this rank's part of `p` into `dst` (host, p.numel() floats).
 void init_param(const ParamInfo& p, uint64_t seed, float* dst);
 
 }  // namespace mpigpt
