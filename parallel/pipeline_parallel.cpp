@@ -1,0 +1,145 @@
+// The pipeline executor: runs one rank's schedule over the pipeline group's Comm.
+#include "parallel/pipeline_parallel.h"
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "lib/core/error.h"
+
+namespace mpigpt {
+
+namespace {
+
+bool is_compute(ActionType t) { return t == ActionType::Forward || t == ActionType::Backward; }
+
+// The tag names the link: the virtual-stage boundary the message crosses and its direction.
+// Both ends compute it from their own chunk, so no micro-batch goes into it and it stays far
+// below MPI_TAG_UB; the micro-batches of one link are told apart by their order (checked).
+int tag_of(const Action& a, int rank, int pp) {
+  const int s = virtual_stage(pp, rank, a.chunk);
+  switch (a.type) {
+    case ActionType::SendForward: return kPipelineTagBase + 2 * s;
+    case ActionType::RecvForward: return kPipelineTagBase + 2 * (s - 1);
+    case ActionType::SendBackward: return kPipelineTagBase + 2 * (s - 1) + 1;
+    case ActionType::RecvBackward: return kPipelineTagBase + 2 * s + 1;
+    default: return -1;
+  }
+}
+
+// The pipeline rank at the other end of a message of this type: activations go to the next
+// rank, gradients to the previous one (the ring wraps for interleaved chunks).
+int neighbour(ActionType t, int rank, int pp) {
+  const bool to_next = t == ActionType::SendForward || t == ActionType::RecvBackward;
+  return to_next ? (rank + 1) % pp : (rank + pp - 1) % pp;
+}
+
+int mpi_tag_ub() {
+  void* value = nullptr;
+  int found = 0;
+  MPIGPT_MPI(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &value, &found));
+  return found ? *static_cast<int*>(value) : 32767;  // 32767: the least the MPI standard allows
+}
+
+// Everything that can be checked locally before the first message, so that a malformed list
+// fails on every rank that holds one instead of leaving its peers waiting.
+void check_actions(const std::vector<Action>& mine, int rank, int pp) {
+  const int tag_ub = mpi_tag_ub();
+  std::map<std::pair<bool, int>, int> last_mb;  // (is send, tag) -> the last micro-batch on that link
+  for (const Action& a : mine) {
+    if (a.mb < 0 || a.chunk < 0)
+      fail("run_schedule: pipeline rank {} got {} with a negative micro-batch or chunk", rank, to_string(a));
+    if (is_compute(a.type)) continue;
+    const int peer = neighbour(a.type, rank, pp);
+    if (a.peer != peer)
+      fail("run_schedule: pipeline rank {} got {}, but that message goes to or comes from rank {}", rank,
+           to_string(a), peer);
+    const int tag = tag_of(a, rank, pp);
+    if (tag < kPipelineTagBase)
+      fail("run_schedule: pipeline rank {} got {} on virtual stage 0, which has no previous stage", rank,
+           to_string(a));
+    if (tag > tag_ub)
+      fail("run_schedule: {} needs MPI tag {}, above this MPI's MPI_TAG_UB = {}; reduce parallel.pp * "
+           "parallel.vpp", to_string(a), tag, tag_ub);
+    const bool send = a.type == ActionType::SendForward || a.type == ActionType::SendBackward;
+    auto [it, first] = last_mb.try_emplace({send, tag}, a.mb);
+    if (!first) {
+      if (a.mb <= it->second)
+        fail("run_schedule: pipeline rank {} runs {} after micro-batch {} on the same link; MPI pairs the "
+             "messages of one link in order, so a schedule must send and receive them in increasing "
+             "micro-batch order",
+             rank, to_string(a), it->second);
+      it->second = a.mb;
+    }
+  }
+}
+
+// A send in flight and the copy it sends from. The buffer is declared first so that it is
+// destroyed last: Request's destructor waits for the send before the memory goes.
+struct PendingSend {
+  std::unique_ptr<std::byte[]> buffer;
+  Request request;
+};
+
+PendingSend post_send(const Comm& comm, Tensor t, int peer, int tag, const Action& a) {
+  MPIGPT_CHECK(t.device == Device::CPU, "{}: the stage gave a {} tensor on the device; the MPI pipeline moves host memory",
+               to_string(a), t.str());
+  MPIGPT_CHECK(t.defined() || t.numel() == 0, "{}: the stage gave an undefined tensor", to_string(a));
+  PendingSend p;
+  p.buffer = std::make_unique_for_overwrite<std::byte[]>(t.nbytes());
+  if (t.nbytes() > 0) std::memcpy(p.buffer.get(), t.ptr, t.nbytes());
+  p.request = comm.isend(Tensor(p.buffer.get(), t.shape, t.dtype), peer, tag);
+  return p;
+}
+
+void recv_into(const Comm& comm, Tensor t, int peer, int tag, const Action& a) {
+  MPIGPT_CHECK(t.device == Device::CPU, "{}: the stage gave a {} tensor on the device; the MPI pipeline moves host memory",
+               to_string(a), t.str());
+  comm.recv(t, peer, tag);
+}
+
+}  // namespace
+
+void run_schedule(const std::vector<Action>& mine, PipelineStage& stage, const Comm& pp_group) {
+  const int rank = pp_group.rank(), pp = pp_group.size();
+  MPIGPT_CHECK(pp >= 1, "run_schedule: this rank is not in the pipeline group");
+  check_actions(mine, rank, pp);
+
+  // An activation's send has surely completed once the gradient for it came back (the peer
+  // received it before its forward), so its copy is freed then; the copies held at once are
+  // thus bounded by the activations in flight. Gradient sends are kept until the end.
+  std::map<std::pair<int, int>, PendingSend> activations;  // (mb, chunk) -> its forward send
+  std::vector<PendingSend> gradients;
+  for (const Action& a : mine) {
+    const int tag = tag_of(a, rank, pp);
+    switch (a.type) {
+      case ActionType::Forward: stage.forward(a.mb, a.chunk); break;
+      case ActionType::Backward: stage.backward(a.mb, a.chunk); break;
+      case ActionType::RecvForward: recv_into(pp_group, stage.forward_input(a.mb, a.chunk), a.peer, tag, a); break;
+      case ActionType::SendForward: {
+        PendingSend p = post_send(pp_group, stage.forward_output(a.mb, a.chunk), a.peer, tag, a);
+        activations.insert_or_assign({a.mb, a.chunk}, std::move(p));
+        break;
+      }
+      case ActionType::RecvBackward: {
+        recv_into(pp_group, stage.backward_input(a.mb, a.chunk), a.peer, tag, a);
+        if (auto it = activations.find({a.mb, a.chunk}); it != activations.end()) {
+          it->second.request.wait();
+          activations.erase(it);
+        }
+        break;
+      }
+      case ActionType::SendBackward:
+        gradients.push_back(post_send(pp_group, stage.backward_output(a.mb, a.chunk), a.peer, tag, a));
+        break;
+    }
+  }
+  for (auto& [key, p] : activations) p.request.wait();
+  for (PendingSend& p : gradients) p.request.wait();
+}
+
+}  // namespace mpigpt
