@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
+#include <exception>
+#include <utility>
 
 #include "lib/core/error.h"
 
@@ -58,23 +61,49 @@ char* at(const Tensor& t, int64_t elements) { return static_cast<char*>(t.ptr) +
 
 Request& Request::operator=(Request&& o) noexcept {
   if (this != &o) {
-    if (!reqs_.empty()) MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
+    finish();
     reqs_ = std::move(o.reqs_);
+    then_ = std::move(o.then_);
     o.reqs_.clear();
+    o.then_ = nullptr;
   }
   return *this;
 }
 
-Request::~Request() {
+// Waiting without a check: it runs in the destructor, where throwing is no option.
+void Request::finish() noexcept {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!reqs_.empty() && !finalized) MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
+  if (finalized) return;
+  // Unwinding from an error: the job is about to abort, and waiting for a peer that may never
+  // post its side would hang instead (DESIGN principle 7). Leave the requests.
+  if (std::uncaught_exceptions() > 0) {
+    reqs_.clear();
+    then_ = nullptr;
+    return;
+  }
+  if (!reqs_.empty()) MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
+  reqs_.clear();
+  if (then_) std::exchange(then_, nullptr)();
 }
 
+Request::~Request() { finish(); }
+
 void Request::wait() {
-  if (reqs_.empty()) return;
-  MPIGPT_MPI(MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
+  if (!reqs_.empty()) MPIGPT_MPI(MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
   reqs_.clear();
+  if (then_) std::exchange(then_, nullptr)();
+}
+
+bool Request::test() {
+  if (!reqs_.empty()) {
+    int flag = 0;
+    MPIGPT_MPI(MPI_Testall(int(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE));
+    if (!flag) return false;
+    reqs_.clear();
+  }
+  if (then_) std::exchange(then_, nullptr)();
+  return true;
 }
 
 Comm::Comm(MPI_Comm comm) : comm_(comm) {
@@ -152,6 +181,44 @@ Request Comm::iall_gather(Tensor out, Tensor inp) const {
   std::vector<MPI_Request> reqs(1);
   const int n = as_count(inp.numel(), "all_gather");
   MPIGPT_MPI(MPI_Iallgather(inp.ptr, n, mpi_type(inp), out.ptr, n, mpi_type(out), comm_, &reqs[0]));
+  return Request(std::move(reqs));
+}
+
+void Comm::reduce_scatter_sum_inplace(Tensor buf) const { ireduce_scatter_sum_inplace(buf).wait(); }
+
+Request Comm::ireduce_scatter_sum_inplace(Tensor buf) const {
+  check_reducible(buf, "reduce_scatter_sum_inplace");
+  MPIGPT_CHECK(size_ > 0 && buf.numel() % size_ == 0, "reduce_scatter_sum_inplace: {} is not {} equal blocks",
+               buf.str(), size_);
+  if (size_ <= 1) return Request();
+  stats_.reduce_scatter += int64_t(buf.nbytes());
+  ++stats_.calls;
+  const int64_t n = buf.numel() / size_;
+  std::vector<MPI_Request> reqs(1);
+  MPIGPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf.ptr, as_count(n, "reduce_scatter_sum_inplace"),
+                                       mpi_type(buf), MPI_SUM, comm_, &reqs[0]));
+  // MPI's in-place variant leaves the result in block 0, not block rank(): move it once done.
+  std::function<void()> then;
+  if (rank_ != 0)
+    then = [dst = at(buf, n * rank_), src = at(buf, 0), bytes = size_t(n) * dtype_size(buf.dtype)] {
+      std::memcpy(dst, src, bytes);
+    };
+  return Request(std::move(reqs), std::move(then));
+}
+
+void Comm::all_gather_inplace(Tensor buf) const { iall_gather_inplace(buf).wait(); }
+
+Request Comm::iall_gather_inplace(Tensor buf) const {
+  check_host(buf, "all_gather_inplace");
+  MPIGPT_CHECK(size_ > 0 && buf.numel() % size_ == 0, "all_gather_inplace: {} is not {} equal blocks", buf.str(),
+               size_);
+  if (size_ <= 1) return Request();
+  const int64_t n = buf.numel() / size_;
+  stats_.all_gather += n * int64_t(dtype_size(buf.dtype));
+  ++stats_.calls;
+  std::vector<MPI_Request> reqs(1);
+  const int count = as_count(n, "all_gather_inplace");
+  MPIGPT_MPI(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf.ptr, count, mpi_type(buf), comm_, &reqs[0]));
   return Request(std::move(reqs));
 }
 

@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "lib/core/tensor.h"
@@ -20,19 +21,30 @@ struct CommStats {
 };
 
 // A pending non-blocking operation; wait() completes it (the destructor waits too, so a
-// request is never abandoned with its buffers in flight).
+// request is never abandoned with its buffers in flight). `then` runs once, right after the MPI
+// requests complete: an in-place reduce-scatter uses it to move its result where it belongs.
 class Request {
  public:
   Request() = default;
-  explicit Request(std::vector<MPI_Request> r) : reqs_(std::move(r)) {}
-  Request(Request&& o) noexcept : reqs_(std::move(o.reqs_)) { o.reqs_.clear(); }
+  explicit Request(std::vector<MPI_Request> r, std::function<void()> then = {})
+      : reqs_(std::move(r)), then_(std::move(then)) {}
+  Request(Request&& o) noexcept : reqs_(std::move(o.reqs_)), then_(std::move(o.then_)) {
+    o.reqs_.clear();
+    o.then_ = nullptr;
+  }
   Request& operator=(Request&& o) noexcept;
   ~Request();
   void wait();
-  bool done() const { return reqs_.empty(); }
+  // Completes the request if MPI has finished it (true). Calling it now and then is what moves a
+  // non-blocking collective along: without an asynchronous progress thread, MPI advances one
+  // only inside MPI calls.
+  bool test();
+  bool done() const { return reqs_.empty() && !then_; }
 
  private:
+  void finish() noexcept;
   std::vector<MPI_Request> reqs_;
+  std::function<void()> then_;
 };
 
 class Comm {
@@ -67,6 +79,15 @@ class Comm {
   Request iall_gather(Tensor out, Tensor inp) const;
   Request isend(Tensor t, int peer, int tag = 0) const;
   Request irecv(Tensor t, int peer, int tag = 0) const;
+  // In place on one buffer of size() equal blocks, block r being rank r's (NCCL's in-place
+  // convention), so a gradient bucket needs no second buffer. reduce_scatter: afterwards block
+  // rank() holds the sum over ranks of everyone's block rank(); the other blocks hold scratch.
+  // all_gather: every rank's block r becomes rank r's block r. Counted as their out-of-place
+  // twins (the whole buffer for reduce-scatter, one block for all-gather). No-ops for one rank.
+  void reduce_scatter_sum_inplace(Tensor buf) const;
+  Request ireduce_scatter_sum_inplace(Tensor buf) const;
+  void all_gather_inplace(Tensor buf) const;
+  Request iall_gather_inplace(Tensor buf) const;
   void barrier() const;
 
  private:

@@ -1,5 +1,6 @@
 // Four ranks: every Comm operation against the values it must produce, blocking and
-// non-blocking, and the byte counters that measure communication volume.
+// non-blocking, out of place and in place, and the byte counters that measure communication
+// volume.
 #include "parallel/comm.h"
 
 #include <doctest/doctest.h>
@@ -75,6 +76,49 @@ TEST_CASE("collectives produce the sums, gathers and exchanges they promise") {
     for (int q = 0; q < P; ++q)
       for (int k = 0; k <= r; ++k) CHECK(out[q * (r + 1) + k] == float(10 * q + r));
   }
+}
+
+TEST_CASE("in-place reduce-scatter and all-gather on one buffer, blocking and non-blocking") {
+  Comm c(MPI_COMM_WORLD);
+  const int r = c.rank(), P = c.size();
+  for (bool blocking : {true, false}) {
+    CAPTURE(blocking);
+    std::vector<float> buf(P * 3), ref(P * 3);
+    for (int i = 0; i < P * 3; ++i) buf[i] = ref[i] = float(r * i + 1);
+    c.allreduce_sum(f32(ref));
+    c.reset_stats();
+    if (blocking) {
+      c.reduce_scatter_sum_inplace(f32(buf));
+    } else {
+      Request q = c.ireduce_scatter_sum_inplace(f32(buf));
+      while (!q.test()) {
+      }
+      CHECK(q.done());
+    }
+    for (int k = 0; k < 3; ++k) CHECK(buf[r * 3 + k] == ref[r * 3 + k]);  // block r, not block 0
+    for (int i = 0; i < P * 3; ++i)
+      if (i / 3 != r) buf[i] = -1;  // the other blocks are scratch; the gather must overwrite them
+    if (blocking) {
+      c.all_gather_inplace(f32(buf));
+    } else {
+      Request q = c.iall_gather_inplace(f32(buf));
+      q.wait();
+      CHECK(q.done());
+    }
+    CHECK(buf == ref);
+    CHECK(c.stats().reduce_scatter == P * 3 * 4);
+    CHECK(c.stats().all_gather == 3 * 4);
+    CHECK(c.stats().calls == 2);
+  }
+  std::vector<float> odd(P * 3 + 1);
+  CHECK_THROWS_WITH_AS(c.reduce_scatter_sum_inplace(f32(odd)), doctest::Contains("is not 4 equal blocks"), Error);
+  CHECK_THROWS_WITH_AS(c.all_gather_inplace(f32(odd)), doctest::Contains("is not 4 equal blocks"), Error);
+  Comm self(MPI_COMM_SELF);  // one rank: nothing to do, nothing counted
+  std::vector<float> one = {1, 2};
+  self.reduce_scatter_sum_inplace(f32(one));
+  self.all_gather_inplace(f32(one));
+  CHECK(one == std::vector<float>{1, 2});
+  CHECK(self.stats().calls == 0);
 }
 
 TEST_CASE("byte counters record the payload of every call") {

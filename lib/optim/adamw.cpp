@@ -23,29 +23,57 @@ std::set<ParamKind> parse_no_decay(const std::string& list) {
   return kinds;
 }
 
-AdamW::AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tensor grads, const AdamWConfig& cfg)
-    : ops_(ops), params_(params), grads_(grads), cfg_(cfg),
-      m_(ops, params.nbytes()), v_(ops, params.nbytes()) {
+AdamW::AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tensor grads, const AdamWConfig& cfg,
+             const std::vector<Range>& owned)
+    : ops_(ops), params_(params), grads_(grads), cfg_(cfg) {
   MPIGPT_CHECK(params.numel() == grads.numel(), "params {} grads {}", params.numel(), grads.numel());
-  for (const auto& p : table) {
+  const std::vector<Range> own = owned.empty() ? std::vector<Range>{{0, params.numel()}} : normalize_ranges(owned);
+  MPIGPT_CHECK(own.empty() || (own.front().begin >= 0 && own.back().end <= params.numel()),
+               "AdamW: owned ranges [{}, {}) exceed the buffer of {} elements", own.front().begin, own.back().end,
+               params.numel());
+  for (int i = 0; i < int(table.size()); ++i) {
+    const ParamInfo& p = table[i];
+    MPIGPT_CHECK(p.offset >= 0 && p.offset + p.numel() <= params.numel(),
+                 "AdamW: parameter {} at [{}, {}) lies outside the buffer of {} elements", p.name, p.offset,
+                 p.offset + p.numel(), params.numel());
     const bool decay = !cfg.no_decay.count(p.kind);
-    if (!ranges_.empty() && ranges_.back().decay == decay && ranges_.back().begin + ranges_.back().count == p.offset)
-      ranges_.back().count += p.numel();
-    else
-      ranges_.push_back({p.offset, p.numel(), decay});
+    // The decay flag belongs to the parameter, so a slice through one still decays correctly.
+    for (const Range& r : intersect_ranges({{p.offset, p.offset + p.numel()}}, own)) {
+      pieces_.push_back({i, r.begin, r.size(), state_numel_});
+      Run* last = runs_.empty() ? nullptr : &runs_.back();
+      if (last && last->decay == decay && last->begin + last->count == r.begin &&
+          last->state + last->count == state_numel_)
+        last->count += r.size();
+      else
+        runs_.push_back({r.begin, r.size(), state_numel_, decay});
+      state_numel_ += r.size();
+    }
   }
+  m_ = Buffer(ops, size_t(state_numel_) * 4);
+  v_ = Buffer(ops, size_t(state_numel_) * 4);
 }
 
 void AdamW::step(float lr, float grad_scale) {
   ++step_;
-  for (const auto& r : ranges_) {
+  const Tensor m = this->m(), v = this->v();
+  for (const Run& r : runs_) {
     ops_.adamw(params_.flat_slice(r.begin, r.count), grads_.flat_slice(r.begin, r.count),
-               m().flat_slice(r.begin, r.count), v().flat_slice(r.begin, r.count), lr, cfg_.beta1, cfg_.beta2,
-               cfg_.eps, r.decay ? cfg_.weight_decay : 0.0f, step_, grad_scale);
+               m.flat_slice(r.state, r.count), v.flat_slice(r.state, r.count), lr, cfg_.beta1, cfg_.beta2, cfg_.eps,
+               r.decay ? cfg_.weight_decay : 0.0f, step_, grad_scale);
   }
 }
 
 double grad_norm(Ops& ops, Tensor grads) { return std::sqrt(ops.sum_squares(grads)); }
+
+double sum_squares_of(Ops& ops, Tensor grads, const std::vector<Range>& ranges) {
+  double s = 0;
+  for (const Range& r : ranges) {
+    MPIGPT_CHECK(r.begin >= 0 && r.end <= grads.numel(), "sum_squares_of: [{}, {}) outside {} elements", r.begin,
+                 r.end, grads.numel());
+    if (!r.empty()) s += ops.sum_squares(grads.flat_slice(r.begin, r.size()));
+  }
+  return s;
+}
 
 float clip_scale(double norm, double max_norm) {
   if (max_norm <= 0 || !(norm > max_norm)) return 1.0f;

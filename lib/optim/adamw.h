@@ -1,6 +1,7 @@
-// AdamW over a model's flat parameter buffer: fp32 moments, decoupled weight decay applied per
-// parameter kind (by default not to norms, biases and embeddings), bias correction, and
-// clipping by the global gradient norm.
+// AdamW over a model's flat parameter buffer, or over the ranges of it this rank owns (the
+// distributed optimizer): fp32 moments, decoupled weight decay applied per parameter kind (by
+// default not to norms, biases and embeddings), bias correction, and clipping by the global
+// gradient norm.
 #pragma once
 #include <cstdint>
 #include <set>
@@ -9,6 +10,7 @@
 #include "lib/kernels/buffer.h"
 #include "lib/kernels/ops.h"
 #include "lib/model/params.h"
+#include "parallel/data_parallel.h"
 
 namespace mpigpt {
 
@@ -22,30 +24,52 @@ std::set<ParamKind> parse_no_decay(const std::string& list);
 
 class AdamW {
  public:
-  // The optimizer updates `params` (flat) from `grads` (flat); `table` says which ranges decay.
-  AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tensor grads, const AdamWConfig& cfg);
+  // The optimizer updates `params` (flat) from `grads` (flat) on the elements of `owned` (empty:
+  // the whole buffer) that belong to a parameter of `table`; the table says which ones decay.
+  // m and v are held only for those elements, packed in buffer order. An owned range may cut
+  // through a parameter; elements outside every parameter (padding) are never touched.
+  AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tensor grads, const AdamWConfig& cfg,
+        const std::vector<Range>& owned = {});
   // One step at learning rate lr; gradients are multiplied by grad_scale first (clipping).
   void step(float lr, float grad_scale);
   int64_t steps() const { return step_; }
-  Tensor m() const { return m_.tensor({params_.numel()}); }
-  Tensor v() const { return v_.tensor({params_.numel()}); }
+  // The moments of the updated elements, packed (state_numel() elements).
+  Tensor m() const { return m_.tensor({state_numel_}); }
+  Tensor v() const { return v_.tensor({state_numel_}); }
+  int64_t state_numel() const { return state_numel_; }
+  int64_t state_bytes() const { return 2 * state_numel_ * 4; }
+
+  // Which elements of which parameter the state holds (for checkpoints: a rank writes exactly
+  // these hyperslabs): elements [begin, begin + count) of the buffer, parameter `param` of the
+  // table, state elements [state, state + count).
+  struct Piece {
+    int param;
+    int64_t begin, count, state;
+  };
+  const std::vector<Piece>& pieces() const { return pieces_; }
 
  private:
-  struct Range {
-    int64_t begin, count;
+  struct Run {  // consecutive pieces with the same decay flag: one kernel call
+    int64_t begin, count, state;
     bool decay;
   };
   Ops& ops_;
   Tensor params_, grads_;
   AdamWConfig cfg_;
+  std::vector<Piece> pieces_;
+  std::vector<Run> runs_;
+  int64_t state_numel_ = 0;
   Buffer m_, v_;
-  std::vector<Range> ranges_;  // maximal runs of parameters with the same decay flag
   int64_t step_ = 0;
 };
 
 // sqrt of the sum of squares of the gradients, and the factor that clips them to max_norm
 // (1 when max_norm is 0 or the norm is below it).
 double grad_norm(Ops& ops, Tensor grads);
+// The sum of squares of grads over `ranges` (in their order): this rank's part of the squared
+// global norm when it owns only some ranges; the caller sums it over the groups that split the
+// parameters and their ownership.
+double sum_squares_of(Ops& ops, Tensor grads, const std::vector<Range>& ranges);
 float clip_scale(double norm, double max_norm);
 
 }  // namespace mpigpt
