@@ -409,6 +409,8 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_FAILS(parsed({"--tp=3"}).validate(3), "model.num_heads = 4 is not divisible by parallel.tp = 3");
     CHECK_FAILS(parsed({"--tp=4", "--num_heads=8", "--num_kv_heads=2"}).validate(4),
                 "model.num_kv_heads = 2 is not divisible by parallel.tp = 4");
+    CHECK_FAILS(parsed({"--tp=2", "--ffn_hidden=1001"}).validate(2),
+                "model.ffn_hidden = 1001 is not divisible by parallel.tp = 2");
     CHECK_FAILS(parsed({"--num_heads=4", "--num_kv_heads=3"}).validate(1),
                 "model.num_heads = 4 is not divisible by model.num_kv_heads = 3");
     CHECK_FAILS(parsed({"--hidden=250"}).validate(1), "model.hidden = 250 is not divisible by model.num_heads = 4");

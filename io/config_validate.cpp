@@ -148,6 +148,9 @@ void check_layout(const Config& c, int world_size) {
   if (m.num_kv_heads % p.tp != 0)
     fail("model.num_kv_heads = {} is not divisible by parallel.tp = {}; each tp rank holds whole key/value "
          "heads: choose a tp that divides num_kv_heads", m.num_kv_heads, p.tp);
+  if (m.ffn_hidden % p.tp != 0)
+    fail("model.ffn_hidden = {} is not divisible by parallel.tp = {}; each tp rank holds an equal share of the "
+         "MLP columns: choose ffn_hidden as a multiple of {}", m.ffn_hidden, p.tp, p.tp);
   if (m.num_heads % m.num_kv_heads != 0)
     fail("model.num_heads = {} is not divisible by model.num_kv_heads = {}; each key/value head serves a "
          "whole group of query heads: choose num_kv_heads dividing num_heads", m.num_heads, m.num_kv_heads);

@@ -11,10 +11,10 @@
 #include "io/tokenizer.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
-#include "lib/model/gpt.h"
 #include "lib/optim/adamw.h"
 #include "lib/optim/lr_schedule.h"
 #include "lib/train/metrics.h"
+#include "lib/train/model_runner.h"
 #include "lib/train/peak.h"
 
 namespace mpigpt {
@@ -74,14 +74,16 @@ struct Batches {
 }  // namespace
 
 TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts) {
-  // Only data parallelism so far: the dp group is where gradients and losses are summed.
+  // Gradients, token counts and losses are summed over the data-parallel group.
   const Comm& world = mesh.dp_cp();
   const TrainingConfig& tc = cfg.training;
   const ParallelConfig& pc = cfg.parallel;
-  const bool last_rank = mesh.rank() == mesh.world_size() - 1;
-  if (pc.tp * pc.pp * pc.cp * pc.ep * pc.expert_tp * pc.vpp != 1)
-    fail("parallel: tp={} pp={} vpp={} cp={} ep={} expert_tp={}: this build trains with data parallelism only; "
-         "set every model-parallel size to 1", pc.tp, pc.pp, pc.vpp, pc.cp, pc.ep, pc.expert_tp);
+  // The loss lives on the last pipeline stage; one rank there logs.
+  const Coords& co = mesh.coords();
+  const bool last_rank = co.pp == pc.pp - 1 && co.tp == 0 && co.cp == 0 && co.dp == 0;
+  if (pc.cp * pc.ep * pc.expert_tp != 1)
+    fail("parallel: cp={} ep={} expert_tp={}: context and expert parallelism are not in this build yet; set "
+         "parallel.cp, parallel.ep and parallel.expert_tp to 1", pc.cp, pc.ep, pc.expert_tp);
   if (cfg.engine.backend != "cpu")
     fail("engine.backend = '{}' is not available in this build; use engine.backend = cpu", cfg.engine.backend);
   if (tc.precision != "fp32")
@@ -125,38 +127,31 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   const int MB = tc.micro_batch, GB = tc.global_batch;
   const int per_rank = GB / dp, num_micro = per_rank / MB;
   auto ops = make_cpu_ops();
-  GPT model(d, *ops, MB);
-  model.init_weights(tc.seed);
-  AdamWConfig ac;
-  ac.beta1 = float(tc.beta1);
-  ac.beta2 = float(tc.beta2);
-  ac.eps = float(tc.eps);
-  ac.weight_decay = float(tc.weight_decay);
-  ac.no_decay = parse_no_decay(tc.no_decay);
-  AdamW opt(*ops, model.params(), model.params_flat(), model.grads_flat(), ac);
+  ModelRunner runner(cfg, d, mesh, *ops);
   LrSchedule sched{tc.lr, tc.min_lr, tc.warmup_iters,
                    tc.decay_iters > 0 ? tc.decay_iters : std::max<int64_t>(tc.train_iters - tc.warmup_iters, 0),
                    parse_decay_style(tc.lr_schedule)};
   const double peak = tc.peak_tflops > 0 ? tc.peak_tflops * 1e12 : measured_peak_flops(*ops);
-  const double flops_per_step = d.train_flops_per_token() * double(GB) * d.T / dp;  // per rank
+  const double flops_per_step = d.train_flops_per_token() * double(GB) * d.T / mesh.world_size();  // per rank
   if (mesh.rank() == 0 && !opts.quiet) {
     log_line("mesh: {}", mesh.describe());
     log_line("model: {} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
              "parameters", d.gpt2() ? "gpt2" : "llama", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
-             model.num_params() / 1e6);
+             d.num_params() / 1e6);
     log_line("batch: global {} = {} data-parallel ranks x {} micro-batches x {} sequences of {} tokens", GB, dp,
              num_micro, MB, d.T);
     if (data.train)
       log_line("data: {} ({} train samples per epoch{})", cfg.data.path, data.train->samples_per_epoch(),
                data.valid ? fmt::format(", {} validation", data.valid->samples_per_epoch()) : std::string());
-    log_line("memory: parameters+gradients+Adam {:.1f} MiB, activations {:.1f} MiB, peak for MFU {:.1f} "
-             "GFLOP/s per rank", 16.0 * model.num_params() / 1048576, model.activation_bytes() / 1048576.0,
-             peak / 1e9);
+    const DpMemory mem = runner.memory();
+    log_line("memory per rank: parameters {:.1f} MiB, gradients {:.1f} MiB, optimizer state {:.1f} MiB{}; peak "
+             "for MFU {:.1f} GFLOP/s per rank", mem.params / 1048576.0, mem.grads / 1048576.0,
+             mem.optimizer / 1048576.0, cfg.engine.distributed_optimizer ? " (distributed)" : "", peak / 1e9);
   }
 
   // ---- loop -----------------------------------------------------------------------------------
-  const int64_t N = int64_t(MB) * d.T;
-  std::vector<int32_t> tokens(size_t(per_rank) * d.T), targets(size_t(per_rank) * d.T);
+  const size_t rows = size_t(std::max<int64_t>(per_rank, tc.eval_iters * MB));
+  std::vector<int32_t> tokens(rows * d.T), targets(rows * d.T);
   MetricsWriter metrics(last_rank ? tc.metrics_file : std::string());
   TrainResult result;
   result.flops_per_step = flops_per_step;
@@ -164,13 +159,13 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
 
   // Mean loss over `count` validation micro-batches per rank.
   auto evaluate = [&]() {
-    double sums[2] = {0, 0};  // loss sum, token count
-    for (int64_t k = 0; k < tc.eval_iters; ++k) {
-      for (int b = 0; b < MB; ++b)
-        data.get(false, (k * dp + world.rank()) * MB + b, tokens.data() + b * d.T, targets.data() + b * d.T);
-      sums[0] += model.forward(tokens.data(), targets.data(), 0.0f);
-      sums[1] += double(count_targets(targets.data(), targets.data() + N));
+    const int64_t n = tc.eval_iters * MB;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = j / MB, b = j % MB;
+      data.get(false, (k * dp + world.rank()) * MB + b, tokens.data() + j * d.T, targets.data() + j * d.T);
     }
+    double sums[2] = {runner.forward_only(tokens.data(), targets.data(), int(tc.eval_iters)),
+                      double(count_targets(targets.data(), targets.data() + n * d.T))};
     world.allreduce_sum(sums, 2);
     return sums[0] / std::max(sums[1], 1.0);
   };
@@ -185,25 +180,19 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     for (int j = 0; j < per_rank; ++j)
       data.get(true, (it - 1) * GB + int64_t(world.rank()) * per_rank + j, tokens.data() + size_t(j) * d.T,
                targets.data() + size_t(j) * d.T);
-    int64_t counts[1] = {count_targets(targets.data(), targets.data() + targets.size())};
+    int64_t counts[1] = {count_targets(targets.data(), targets.data() + size_t(per_rank) * d.T)};
     world.allreduce_sum(counts, 1);
     const float dloss = 1.0f / float(std::max<int64_t>(counts[0], 1));
 
-    model.zero_grads();
-    double loss_sum = 0;
-    for (int mb = 0; mb < num_micro; ++mb) {
-      loss_sum += model.forward(tokens.data() + size_t(mb) * N, targets.data() + size_t(mb) * N, dloss);
-      model.backward();
-    }
-    world.allreduce_sum(model.grads_flat());
+    double loss_sum = runner.forward_backward(tokens.data(), targets.data(), num_micro, dloss);
     world.allreduce_sum(&loss_sum, 1);
     const double loss = loss_sum / double(std::max<int64_t>(counts[0], 1));
-    const double norm = grad_norm(*ops, model.grads_flat());
+    const double norm = runner.grad_norm();
     if (!std::isfinite(loss) || !std::isfinite(norm))
       fail("iteration {}: loss {} / gradient norm {} is not finite; lower training.lr (now {}) or raise "
            "training.warmup_iters", it, loss, norm, tc.lr);
     const double lr = sched.at(it);
-    opt.step(float(lr), clip_scale(norm, tc.clip_grad));
+    runner.optimizer_step(float(lr), clip_scale(norm, tc.clip_grad));
     const double ms = ms_since(t0);
 
     result.losses.push_back(loss);

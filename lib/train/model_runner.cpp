@@ -1,0 +1,182 @@
+// One rank's share of the model: pipeline stage, gradient reductions, norm and optimizer step.
+#include "lib/train/model_runner.h"
+
+#include <cmath>
+
+#include "lib/train/layout.h"
+#include "parallel/pipeline_parallel.h"
+
+namespace mpigpt {
+
+// The pipeline stage the executor drives: one GPT chunk per virtual stage, the micro-batch's
+// tokens from the step's batch, and the data-parallel hooks (parameters gathered before first
+// use, gradient buckets started when the last micro-batch's backward completes them).
+class ModelRunner::Stage : public PipelineStage {
+ public:
+  Stage(ModelRunner& r, const int32_t* tokens, const int32_t* targets, float dloss, bool train, int num_micro)
+      : r_(r), m_(*r.model_), tokens_(tokens), targets_(targets), dloss_(dloss), train_(train),
+        num_micro_(num_micro), N_(int64_t(m_.batch()) * m_.dims().T) {}
+  double loss_sum = 0;
+
+  Tensor forward_input(int mb, int c) override { return m_.chunk_input(c, mb); }
+  void forward(int mb, int c) override {
+    if (mb == 0) wait_params(c);
+    if (!train_ && mb > 0) m_.release(c, mb - 1);  // its output went out right after its forward
+    loss_sum += m_.forward_chunk(c, mb, tokens_ + mb * N_, targets_ + mb * N_, train_ ? dloss_ : 0.0f);
+  }
+  Tensor forward_output(int mb, int c) override { return m_.chunk_output(c, mb); }
+  Tensor backward_input(int, int c) override { return m_.chunk_grad(c); }
+  void backward(int mb, int c) override {
+    if (mb + 1 < num_micro_) return m_.backward_chunk(c, mb);
+    m_.backward_chunk(c, mb, [this](int first, int end) {
+      for (int i = first; i < end; ++i)
+        if (!r_.delayed(i)) {
+          const Range g = r_.sync_->layout().param_range(i);
+          r_.sync_->grads_ready(g.begin, g.end);
+        }
+    });
+  }
+  Tensor backward_output(int, int c) override { return m_.chunk_grad(c); }
+
+ private:
+  void wait_params(int c) {
+    const BufferLayout& l = r_.sync_->layout();
+    auto [first, end] = m_.chunk_params(c);
+    if (first < end) r_.sync_->wait_params(l.offsets[first], l.param_range(end - 1).end);
+    if (m_.has_head(c) && r_.tied_param_ >= 0) {  // the head reads the tied replica
+      const Range g = l.param_range(r_.tied_param_);
+      r_.sync_->wait_params(g.begin, g.end);
+    }
+  }
+  ModelRunner& r_;
+  GPT& m_;
+  const int32_t *tokens_, *targets_;
+  float dloss_;
+  bool train_;
+  int num_micro_;
+  int64_t N_;
+};
+
+ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, Ops& ops)
+    : cfg_(cfg), mesh_(mesh), ops_(ops), tp_(&mesh.tp(), cfg.parallel.sequence_parallel) {
+  const ParallelConfig& pc = cfg.parallel;
+  const TrainingConfig& tc = cfg.training;
+  pp_rank_ = mesh.coords().pp;
+  placement_.tp = pc.tp;
+  placement_.tp_rank = mesh.coords().tp;
+  for (const auto& layers : layers_of_stage(d.L, pc.pp, pc.vpp, pp_rank_))
+    placement_.chunks.push_back({layers.front(), layers.back() + 1});
+  placement_.first_stage = pp_rank_ == 0;
+  placement_.last_stage = pp_rank_ == pc.pp - 1;
+
+  // The flat buffers follow the data-parallel bucket plan.
+  std::vector<ParamInfo> table = build_param_table(d, placement_);
+  std::vector<int64_t> numels;
+  for (const auto& p : table) numels.push_back(p.numel());
+  const Comm& dp = mesh.dp_cp();
+  BufferLayout layout = plan_buffer(numels, cfg.engine.bucket_size, dp.size());
+  for (size_t i = 0; i < table.size(); ++i) table[i].offset = layout.offsets[i];
+  model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, layout.total);
+  model_->init_weights(tc.seed);
+
+  // Tied embeddings over a pipeline: the last stage's replica starts as stage 0's copy.
+  if (d.tied && pc.pp > 1 && (placement_.first_stage || placement_.last_stage)) {
+    tied_param_ = 0;  // the word embedding, or the replica, leads the table
+    MPIGPT_CHECK(model_->params()[tied_param_].name == "embedding.word.weight", "tied parameter not first");
+    mesh.embedding().broadcast(model_->param(tied_param_), 0);
+  }
+  if (tp_.sequence_parallel())
+    for (size_t i = 0; i < table.size(); ++i)
+      if (table[i].split == TpSplit::None && table[i].name.find("norm.") != std::string::npos)
+        sp_params_.push_back(int(i));
+
+  GradSyncOptions so;
+  so.distributed_optimizer = cfg.engine.distributed_optimizer;
+  so.overlap_grad_reduce = cfg.engine.overlap_grad_reduce;
+  so.overlap_param_gather = cfg.engine.overlap_param_gather;
+  sync_ = std::make_unique<GradSync>(dp, layout, model_->params_flat(), model_->grads_flat(), so);
+
+  AdamWConfig ac;
+  ac.beta1 = float(tc.beta1);
+  ac.beta2 = float(tc.beta2);
+  ac.eps = float(tc.eps);
+  ac.weight_decay = float(tc.weight_decay);
+  ac.no_decay = parse_no_decay(tc.no_decay);
+  opt_ = std::make_unique<AdamW>(ops, model_->params(), model_->params_flat(), model_->grads_flat(), ac,
+                                 sync_->owned_ranges());
+
+  // The gradient norm counts each parameter once: a replicated one on tp rank 0 only, the tied
+  // replica never; each owner counts its own elements.
+  std::vector<Range> counted;
+  for (size_t i = 0; i < table.size(); ++i)
+    if (!table[i].replica && (table[i].split != TpSplit::None || tp_.rank() == 0))
+      counted.push_back(layout.param_range(int(i)));
+  norm_ranges_ = intersect_ranges(counted, sync_->owned_ranges());
+
+  num_micro_ = tc.global_batch / (dp.size() * tc.micro_batch);
+  schedule_ = make_schedule(pc.pp, pc.vpp, num_micro_);
+}
+
+ModelRunner::~ModelRunner() = default;
+
+bool ModelRunner::delayed(int param) const { return param == tied_param_; }
+
+double ModelRunner::run(const std::vector<Action>& actions, const int32_t* tokens, const int32_t* targets,
+                        float dloss, bool train, int num_micro) {
+  Stage stage(*this, tokens, targets, dloss, train, num_micro);
+  run_schedule(actions, stage, mesh_.pp());
+  if (!train)
+    for (int c = 0; c < model_->num_chunks(); ++c) model_->release(c, num_micro - 1);
+  // Only the last stage has losses; every rank of the pipeline gets their sum.
+  double loss = stage.loss_sum;
+  mesh_.pp().allreduce_sum(&loss, 1);
+  return loss;
+}
+
+double ModelRunner::forward_backward(const int32_t* tokens, const int32_t* targets, int num_micro, float dloss) {
+  MPIGPT_CHECK(num_micro == num_micro_, "the schedule is made for {} micro-batches, not {}", num_micro_, num_micro);
+  model_->zero_grads();
+  const double loss = run(schedule_[pp_rank_], tokens, targets, dloss, true, num_micro);
+  finish_grads();
+  return loss;
+}
+
+// Forward only: micro-batch after micro-batch, each through the chunks in virtual-stage order.
+double ModelRunner::forward_only(const int32_t* tokens, const int32_t* targets, int num_micro) {
+  const int pp = cfg_.parallel.pp, vpp = cfg_.parallel.vpp;
+  const int prev = (pp_rank_ + pp - 1) % pp, next = (pp_rank_ + 1) % pp;
+  std::vector<Action> actions;
+  for (int mb = 0; mb < num_micro; ++mb)
+    for (int c = 0; c < vpp; ++c) {
+      const int s = virtual_stage(pp, pp_rank_, c);
+      if (s > 0) actions.push_back({ActionType::RecvForward, mb, c, prev});
+      actions.push_back({ActionType::Forward, mb, c, -1});
+      if (s + 1 < pp * vpp) actions.push_back({ActionType::SendForward, mb, c, next});
+    }
+  return run(actions, tokens, targets, 0.0f, false, num_micro);
+}
+
+void ModelRunner::finish_grads() {
+  // Tied embeddings: stage 0's word embedding and the last stage's replica get the sum of both
+  // gradients (before the data-parallel reduction, which is linear, so the order is free).
+  if (tied_param_ >= 0) mesh_.embedding().allreduce_sum(model_->grad(tied_param_));
+  sync_->finish_grad_sync();
+  // Sequence parallelism: norm weights saw only this rank's tokens.
+  for (int i : sp_params_) tp_.sum_replicated_grad(model_->grad(i));
+}
+
+double ModelRunner::grad_norm() {
+  double sq = sum_squares_of(ops_, model_->grads_flat(), norm_ranges_);
+  // Without the distributed optimizer every data-parallel rank holds the same reduced
+  // gradients, so only the model-parallel ranks hold different parts; with it the owners of
+  // the slices are spread over the whole world.
+  (cfg_.engine.distributed_optimizer ? mesh_.world() : mesh_.mp()).allreduce_sum(&sq, 1);
+  return std::sqrt(sq);
+}
+
+void ModelRunner::optimizer_step(float lr, float grad_scale) {
+  opt_->step(lr, grad_scale);
+  sync_->gather_params();
+}
+
+}  // namespace mpigpt

@@ -1,0 +1,67 @@
+// One rank's share of the model and everything that crosses ranks around it: the GPT shard of
+// its tensor-parallel rank and pipeline chunks, the pipeline schedule run by the executor, the
+// data-parallel gradient reduction (optionally the distributed optimizer), the tied-embedding
+// and sequence-parallel gradient sums, the global gradient norm and AdamW. The trainer hands
+// it the tokens of this data-parallel rank and gets the loss back; nothing here reads files.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "io/config.h"
+#include "lib/kernels/ops.h"
+#include "lib/model/gpt.h"
+#include "lib/optim/adamw.h"
+#include "parallel/data_parallel.h"
+#include "parallel/mesh.h"
+#include "parallel/schedule.h"
+#include "parallel/tensor_parallel.h"
+
+namespace mpigpt {
+
+class ModelRunner {
+ public:
+  // cfg validated for the mesh's world size; d resolved (make_dims).
+  ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, Ops& ops);
+  ~ModelRunner();
+
+  // Forward and backward of one optimizer step over `num_micro` micro-batches whose tokens and
+  // targets lie back to back (micro_batch * T each), every token's loss weighted by dloss (1 /
+  // tokens of the global batch). Afterwards the gradients are reduced over every group. Returns
+  // the loss sum of this data-parallel rank's tokens (the same on every rank of its pipeline).
+  double forward_backward(const int32_t* tokens, const int32_t* targets, int num_micro, float dloss);
+  // The loss sum without gradients (validation), as above.
+  double forward_only(const int32_t* tokens, const int32_t* targets, int num_micro);
+  // The global gradient norm: every parameter counted once over all ranks.
+  double grad_norm();
+  // AdamW on this rank's share, then the parameters go back to every rank that holds them.
+  void optimizer_step(float lr, float grad_scale);
+
+  const GPT& model() const { return *model_; }
+  const Schedule& schedule() const { return schedule_; }
+  DpMemory memory() const { return sync_->memory(); }
+  size_t activation_bytes() const { return model_->activation_bytes(); }
+
+ private:
+  class Stage;
+  double run(const std::vector<Action>& actions, const int32_t* tokens, const int32_t* targets, float dloss,
+             bool train, int num_micro);
+  void finish_grads();
+  bool delayed(int param) const;  // gradient completed only after the tied-embedding sum
+
+  const Config& cfg_;
+  const Mesh& mesh_;
+  Ops& ops_;
+  ModelPlacement placement_;
+  TensorParallel tp_;
+  std::unique_ptr<GPT> model_;
+  std::unique_ptr<GradSync> sync_;
+  std::unique_ptr<AdamW> opt_;
+  Schedule schedule_;  // for the configured number of micro-batches
+  int pp_rank_ = 0, num_micro_ = 1;
+  int tied_param_ = -1;          // this rank's word embedding (or replica) when pp > 1 ties it
+  std::vector<int> sp_params_;   // replicated parameters whose gradients are partial over tp (SP)
+  std::vector<Range> norm_ranges_;  // owned elements that count in the gradient norm
+};
+
+}  // namespace mpigpt
