@@ -1,0 +1,31 @@
+# Loss-curve regression (regression/README.md): a fixture that prepares the fortunes dataset in
+# the build tree, and the test that trains every layout of layouts.json and compares its loss
+# curve with the single-rank one. Label `regression`; `ctest -L regression` runs only these,
+# `ctest -LE regression` everything else. Included from the top-level CMakeLists.txt after
+# cmake/tests.cmake, whose MPIGPT_MPIRUN and MPIGPT_TEST_ENV it uses.
+
+# The Debian interpreter first: matplotlib and numpy come from Debian packages (make deps), which
+# a pyenv or virtualenv python3 earlier on PATH does not see. Any python3 runs the comparison;
+# only curves.png needs matplotlib.
+find_program(MPIGPT_PYTHON3 python3 PATHS /usr/bin NO_DEFAULT_PATH)
+find_program(MPIGPT_PYTHON3 python3)
+if(NOT MPIGPT_PYTHON3)
+  message(STATUS "mpigpt: no python3, the loss-curve regression test is not registered")
+  return()
+endif()
+
+set(REGRESSION_DIR ${PROJECT_BINARY_DIR}/regression)
+set(REGRESSION_RUN ${MPIGPT_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/run.py --binary $<TARGET_FILE:mpigpt>
+    --out ${REGRESSION_DIR} --data ${REGRESSION_DIR}/data/fortunes)
+string(JOIN " " REGRESSION_MPIRUN ${MPIGPT_MPIRUN})
+
+add_test(NAME regression/prepare_data COMMAND ${REGRESSION_RUN} --prepare-only)
+set_tests_properties(regression/prepare_data PROPERTIES
+  FIXTURES_SETUP regression_data LABELS regression TIMEOUT 120 ENVIRONMENT "${MPIGPT_TEST_ENV}")
+
+# Up to 8 ranks train one after another; PROCESSORS 2 keeps `ctest -j` from running other tests
+# beside it on the two cores.
+add_test(NAME regression/loss_curves COMMAND ${REGRESSION_RUN} --mpirun "${REGRESSION_MPIRUN}")
+set_tests_properties(regression/loss_curves PROPERTIES
+  FIXTURES_REQUIRED regression_data LABELS regression TIMEOUT 600 PROCESSORS 2
+  ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")

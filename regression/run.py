@@ -1,0 +1,528 @@
+#!/usr/bin/env python3
+"""Loss-curve regression: every parallel layout must reproduce the single-rank loss curve.
+
+Trains the model of tiny.ini for a few dozen steps on one rank (per model family) and then
+under each layout of layouts.json, all with the same build in the same run, and requires
+|loss - loss_single| <= tol * loss_single at every step (fp32, tol = 1e-4). The single-rank
+curves are also compared with the stored curves in reference/<family>.json (same tolerance)
+so that numerical drift across commits is noticed; --update-reference rewrites them.
+
+Writes results.json (every curve, the deviations, pass/fail) and curves.png into --out, prints
+a table and exits 1 when anything failed (2 when it could not run at all). See README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import configparser
+import datetime
+import glob
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_MPIRUN = "mpirun --allow-run-as-root --oversubscribe --bind-to none"
+FORTUNES = "/usr/share/games/fortunes"
+EXACT_FLOOR = 1e-12  # where an exact match is drawn on the log-scale deviation panel
+
+
+class SetupError(Exception):
+    """The suite cannot run at all (no binary, no corpus, bad layouts file): exit 2."""
+
+
+# ---- layouts -------------------------------------------------------------------------------
+
+def option_args(settings: dict) -> list[str]:
+    """{"parallel.tp": 2, "engine.distributed_optimizer": true} -> ["--parallel.tp", "2", ...]."""
+    args = []
+    for key, value in settings.items():
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        args += [f"--{key}", str(value)]
+    return args
+
+
+def load_layouts(path: Path) -> tuple[dict, list[dict]]:
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SetupError(f"{path}: {e}")
+    families = spec.get("families")
+    layouts = spec.get("layouts")
+    if not isinstance(families, dict) or not families or not isinstance(layouts, list):
+        raise SetupError(f"{path}: needs a 'families' object and a 'layouts' list")
+    names = set()
+    for i, lay in enumerate(layouts):
+        where = f"{path}: layouts[{i}]"
+        if not isinstance(lay.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", lay["name"]):
+            raise SetupError(f"{where}: 'name' must be a word of letters, digits and -_.+")
+        if lay["name"] in names or lay["name"] == "single":
+            raise SetupError(f"{where}: the name '{lay['name']}' is taken")
+        names.add(lay["name"])
+        if not isinstance(lay.get("ranks"), int) or not 1 <= lay["ranks"] <= 8:
+            raise SetupError(f"{where} ({lay['name']}): 'ranks' must be an integer from 1 to 8")
+        if not isinstance(lay.get("set", {}), dict):
+            raise SetupError(f"{where} ({lay['name']}): 'set' must be an object of option: value")
+        fams = lay.setdefault("families", list(families))
+        unknown = [f for f in fams if f not in families]
+        if unknown:
+            raise SetupError(f"{where} ({lay['name']}): unknown families {unknown}; known: {list(families)}")
+    return families, layouts
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+def corpus_files(corpus: str) -> list[str]:
+    """The fortune files of `corpus` (a directory), without their .dat/.u8 indexes, sorted."""
+    files = sorted(f for f in glob.glob(os.path.join(corpus, "*"))
+                   if os.path.isfile(f) and not f.endswith((".dat", ".u8")))
+    if not files:
+        raise SetupError(f"no corpus files in {corpus}; install the Debian package 'fortunes' (make deps) "
+                         "or pass --corpus DIR")
+    return files
+
+
+def prepare_data(binary: str, prefix: str, corpus: str) -> None:
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    cmd = [binary, "prepare-data", "--output", prefix, "--tokenizer", "byte", "--format", "delimited",
+           "--delimiter", "%"] + corpus_files(corpus)
+    print(f"preparing {prefix} from {corpus}", flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stdout.write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise SetupError(f"prepare-data failed with exit code {r.returncode}")
+
+
+# ---- one training run ----------------------------------------------------------------------
+
+def first_error(log: str, rc: int) -> str:
+    """The line of a failed run's output that says why."""
+    for pattern in (r"mpigpt: error.*", r".*(Segmentation fault|Aborted|Killed|signal \d+).*",
+                    r".*(error|Error|ERROR).*"):
+        m = re.search(pattern, log)
+        if m:
+            return m.group(0).strip()[:300]
+    tail = [l for l in log.splitlines() if l.strip()]
+    return (tail[-1].strip()[:300] if tail else "") or f"exit code {rc}"
+
+
+def resolved_config(log: str) -> dict:
+    """The resolved configuration rank 0 prints at start, as {section.key: value}."""
+    m = re.search(r"resolved configuration:\n(.*?)\n(?=mesh:)", log, re.S)
+    if not m:
+        return {}
+    parser = configparser.ConfigParser(inline_comment_prefixes=("#",), interpolation=None)
+    try:
+        parser.read_string(m.group(1))
+    except configparser.Error:
+        return {}
+    skip = {"data.path", "training.metrics_file", "training.train_iters"}  # differ by run, not by model
+    return {f"{s}.{k}": v for s in parser.sections() for k, v in parser[s].items() if f"{s}.{k}" not in skip}
+
+
+def read_curve(path: Path) -> tuple[list[int], list[float]]:
+    iters, losses = [], []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                if "loss" in rec:
+                    iters.append(int(rec["iter"]))
+                    losses.append(float(rec["loss"]))
+    return iters, losses
+
+
+def train(ctx, family: str, name: str, ranks: int, args: list[str]) -> dict:
+    """Runs one training job; returns its record for results.json (losses empty on failure)."""
+    tag = f"{family}-{name}"
+    metrics = ctx.out / "metrics" / f"{tag}.jsonl"
+    log_path = ctx.out / "logs" / f"{tag}.log"
+    metrics.unlink(missing_ok=True)
+    cmd = ctx.mpirun + ["-np", str(ranks), ctx.binary, "train", "--config", str(ctx.config),
+                        "--data.path", ctx.data, "--training.train_iters", str(ctx.steps),
+                        "--training.log_interval", "1", "--training.metrics_file", str(metrics)] + args
+    rec = {"family": family, "layout": name, "ranks": ranks, "args": args, "command": shlex.join(cmd),
+           "log": str(log_path), "iters": [], "losses": []}
+    print(f"[{tag}] {ranks} rank(s) {' '.join(args)}", flush=True)
+    t0 = time.monotonic()
+    # Its own session, so that a hang is ended with the whole launcher tree.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ctx.env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=ctx.timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        rc = None
+    rec["seconds"] = round(time.monotonic() - t0, 2)
+    log_path.write_text(f"$ {rec['command']}\n{output}")
+    if rc is None:
+        rec["error"] = f"timed out after {ctx.timeout} s (a hang?)"
+    elif rc != 0:
+        rec["error"] = f"exit code {rc}: {first_error(output, rc)}"
+    if metrics.exists():  # also after a failure: the steps before it help the diagnosis
+        try:
+            rec["iters"], rec["losses"] = read_curve(metrics)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # nlohmann writes a NaN as null
+            rec.setdefault("error", f"unreadable metrics file {metrics}: {e}")
+        else:
+            if "error" not in rec and rec["iters"] != list(range(1, ctx.steps + 1)):
+                rec["error"] = (f"the metrics file has iterations {rec['iters'][:3]}...{rec['iters'][-3:]} "
+                                f"({len(rec['iters'])} records), expected 1..{ctx.steps}")
+    elif "error" not in rec:
+        rec["error"] = f"the run wrote no metrics file {metrics}"
+    if name == "single":
+        rec["config"] = resolved_config(output)
+    print(f"[{tag}] {rec['seconds']:.1f} s" + (f": {rec['error']}" if "error" in rec else ""), flush=True)
+    return rec
+
+
+# ---- comparison ----------------------------------------------------------------------------
+
+def compare(losses: list[float], ref: list[float], tol: float) -> dict:
+    """Relative deviation per step of `losses` from `ref`; passes when every step is within tol."""
+    if not losses or not ref:
+        return {"rel_dev": [], "max_rel_dev": None, "worst_step": None, "pass": False,
+                "reason": "no curve" if not losses else "no reference curve"}
+    n = min(len(losses), len(ref))
+    dev = []
+    for a, b in zip(losses[:n], ref[:n]):
+        d = abs(a - b) / abs(b) if b != 0 else abs(a - b)
+        dev.append(d if math.isfinite(d) else math.inf)  # a NaN loss is the worst deviation there is
+    worst = max(range(n), key=lambda i: dev[i])
+    ok = all(d <= tol for d in dev)
+    out = {"rel_dev": dev, "max_rel_dev": dev[worst], "worst_step": worst + 1, "pass": ok}
+    if len(losses) != len(ref):
+        out["note"] = f"compared the first {n} steps ({len(losses)} run, {len(ref)} in the reference)"
+    return out
+
+
+def config_diff(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """(options whose value changed, options added or removed) between two resolved configs."""
+    changed = [f"{k}: {old[k]} -> {new[k]}" for k in sorted(set(old) & set(new)) if old[k] != new[k]]
+    other = [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}" for k in sorted(set(old) ^ set(new))]
+    return changed, other
+
+
+def check_reference(ctx, family: str, single: dict) -> dict:
+    path = ctx.reference_dir / f"{family}.json"
+    rec = {"family": family, "path": str(path)}
+    if not path.exists():
+        rec.update({"pass": False, "reason": f"no stored reference {path}; create it with --update-reference"})
+        return rec
+    try:
+        stored = json.loads(path.read_text())
+        rec["losses"] = [float(x) for x in stored["losses"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        rec.update({"pass": False, "reason": f"unreadable reference {path}: {e}; rewrite it with --update-reference"})
+        return rec
+    rec.update(compare(single["losses"], stored["losses"], ctx.tol))
+    if stored.get("config") and single.get("config"):
+        # A changed value makes the reference stale even where the curve stays within the
+        # tolerance (a small change of weight_decay does); a new or removed option with its
+        # default is only noted, so that adding options to the binary does not fail the suite.
+        changed, other = config_diff(stored["config"], single["config"])
+        if changed:
+            rec["pass"] = False
+            rec["reason"] = ("the configuration differs from the one the reference was made with: "
+                             + "; ".join(changed) + "; if that is intended, rerun with --update-reference")
+        if other:
+            rec["note"] = "; ".join(filter(None, [rec.get("note"), "options added or removed since the reference: "
+                                                   + "; ".join(other)]))
+    return rec
+
+
+def write_reference(ctx, family: str, single: dict) -> None:
+    ctx.reference_dir.mkdir(parents=True, exist_ok=True)
+    path = ctx.reference_dir / f"{family}.json"
+    doc = {
+        "_comment": "Single-rank loss curve of regression/tiny.ini for this family; written by "
+                    "regression/run.py --update-reference, compared by every run (same tolerance).",
+        "family": family,
+        "steps": len(single["losses"]),
+        "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "git": git_describe(),
+        "binary": ctx.version,
+        "data": {"corpus": ctx.corpus, "bin_bytes": ctx.data_bytes},
+        "args": single["args"],
+        "config": single.get("config", {}),
+        "losses": single["losses"],
+    }
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def binary_version(binary: str) -> str:
+    try:
+        r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+        return r.stdout.splitlines()[0].strip() if r.stdout else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def git_describe() -> str:
+    try:
+        r = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                           text=True, timeout=10)
+        return r.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def finite_json(x):
+    """x with infinite and NaN floats as strings, so that results.json stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: finite_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [finite_json(v) for v in x]
+    return x
+
+
+def fmt_dev(x) -> str:
+    if x is None:
+        return "-"
+    return "inf" if math.isinf(x) else f"{x:.2e}"
+
+
+def print_table(rows: list[dict], tol: float) -> None:
+    head = ("layout", "family", "ranks", "max rel dev", "worst step", "time", "result")
+    lines = [head] + [(r["layout"], r["family"], str(r["ranks"]), fmt_dev(r.get("max_rel_dev")),
+                       str(r.get("worst_step") or "-"), f"{r['seconds']:.1f}s" if r.get("seconds") else "-",
+                       r["result"]) for r in rows]
+    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
+    print(f"\nloss-curve regression: |loss - loss_single| <= {tol:g} * loss_single at every step")
+    for i, l in enumerate(lines):
+        print("  ".join(c.rjust(w) if 2 <= j <= 5 else c.ljust(w) for j, (c, w) in enumerate(zip(l, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    for r in rows:
+        for note in r.get("notes", []):
+            print(f"  {r['layout']} ({r['family']}): {note}")
+
+
+def plot(out: Path, singles: dict, runs: list[dict], references: dict, tol: float) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"warning: no curves.png ({e}); the Debian python3 with python3-matplotlib draws it")
+        return None
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(13, 9), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    styles = {fam: s for fam, s in zip(sorted(singles), ["-", "--", ":", "-."] * 4)}
+    layouts = sorted({r["layout"] for r in runs})
+    colors = {name: plt.cm.tab10(i % 10) if len(layouts) <= 10 else plt.cm.tab20(i % 20)
+              for i, name in enumerate(layouts)}
+    # Each curve is drawn in both panels with the same style; one legend (beside the top panel)
+    # names them all.
+    for fam, s in sorted(singles.items()):
+        if s["losses"]:
+            ax1.plot(s["iters"], s["losses"], styles[fam], color="black", lw=3, alpha=0.35,
+                     label=f"{fam} single rank")
+        ref = references.get(fam, {})
+        if ref.get("losses"):
+            ax1.plot(range(1, len(ref["losses"]) + 1), ref["losses"], styles[fam], color="black", marker="x",
+                     ms=4, lw=0.5, label=f"{fam} stored reference")
+            if ref.get("rel_dev"):
+                ax2.plot(range(1, len(ref["rel_dev"]) + 1), [max(d, EXACT_FLOOR) for d in ref["rel_dev"]],
+                         styles[fam], color="black", marker="x", ms=4, lw=0.5)
+    for r in runs:
+        if not r["losses"]:
+            continue
+        label = f"{r['family']} {r['layout']}" + ("" if r.get("pass") else " (FAIL)")
+        ax1.plot(r["iters"], r["losses"], styles[r["family"]], color=colors[r["layout"]], lw=1, label=label)
+        if r.get("rel_dev"):
+            ax2.plot(r["iters"][:len(r["rel_dev"])], [max(d, EXACT_FLOOR) for d in r["rel_dev"]],
+                     styles[r["family"]], color=colors[r["layout"]], lw=1)
+    ax1.set_ylabel("training loss")
+    ax1.set_title("loss curves: every layout against the single-rank run of its family")
+    ax1.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax1.grid(alpha=0.3)
+    ax2.set_yscale("log")
+    ax2.axhline(tol, color="red", ls="--", lw=1)
+    ax2.annotate(f"tolerance {tol:g}", (1.0, tol), xycoords=("axes fraction", "data"), xytext=(4, 0),
+                 textcoords="offset points", color="red", fontsize=8, va="center")
+    ax2.set_ylabel(f"|loss - single| / single\n(exact agreement drawn at {EXACT_FLOOR:g})")
+    ax2.set_xlabel("iteration")
+    ax2.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    path = out / "curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--binary", default=str(ROOT / "build" / "mpigpt"), help="the mpigpt executable")
+    p.add_argument("--mpirun", default=DEFAULT_MPIRUN, help="launcher command line; -np N is appended")
+    p.add_argument("--out", help="output directory (default: regression/ beside the binary)")
+    p.add_argument("--data", help="dataset prefix; prepared from --corpus when PREFIX.idx is missing "
+                                  "(default: OUT/data/fortunes)")
+    p.add_argument("--corpus", default=FORTUNES, help="directory of fortune files for the dataset")
+    p.add_argument("--layouts", default="", metavar="REGEX",
+                   help="run only layouts whose name matches (re.search); '^$' runs none, only the single-rank "
+                        "runs and their reference check")
+    p.add_argument("--families", default="", help="comma-separated model families (default: all)")
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: training.train_iters of --config)")
+    p.add_argument("--tol", type=float, default=1e-4, help="relative tolerance per step")
+    p.add_argument("--config", default=str(HERE / "tiny.ini"), help="base INI config")
+    p.add_argument("--layouts-file", default=str(HERE / "layouts.json"), help="layouts and families")
+    p.add_argument("--reference-dir", default=str(HERE / "reference"), help="stored single-rank curves")
+    p.add_argument("--update-reference", action="store_true",
+                   help="rewrite reference/<family>.json from this run's single-rank curves")
+    p.add_argument("--layout-args", default="", metavar="ARGS",
+                   help="extra options for the layout runs only (not the single-rank runs), e.g. "
+                        "'--training.lr 1.01e-3' to see that the suite catches a difference")
+    p.add_argument("--timeout", type=int, default=120, help="seconds before one training run counts as hung")
+    p.add_argument("--prepare-only", action="store_true", help="prepare the dataset and exit")
+    p.add_argument("--list", action="store_true", help="list the layouts and exit")
+    return p.parse_args(argv)
+
+
+class Context:
+    pass
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    families, layouts = load_layouts(Path(a.layouts_file))
+    if a.list:
+        for lay in layouts:
+            print(f"{lay['name']:<30} {lay['ranks']} ranks  {' '.join(option_args(lay.get('set', {})))}"
+                  f"  [{', '.join(lay['families'])}]")
+        return 0
+    ctx = Context()
+    ctx.binary = os.path.abspath(a.binary)
+    if not os.access(ctx.binary, os.X_OK):
+        raise SetupError(f"no mpigpt executable at {ctx.binary}; build it (cmake --build BUILD --target mpigpt) "
+                         "or pass --binary")
+    ctx.version = binary_version(ctx.binary)
+    ctx.out = Path(a.out or Path(ctx.binary).parent / "regression").resolve()
+    ctx.data = os.path.abspath(a.data or ctx.out / "data" / "fortunes")
+    ctx.corpus = a.corpus
+    if a.prepare_only or not os.path.exists(ctx.data + ".idx"):
+        prepare_data(ctx.binary, ctx.data, a.corpus)
+        if a.prepare_only:
+            return 0
+    ctx.data_bytes = os.path.getsize(ctx.data + ".bin") if os.path.exists(ctx.data + ".bin") else None
+    ctx.config = Path(a.config).resolve()
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read(ctx.config)
+    ctx.steps = a.steps or ini.getint("training", "train_iters", fallback=32)
+    ctx.tol = a.tol
+    ctx.timeout = a.timeout
+    ctx.reference_dir = Path(a.reference_dir).resolve()
+    ctx.mpirun = shlex.split(a.mpirun)
+    # One thread per rank: the ranks share the cores, and BLAS threads would only fight them.
+    ctx.env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    ctx.env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    ctx.env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    for sub in ("metrics", "logs"):
+        (ctx.out / sub).mkdir(parents=True, exist_ok=True)
+
+    fams = [f for f in a.families.split(",") if f] or list(families)
+    unknown = [f for f in fams if f not in families]
+    if unknown:
+        raise SetupError(f"--families: unknown {unknown}; known: {list(families)}")
+    try:
+        selected = [lay for lay in layouts if re.search(a.layouts, lay["name"])]
+    except re.error as e:
+        raise SetupError(f"--layouts '{a.layouts}': {e}")
+    extra = shlex.split(a.layout_args)
+
+    t_start = time.monotonic()
+    singles, references, runs, rows = {}, {}, [], []
+    for fam in fams:
+        fam_args = option_args(families[fam])
+        s = train(ctx, fam, "single", 1, fam_args)
+        singles[fam] = s
+        row = {"layout": "single vs stored", "family": fam, "ranks": 1, "seconds": s["seconds"], "notes": []}
+        if "error" in s:
+            row.update(result="ERROR", notes=[s["error"]])
+        elif a.update_reference:
+            write_reference(ctx, fam, s)
+            row.update(result="UPDATED")
+        else:
+            ref = check_reference(ctx, fam, s)
+            references[fam] = ref
+            row.update(max_rel_dev=ref.get("max_rel_dev"), worst_step=ref.get("worst_step"),
+                       result="PASS" if ref["pass"] else "FAIL")
+            for key in ("reason", "note"):
+                if ref.get(key):
+                    row["notes"].append(ref[key])
+        rows.append(row)
+    for lay in selected:
+        for fam in fams:
+            if fam not in lay["families"]:
+                continue
+            args = option_args(families[fam]) + option_args(lay.get("set", {})) + extra
+            r = train(ctx, fam, lay["name"], lay["ranks"], args)
+            row = {"layout": lay["name"], "family": fam, "ranks": lay["ranks"], "seconds": r["seconds"], "notes": []}
+            if "error" in r:
+                row.update(result="ERROR", notes=[r["error"]])
+                r["pass"] = False
+            elif "error" in singles[fam]:
+                row.update(result="ERROR", notes=["no single-rank curve to compare with"])
+                r["pass"] = False
+            else:
+                c = compare(r["losses"], singles[fam]["losses"], ctx.tol)
+                r.update(c)
+                row.update(max_rel_dev=c["max_rel_dev"], worst_step=c["worst_step"],
+                           result="PASS" if c["pass"] else "FAIL")
+            runs.append(r)
+            rows.append(row)
+    total = time.monotonic() - t_start
+
+    ok = all(r["result"] in ("PASS", "UPDATED") for r in rows)
+    png = plot(ctx.out, singles, runs, references, ctx.tol)
+    results = {
+        "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "git": git_describe(),
+        "binary": ctx.binary,
+        "binary_version": ctx.version,
+        "mpirun": a.mpirun,
+        "config": str(ctx.config),
+        "data": ctx.data,
+        "steps": ctx.steps,
+        "tolerance": ctx.tol,
+        "layout_args": extra,
+        "seconds": round(total, 1),
+        "pass": ok,
+        "singles": singles,
+        "reference_checks": references,
+        "layouts": runs,
+        "table": [{k: v for k, v in r.items() if k != "notes"} | {"notes": r["notes"]} for r in rows],
+        "plot": png,
+    }
+    (ctx.out / "results.json").write_text(json.dumps(finite_json(results), indent=1, allow_nan=False) + "\n")
+    print_table(rows, ctx.tol)
+    print(f"\n{len(rows)} checks in {total:.0f} s; results in {ctx.out / 'results.json'}"
+          + (f", plot {png}" if png else "") + f", logs in {ctx.out / 'logs'}")
+    failed = [f"{r['layout']} ({r['family']})" for r in rows if r["result"] not in ("PASS", "UPDATED")]
+    print("PASS" if ok else f"FAIL: {', '.join(failed)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SetupError as e:
+        print(f"regression: {e}", file=sys.stderr)
+        sys.exit(2)
