@@ -20,7 +20,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
 FORTUNES := $(filter-out %.dat %.u8,$(wildcard /usr/share/games/fortunes/*))
 RUN_NP   ?= 1
 
-.PHONY: all build deps run test bench clean
+.PHONY: all build deps run test bench bench-parallel clean
 
 all: build
 
@@ -62,6 +62,16 @@ test: deps build
 
 bench: deps build
 	OMP_NUM_THREADS=2 $(BUILD)/mpigpt bench --config inputs/gpt2_124m_bench.ini
+
+# Memory, communication volume and bubble of one model under several layouts (8 ranks at most).
+PAR_LAYOUTS := "1" "2" "2 --engine.distributed_optimizer true" "4" "4 --engine.distributed_optimizer true" \
+  "2 --parallel.tp 2" "2 --parallel.tp 2 --parallel.sequence_parallel true" "2 --parallel.pp 2" \
+  "4 --parallel.pp 4" "4 --parallel.pp 4 --parallel.vpp 2" \
+  "8 --parallel.tp 2 --parallel.pp 2 --engine.distributed_optimizer true --engine.overlap_grad_reduce true --engine.overlap_param_gather true"
+bench-parallel: deps build
+	@for l in $(PAR_LAYOUTS); do set -- $$l; np=$$1; shift; echo "== np $$np $$*"; \
+	  $(MPIRUN) -np $$np -x OMP_NUM_THREADS=1 $(BUILD)/mpigpt bench --config inputs/gpt2_parallel_bench.ini \
+	    --bench-steps 2 --bench-warmup 1 "$$@" | grep -E "bench: (per rank|communication|pipeline)"; done
 
 clean:
 	rm -rf $(BUILD)

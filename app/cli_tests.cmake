@@ -43,3 +43,11 @@ cli_test(train_short ok "validation at iter 300: loss [0-2]\\.|validation at ite
 # The layout plan for any world size, without training.
 cli_test(dry_run ok "rank 5 = \\(tp 1, cp 0, ep 0, dp 0, pp 1\\) \\| layers 2-3, 6-7 \\+head" "${BIN} train --dry-run --world-size 8 --tp 2 --pp 2 --parallel.vpp 2 --model.num_layers 8 --training.global_batch 16")
 cli_test(dry_run_bad_order fail "parallel.order = 'tp-dp-xp'" "${BIN} train --dry-run --world-size 8 --parallel.order tp-dp-xp")
+
+# Layouts that cannot run: every rank exits with the message (the timeout catches a hang).
+cli_test(vpp_without_pp_np2 fail "parallel.vpp = 2 needs parallel.pp > 1" "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --parallel.vpp 2")
+cli_test(interleaved_microbatches_np2 fail "number of micro-batches.*parallel.pp = 2" "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --parallel.pp 2 --parallel.vpp 1 --model.num_layers 4 --parallel.vpp 2 --training.global_batch 2 --training.micro_batch 2")
+cli_test(heads_over_tp_np2 fail "model.num_heads = 3 is not divisible by parallel.tp = 2" "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --model.num_heads 3 --model.hidden 36 --parallel.tp 2")
+cli_test(repeated_axis fail "parallel.order = 'tp-tp-dp-pp'" "${BIN} train --dry-run --world-size 4 --parallel.order tp-tp-dp-pp")
+# A multi-rank layout trains end to end and prints its mesh.
+cli_test(tp_pp_train_np4 ok "iter +10/10 .*loss [0-9]" "T=tppp && ${PREP} ${FORTUNES} && ${MPIRUN_STR} -np 4 ${BIN} train ${TINY} --parallel.tp 2 --parallel.pp 2 --training.train_iters 10 --training.eval_interval 5 --training.peak_tflops 1 --data.path ${CLI_DIR}/tppp/c")

@@ -62,6 +62,24 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
 
   Mesh mesh(MPI_COMM_WORLD, mesh_sizes(cfg.parallel));
   TrainResult r = train(cfg, mesh, opts);
+  if (bench) {
+    // Memory and traffic differ per rank (pipeline stages, slices): report the largest.
+    std::vector<int64_t> v = {r.memory.params, r.memory.grads, r.memory.optimizer};
+    for (const auto& g : r.comm_bytes) v.push_back(g.second);
+    MPI_Allreduce(MPI_IN_PLACE, v.data(), int(v.size()), MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    const double MiB = 1048576.0;
+    std::string comm;
+    for (size_t i = 0; i < r.comm_bytes.size(); ++i)
+      comm += fmt::format("{}{} {}", i ? ", " : "", r.comm_bytes[i].first,
+                          v[3 + i] >= 1048576 ? fmt::format("{:.2f} MiB", v[3 + i] / MiB)
+                                              : fmt::format("{:.1f} KiB", v[3 + i] / 1024.0));
+    if (mpi.rank() == 0) {
+      log_line("bench: per rank (max over ranks): parameters {:.1f} MiB, gradients {:.1f} MiB, optimizer state "
+               "{:.1f} MiB = {:.1f} MiB", v[0] / MiB, v[1] / MiB, v[2] / MiB, (v[0] + v[1] + v[2]) / MiB);
+      log_line("bench: communication of one step per rank and group (max over ranks): {}", comm);
+      log_line("bench: pipeline bubble of the schedule (simulated, backward = 2 x forward): {:.1f}%", 100 * r.bubble);
+    }
+  }
   if (bench && mpi.rank() == 0) {
     std::vector<double> t(r.step_ms.begin() + warmup, r.step_ms.end());
     std::sort(t.begin(), t.end());

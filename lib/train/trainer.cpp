@@ -174,7 +174,15 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   m.total_iters = tc.train_iters;
   double interval_loss = 0, interval_ms = 0, total_ms = 0;
   int interval_steps = 0;
+  // The groups whose traffic the last step reports (the comm layer counts every call).
+  const std::vector<std::pair<std::string, const Comm*>> groups = {
+      {"tp", &mesh.tp()}, {"pp", &mesh.pp()}, {"dp_cp", &mesh.dp_cp()}, {"embedding", &mesh.embedding()},
+      {"mp", &mesh.mp()}, {"world", &mesh.world()}};
+  result.memory = runner.memory();
+  result.bubble = simulate(runner.schedule(), pc.pp, pc.vpp, 1.0, 2.0).bubble;
   for (int64_t it = 1; it <= tc.train_iters; ++it) {
+    if (it == tc.train_iters)
+      for (const auto& g : groups) g.second->reset_stats();
     const auto t0 = Clock::now();
     // This rank's samples of the global batch: the global batch index alone decides them.
     for (int j = 0; j < per_rank; ++j)
@@ -194,6 +202,8 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     const double lr = sched.at(it);
     runner.optimizer_step(float(lr), clip_scale(norm, tc.clip_grad));
     const double ms = ms_since(t0);
+    if (it == tc.train_iters)
+      for (const auto& g : groups) result.comm_bytes.emplace_back(g.first, g.second->stats().total());
 
     result.losses.push_back(loss);
     result.grad_norms.push_back(norm);

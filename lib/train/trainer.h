@@ -7,6 +7,7 @@
 
 #include "io/config.h"
 #include "lib/model/gpt_dims.h"
+#include "parallel/data_parallel.h"
 #include "parallel/mesh.h"
 
 namespace mpigpt {
@@ -23,6 +24,10 @@ struct TrainResult {
   std::vector<std::pair<int64_t, double>> val_losses;  // (iter, loss) of every evaluation
   double flops_per_step = 0;   // model FLOPs of one step on this rank
   double peak_flops = 0;       // the rate MFU is measured against (configured or measured)
+  DpMemory memory;             // this rank's parameters, gradients and optimizer state
+  // Payload bytes this rank handed to each group's collectives and messages in the last step.
+  std::vector<std::pair<std::string, int64_t>> comm_bytes;
+  double bubble = 0;           // the pipeline schedule's simulated bubble (backward = 2 x forward)
 };
 
 // Resolve the network's sizes from the model config and the tokenizer's vocabulary.
