@@ -10,7 +10,7 @@ NPM_DIR    := .deps/npm
 
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev openssh-client \
   libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libfmt-dev doctest-dev \
-  libopenblas-openmp-dev nlohmann-json3-dev libicu-dev fortunes nodejs python3-matplotlib python3-numpy
+  libopenblas-openmp-dev nlohmann-json3-dev libicu-dev fortunes nodejs python3-matplotlib python3-numpy procps
 
 # Root may start mpirun only when it says so; tests also need --oversubscribe on 2 cores.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -20,7 +20,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
 FORTUNES := $(filter-out %.dat %.u8,$(wildcard /usr/share/games/fortunes/*))
 RUN_NP   ?= 1
 
-.PHONY: all build deps run test bench bench-parallel clean
+.PHONY: all build deps run test bench bench-parallel bench-checkpoint clean
 
 all: build
 
@@ -72,6 +72,16 @@ bench-parallel: deps build
 	@for l in $(PAR_LAYOUTS); do set -- $$l; np=$$1; shift; echo "== np $$np $$*"; \
 	  $(MPIRUN) -np $$np -x OMP_NUM_THREADS=1 $(BUILD)/mpigpt bench --config inputs/gpt2_parallel_bench.ini \
 	    --bench-steps 2 --bench-warmup 1 "$$@" | grep -E "bench: (per rank|communication|pipeline)"; done
+
+# Checkpoint save/load bandwidth of GPT-2 124M with Adam state (distributed optimizer) at 1-8
+# ranks, next to the disk's raw sequential write bandwidth (dd with fsync) in the same place.
+CKPT_DIR ?= $(BUILD)/bench_checkpoint
+bench-checkpoint: deps build
+	@mkdir -p $(CKPT_DIR) && echo "== dd: 1 GiB sequential write with fsync into $(CKPT_DIR)" && \
+	  dd if=/dev/zero of=$(CKPT_DIR)/dd.tmp bs=1M count=1024 conv=fsync 2>&1 | tail -1 && rm -f $(CKPT_DIR)/dd.tmp
+	@for np in 1 2 4 8; do \
+	  $(MPIRUN) -np $$np -x OMP_NUM_THREADS=1 $(BUILD)/mpigpt bench-checkpoint --config inputs/gpt2_124m_bench.ini \
+	    --engine.distributed_optimizer true --training.micro_batch 1 --training.global_batch 8 --checkpoint.save $(CKPT_DIR)/np$$np | grep "bench-checkpoint:"; done
 
 clean:
 	rm -rf $(BUILD)

@@ -51,3 +51,34 @@ cli_test(heads_over_tp_np2 fail "model.num_heads = 3 is not divisible by paralle
 cli_test(repeated_axis fail "parallel.order = 'tp-tp-dp-pp'" "${BIN} train --dry-run --world-size 4 --parallel.order tp-tp-dp-pp")
 # A multi-rank layout trains end to end and prints its mesh.
 cli_test(tp_pp_train_np4 ok "iter +10/10 .*loss [0-9]" "T=tppp && ${PREP} ${FORTUNES} && ${MPIRUN_STR} -np 4 ${BIN} train ${TINY} --parallel.tp 2 --parallel.pp 2 --training.train_iters 10 --training.eval_interval 5 --training.peak_tflops 1 --data.path ${CLI_DIR}/tppp/c")
+
+# Checkpoints: save, inspect, resume, and every way a save can be unusable.
+set(CK "${TINY} --training.eval_interval 0 --training.peak_tflops 1 --data.path ${CLI_DIR}/ck/c")
+set(CKPREP "mkdir -p ${CLI_DIR}/ck && ( [ -f ${CLI_DIR}/ck/c.idx ] || ${BIN} prepare-data --output ${CLI_DIR}/ck/c --format delimited --delimiter % ${FORTUNES} )")
+function(ckpt_test name mode regex cmd)
+  cli_test(${name} ${mode} ${regex} "${CKPREP} >/dev/null && ${cmd}")
+  set_tests_properties(cli/${name} PROPERTIES RESOURCE_LOCK ckpt_data)
+endfunction()
+ckpt_test(ckpt_save_info ok "model/layers.1.mlp.fc.weight +\\(128, 32\\) .* ok$"
+  "rm -rf ${CLI_DIR}/s1 && ${BIN} train ${CK} --training.train_iters 10 --checkpoint.save ${CLI_DIR}/s1 --checkpoint.save_interval 5 && ls ${CLI_DIR}/s1 && ${BIN} checkpoint info ${CLI_DIR}/s1 --verify")
+ckpt_test(ckpt_keep_last ok "^iter_0000006 iter_0000008 latest$"
+  "rm -rf ${CLI_DIR}/s2 && ${BIN} train ${CK} --training.train_iters 8 --checkpoint.save ${CLI_DIR}/s2 --checkpoint.save_interval 2 --checkpoint.keep_last 2 >/dev/null && echo $(ls ${CLI_DIR}/s2)")
+ckpt_test(ckpt_no_latest fail "no .*/nothing_here/latest"
+  "mkdir -p ${CLI_DIR}/nothing_here && ${BIN} train ${CK} --checkpoint.load ${CLI_DIR}/nothing_here")
+ckpt_test(ckpt_other_shape fail "saved with model.hidden = 32. this run has model.hidden = 64"
+  "rm -rf ${CLI_DIR}/s3 && ${BIN} train ${CK} --training.train_iters 2 --checkpoint.save ${CLI_DIR}/s3 >/dev/null && ${BIN} train ${CK} --model.hidden 64 --checkpoint.load ${CLI_DIR}/s3")
+ckpt_test(ckpt_flipped_byte fail "checkpoint.h5.*model/layers.0.mlp.fc.weight.*checksum|checksum.*model/layers.0.mlp.fc.weight"
+  "rm -rf ${CLI_DIR}/s4 && ${BIN} train ${CK} --training.train_iters 2 --checkpoint.save ${CLI_DIR}/s4 >/dev/null && f=${CLI_DIR}/s4/iter_0000002/checkpoint.h5 && off=$(h5dump -p -H -d /model/layers.0.mlp.fc.weight $f | grep -o 'OFFSET [0-9]*' | cut -d' ' -f2) && printf '\\x5a' | dd of=$f bs=1 seek=$((off + 1001)) conv=notrunc status=none && ${BIN} train ${CK} --training.train_iters 3 --checkpoint.load ${CLI_DIR}/s4")
+ckpt_test(ckpt_truncated fail "checkpoint.h5"
+  "rm -rf ${CLI_DIR}/s5 && ${BIN} train ${CK} --training.train_iters 2 --checkpoint.save ${CLI_DIR}/s5 >/dev/null && f=${CLI_DIR}/s5/iter_0000002/checkpoint.h5 && truncate -s $(( $(stat -c %s $f) / 2 )) $f && ${BIN} train ${CK} --training.train_iters 3 --checkpoint.load ${CLI_DIR}/s5")
+# A rank killed in the middle of a save: the job ends (the timeout would catch a hang), `latest`
+# still names the previous save, and training resumes from it.
+ckpt_test(ckpt_kill_in_save_np2 ok "resumed from .*iter_0000004"
+  "rm -rf ${CLI_DIR}/s6 && ! ${MPIRUN_STR} -np 2 -x MPIGPT_FAULT_KILL_IN_SAVE=8:1 ${BIN} train ${CK} --training.train_iters 8 --checkpoint.save ${CLI_DIR}/s6 --checkpoint.save_interval 4 >/dev/null 2>&1 && grep -qx iter_0000004 ${CLI_DIR}/s6/latest && ${MPIRUN_STR} -np 2 ${BIN} train ${CK} --training.train_iters 6 --checkpoint.load ${CLI_DIR}/s6")
+# SIGTERM to every rank (what Slurm does before the time limit): save at the step boundary, exit 0.
+ckpt_test(ckpt_sigterm_np2 ok "^exit 0, latest = iter_[0-9]+$"
+  "${PROJECT_SOURCE_DIR}/app/testdata/sigterm_run.sh ${CLI_DIR}/s7 ${MPIRUN_STR} -np 2 -- ${BIN} train ${CK} --training.train_iters 1000000 > ${CLI_DIR}/s7.out && grep -E 'SIGTERM: stopped after iteration [0-9]+, checkpoint saved' ${CLI_DIR}/s7.out && grep '^exit' ${CLI_DIR}/s7.out")
+# Interchange: checkpoint -> Hugging Face -> checkpoint is bit-identical (every model checksum),
+# and training starts from the llm.c export of it.
+ckpt_test(ckpt_convert_roundtrip ok "weights: from the llm.c model"
+  "rm -rf ${CLI_DIR}/cv && ${BIN} train ${CK} --training.train_iters 3 --checkpoint.save ${CLI_DIR}/cv/a >/dev/null && ${BIN} convert --to hf ${CLI_DIR}/cv/a ${CLI_DIR}/cv/hf && ${BIN} convert --from hf ${CLI_DIR}/cv/hf ${CLI_DIR}/cv/b && ${BIN} checkpoint info ${CLI_DIR}/cv/a | grep '^model/' > ${CLI_DIR}/cv/a.txt && ${BIN} checkpoint info ${CLI_DIR}/cv/b | grep '^model/' > ${CLI_DIR}/cv/b.txt && test -s ${CLI_DIR}/cv/a.txt && diff ${CLI_DIR}/cv/a.txt ${CLI_DIR}/cv/b.txt && ${BIN} convert --to llmc ${CLI_DIR}/cv/b ${CLI_DIR}/cv/m.bin && ${BIN} train ${CK} --model.num_layers 2 --training.train_iters 2 --init-from-llmc ${CLI_DIR}/cv/m.bin")

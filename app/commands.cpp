@@ -33,6 +33,9 @@ int cmd_help() {
       "  train          train a model (mpigpt train --help lists every option by section)\n"
       "  prepare-data   turn text (files, delimited files, JSONL) into an indexed token dataset\n"
       "  bench          time training steps of a configuration and print the median ms/step\n"
+      "  checkpoint     checkpoint info DIR [--verify]: what a save holds\n"
+      "  bench-checkpoint  save/load time and bandwidth of a model with its optimizer state\n"
+      "  convert        a checkpoint to/from a Hugging Face directory or an llm.c model file\n"
       "  help           this text\n"
       "  --version      version and build facts\n\n"
       "example:\n"
@@ -53,7 +56,10 @@ int dispatch(const std::vector<std::string>& args, const MpiEnv& mpi) {
   if (cmd == "train") return cmd_train(rest, mpi, false);
   if (cmd == "bench") return cmd_train(rest, mpi, true);
   if (cmd == "prepare-data") return run_prepare_data(rest, mpi.rank());
-  fail("unknown command '{}'; the commands are train, prepare-data, bench, help, --version", cmd);
+  if (cmd == "checkpoint") return cmd_checkpoint(rest, mpi);
+  if (cmd == "convert") return cmd_convert(rest, mpi);
+  if (cmd == "bench-checkpoint") return cmd_bench_checkpoint(rest, mpi);
+  fail("unknown command '{}'; the commands are train, prepare-data, bench, bench-checkpoint, checkpoint, convert, help, --version", cmd);
 }
 
 }  // namespace mpigpt::app

@@ -11,6 +11,9 @@ namespace mpigpt::app {
 int dispatch(const std::vector<std::string>& args, const MpiEnv& mpi);
 
 int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench);
+int cmd_bench_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi);
+int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi);
+int cmd_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi);
 int cmd_version();
 int cmd_help();
 

@@ -7,6 +7,8 @@
 
 #include "app/commands.h"
 #include "io/config.h"
+#include "io/hf_format.h"
+#include "io/llmc_model.h"
 #include "lib/core/log.h"
 #include "lib/train/layout.h"
 #include "lib/train/trainer.h"
@@ -48,6 +50,19 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     cfg.training.peak_tflops = 0;  // measure this machine's GEMM peak for the floor printed below
     opts.synthetic_data = true;
     opts.quiet = true;
+  }
+  // A model to start from decides the model's shape.
+  if (!cfg.checkpoint.init_from_hf.empty()) {
+    int vocab = 0;
+    ModelConfig m = read_hf_config(cfg.checkpoint.init_from_hf, &vocab);
+    m.vocab_size = vocab;
+    cfg.adopt_model(m, cfg.checkpoint.init_from_hf);
+  } else if (!cfg.checkpoint.init_from_llmc.empty()) {
+    ModelConfig m;
+    int vocab = 0;
+    read_llmc_model(cfg.checkpoint.init_from_llmc, &m, &vocab, nullptr);
+    m.vocab_size = vocab;
+    cfg.adopt_model(m, cfg.checkpoint.init_from_llmc);
   }
   if (world_size != mpi.size() && !dry_run)
     fail("--world-size {} only plans a layout with --dry-run; this job has {} rank(s)", world_size, mpi.size());

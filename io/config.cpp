@@ -137,6 +137,8 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(checkpoint, save_interval, "save every this many steps (0: only at the end if save is set)"),
       MPIGPT_OPTION(checkpoint, load, "directory to resume from"),
       MPIGPT_OPTION(checkpoint, keep_last, "keep only the newest N saves (0: keep all)"),
+      MPIGPT_OPTION(checkpoint, init_from_hf, "start from a Hugging Face model directory (config.json + safetensors)"),
+      MPIGPT_OPTION(checkpoint, init_from_llmc, "start from an llm.c GPT-2 model file (gpt2_124M.bin)"),
   };
   return table;
 }
@@ -329,6 +331,28 @@ void config_set(Config& c, const std::string& name, const std::string& text, con
   const std::string full = resolve_option_name(name, config_options(), where);
   parse_into(find_row(full), c, text, where);
   c.user_set.insert(full);
+}
+
+void Config::adopt_model(const ModelConfig& m, const std::string& source) {
+  auto take = [&](const char* key, auto& mine, const auto& theirs) {
+    const std::string name = std::string("model.") + key;
+    if (user_set.count(name) && mine != theirs)
+      fail("{} = {} but {} holds a model with {} = {}; leave {} out (it is taken from the model) or load a "
+           "matching model", name, config_get(*this, name), source, name, fmt::format("{}", theirs), name);
+    mine = theirs;
+    user_set.insert(name);  // resolve_defaults must not derive it again
+  };
+  take("family", model.family, m.family);
+  take("num_layers", model.num_layers, m.num_layers);
+  take("hidden", model.hidden, m.hidden);
+  take("num_heads", model.num_heads, m.num_heads);
+  take("num_kv_heads", model.num_kv_heads, m.num_kv_heads);
+  take("ffn_hidden", model.ffn_hidden, m.ffn_hidden);
+  take("max_position", model.max_position, m.max_position);
+  take("vocab_size", model.vocab_size, m.vocab_size);
+  take("norm_eps", model.norm_eps, m.norm_eps);
+  take("rope_theta", model.rope_theta, m.rope_theta);
+  take("tie_embeddings", model.tie_embeddings, m.tie_embeddings);
 }
 
 void Config::resolve_defaults() {

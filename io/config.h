@@ -94,6 +94,8 @@ struct CheckpointConfig {
   int64_t save_interval = 0;            // save every this many steps (0: only at the end if save is set)
   std::string load;                     // directory to resume from
   int keep_last = 0;                    // keep only the newest N saves (0: keep all)
+  std::string init_from_hf;             // start from a Hugging Face model directory (config.json + safetensors)
+  std::string init_from_llmc;           // start from an llm.c GPT-2 model file (gpt2_124M.bin)
 };
 
 struct Config {
@@ -111,6 +113,9 @@ struct Config {
   // Fill derived defaults (num_kv_heads, ffn_hidden, max_position, tie_embeddings per family).
   // tie_embeddings follows the family (gpt2 true, llama false) unless user_set names it.
   void resolve_defaults();
+  // Take the model's shape from a model being imported (`source`: its path, for messages):
+  // fields the user did not set are copied, a field the user set to another value is an error.
+  void adopt_model(const ModelConfig& m, const std::string& source);
   // Cross-check everything for `world_size` ranks; throws mpigpt::Error naming the fields.
   void validate(int world_size) const;
   // Data-parallel size implied by the world size and the model-parallel sizes.

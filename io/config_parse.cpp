@@ -169,9 +169,25 @@ std::string help_text(const po::options_description& visible) {
 
 }  // namespace
 
-ParsedArgs parse_config_args(const std::vector<std::string>& args, const std::vector<std::string>& extra_flags) {
+ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std::vector<std::string>& extra_flags) {
   const std::vector<ConfigOption>& options = config_options();
   const std::vector<Flag> flags = parse_flag_specs(extra_flags);
+  // Megatron-LM spells options with dashes (--save-interval); config keys use underscores.
+  // Subcommand flags keep their dashes (--dry-run).
+  std::vector<std::string> args = raw_args;
+  for (std::string& a : args) {
+    if (a.size() <= 2 || a.rfind("--", 0) != 0) continue;
+    const size_t end = std::min(a.find('='), a.size());
+    const std::string name = a.substr(2, end - 2);
+    if (name.find('-') == std::string::npos) continue;
+    std::string key = name;
+    std::replace(key.begin(), key.end(), '-', '_');
+    // Only a spelling of a real option is rewritten; anything else keeps its words for the error.
+    const bool known = std::any_of(options.begin(), options.end(),
+                                   [&](const ConfigOption& o) { return o.name() == key || o.key == key; });
+    if (known && std::none_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == name; }))
+      a.replace(2, end - 2, key);
+  }
   std::map<std::string, std::vector<std::string>> by_key;  // bare key -> full names
   for (const ConfigOption& o : options) by_key[o.key].push_back(o.name());
   auto is_flag = [&](const std::string& n) {

@@ -83,6 +83,12 @@ TEST_CASE("config: bare keys on the command line and in a file without section")
   CHECK(c.parallel.tp == 2);
   CHECK(c.model.num_layers == 3);
   CHECK(c.model.family == "llama");
+  // Megatron-LM's dashed spellings name the same keys.
+  Config m = parsed({"--save", "ck", "--save-interval", "5", "--checkpoint.keep-last", "2", "--micro-batch=2"});
+  CHECK(m.checkpoint.save == "ck");
+  CHECK(m.checkpoint.save_interval == 5);
+  CHECK(m.checkpoint.keep_last == 2);
+  CHECK(m.training.micro_batch == 2);
   TempIni f("bare.ini", "seed = 99\n[model]\nhidden = 512\n");
   Config d = parsed({"--config", f.str()});
   CHECK(d.training.seed == 99);

@@ -105,6 +105,14 @@ void check_ranges(const Config& c) {
 
   at_least("checkpoint.save_interval", c.checkpoint.save_interval, int64_t{0});
   at_least("checkpoint.keep_last", c.checkpoint.keep_last, 0);
+  {
+    const CheckpointConfig& k = c.checkpoint;
+    const int starts = !k.load.empty() + !k.init_from_hf.empty() + !k.init_from_llmc.empty();
+    if (starts > 1)
+      fail("checkpoint.load = '{}', checkpoint.init_from_hf = '{}' and checkpoint.init_from_llmc = '{}': give at most "
+           "one place to start from (load resumes a run, init_from_* only takes the weights)", k.load, k.init_from_hf,
+           k.init_from_llmc);
+  }
   if (c.checkpoint.save_interval > 0 && c.checkpoint.save.empty())
     fail("checkpoint.save_interval = {} but checkpoint.save is empty; set checkpoint.save = DIR to save, "
          "or save_interval = 0", c.checkpoint.save_interval);

@@ -33,6 +33,7 @@ class AdamW {
   // One step at learning rate lr; gradients are multiplied by grad_scale first (clipping).
   void step(float lr, float grad_scale);
   int64_t steps() const { return step_; }
+  void set_steps(int64_t s) { step_ = s; }  // resuming from a checkpoint
   // The moments of the updated elements, packed (state_numel() elements).
   Tensor m() const { return m_.tensor({state_numel_}); }
   Tensor v() const { return v_.tensor({state_numel_}); }

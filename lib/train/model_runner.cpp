@@ -119,6 +119,8 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
 
 ModelRunner::~ModelRunner() = default;
 
+bool ModelRunner::writes_replicated() const { return tp_.rank() == 0 && mesh_.dp_cp().rank() == 0; }
+
 bool ModelRunner::delayed(int param) const { return param == tied_param_; }
 
 double ModelRunner::run(const std::vector<Action>& actions, const int32_t* tokens, const int32_t* targets,

@@ -38,6 +38,12 @@ class ModelRunner {
   void optimizer_step(float lr, float grad_scale);
 
   const GPT& model() const { return *model_; }
+  GPT& model() { return *model_; }
+  AdamW& optimizer() { return *opt_; }
+  const Mesh& mesh() const { return mesh_; }
+  // Rank that writes replicated data: tp rank 0 of data-parallel rank 0.
+  bool writes_replicated() const;
+  bool distributed_optimizer() const { return cfg_.engine.distributed_optimizer; }
   const Schedule& schedule() const { return schedule_; }
   DpMemory memory() const { return sync_->memory(); }
   size_t activation_bytes() const { return model_->activation_bytes(); }

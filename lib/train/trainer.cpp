@@ -5,14 +5,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 
 #include "io/dataset.h"
+#include "io/hf_format.h"
+#include "io/llmc_model.h"
 #include "io/tokenizer.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
 #include "lib/optim/adamw.h"
 #include "lib/optim/lr_schedule.h"
+#include "lib/train/checkpointing.h"
 #include "lib/train/metrics.h"
 #include "lib/train/model_runner.h"
 #include "lib/train/peak.h"
@@ -53,6 +57,23 @@ GptDims make_dims(const Config& cfg, int vocab_size) {
 }
 
 namespace {
+
+volatile std::sig_atomic_t g_terminate = 0;
+extern "C" void on_sigterm(int) { g_terminate = 1; }
+
+// Installs the SIGTERM handler for the duration of a training run.
+class TerminationGuard {
+ public:
+  TerminationGuard() {
+    g_terminate = 0;
+    previous_ = std::signal(SIGTERM, on_sigterm);
+  }
+  ~TerminationGuard() { std::signal(SIGTERM, previous_); }
+  bool requested() const { return g_terminate != 0; }
+
+ private:
+  void (*previous_)(int) = SIG_DFL;
+};
 
 // Where the tokens of a step come from: the prepared dataset, or random ids for benchmarks.
 struct Batches {
@@ -180,7 +201,38 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       {"mp", &mesh.mp()}, {"world", &mesh.world()}};
   result.memory = runner.memory();
   result.bubble = simulate(runner.schedule(), pc.pp, pc.vpp, 1.0, 2.0).bubble;
-  for (int64_t it = 1; it <= tc.train_iters; ++it) {
+  // Resume: the weights, Adam state and step count from the save; the data order and the
+  // learning rate follow from the iteration alone.
+  int64_t first_it = 1;
+  const CheckpointConfig& ck = cfg.checkpoint;
+  if (!ck.init_from_hf.empty()) {
+    load_weights(runner, load_hf_model(ck.init_from_hf, cfg.model, d.V, d.Vp), ck.init_from_hf);
+    if (mesh.rank() == 0 && !opts.quiet) log_line("weights: from the Hugging Face model {}", ck.init_from_hf);
+  } else if (!ck.init_from_llmc.empty()) {
+    TensorMap w = read_llmc_model(ck.init_from_llmc, nullptr, nullptr, nullptr);
+    repad_vocab(w, d.V, d.Vp);  // llm.c pads to 128, this layout to 128 * tp
+    load_weights(runner, w, ck.init_from_llmc);
+    if (mesh.rank() == 0 && !opts.quiet) log_line("weights: from the llm.c model {}", ck.init_from_llmc);
+  }
+  if (!ck.load.empty()) {
+    const CheckpointMeta meta = load_checkpoint(ck.load, runner, cfg);
+    first_it = meta.iteration + 1;
+    if (mesh.rank() == 0 && !opts.quiet)
+      log_line("checkpoint: resumed from {} at iteration {} ({} samples consumed)", resolve_checkpoint(ck.load),
+               meta.iteration, meta.consumed_samples);
+  }
+  result.first_iter = first_it;
+  // SIGTERM (what Slurm sends before the time limit): finish the step, save, exit cleanly.
+  TerminationGuard term;
+  auto save = [&](int64_t it, double lr) {
+    CheckpointMeta meta{it, it * GB, it * GB * d.T, lr};
+    const SaveStats st = save_checkpoint(ck.save, meta, runner, cfg, ck.keep_last);
+    result.saves.push_back(st);
+    if (mesh.rank() == 0 && !opts.quiet)
+      log_line("checkpoint: saved iteration {} to {}/{} ({:.1f} MiB in {:.2f} s, {:.0f} MB/s)", it, ck.save,
+               checkpoint_dir_name(it), st.bytes / 1048576.0, st.seconds, st.bytes / 1e6 / st.seconds);
+  };
+  for (int64_t it = first_it; it <= tc.train_iters; ++it) {
     if (it == tc.train_iters)
       for (const auto& g : groups) g.second->reset_stats();
     const auto t0 = Clock::now();
@@ -223,7 +275,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       m.tflops = flops_per_step / (m.ms_per_iter / 1e3) / 1e12;
       m.mfu = m.tflops * 1e12 / peak;
       m.peak_mem_mib = peak_rss_mib();
-      m.eta_s = double(tc.train_iters - it) * total_ms / double(it) / 1e3;
+      m.eta_s = double(tc.train_iters - it) * total_ms / double(it - first_it + 1) / 1e3;
       if (last_rank && !opts.quiet) log_line("{}", format_step(m));
       metrics.step(m);
       interval_loss = interval_ms = 0;
@@ -234,6 +286,18 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       result.val_losses.emplace_back(it, vl);
       if (last_rank && !opts.quiet) log_line("validation at iter {}: loss {:.4f} (perplexity {:.2f})", it, vl, std::exp(vl));
       metrics.eval(it, vl);
+    }
+    // Every rank must agree to stop: the signal may reach the ranks at different moments.
+    int64_t stop = term.requested() ? 1 : 0;
+    mesh.world().allreduce_sum(&stop, 1);
+    const bool scheduled = ck.save_interval > 0 && it % ck.save_interval == 0;
+    if (!ck.save.empty() && (scheduled || it == tc.train_iters || stop)) save(it, lr);
+    if (stop) {
+      if (mesh.rank() == 0)
+        log_line("SIGTERM: stopped after iteration {}{}", it,
+                 ck.save.empty() ? " (checkpoint.save is not set: nothing saved)" : ", checkpoint saved");
+      result.stopped = true;
+      break;
     }
   }
   return result;

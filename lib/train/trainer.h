@@ -7,6 +7,7 @@
 
 #include "io/config.h"
 #include "lib/model/gpt_dims.h"
+#include "lib/train/checkpointing.h"
 #include "parallel/data_parallel.h"
 #include "parallel/mesh.h"
 
@@ -28,6 +29,9 @@ struct TrainResult {
   // Payload bytes this rank handed to each group's collectives and messages in the last step.
   std::vector<std::pair<std::string, int64_t>> comm_bytes;
   double bubble = 0;           // the pipeline schedule's simulated bubble (backward = 2 x forward)
+  int64_t first_iter = 1;      // losses[0] is this iteration's (> 1 after resuming)
+  std::vector<SaveStats> saves;
+  bool stopped = false;        // SIGTERM ended the run early
 };
 
 // Resolve the network's sizes from the model config and the tokenizer's vocabulary.

@@ -1,0 +1,79 @@
+// `mpigpt convert`: a checkpoint to a Hugging Face model directory or an llm.c model file, and
+// back. One process; whole tensors in host memory.
+#include <fmt/format.h>
+
+#include "app/commands.h"
+#include "io/hf_format.h"
+#include "io/llmc_model.h"
+#include "lib/core/error.h"
+#include "lib/core/log.h"
+#include "lib/model/gpt_dims.h"
+#include "lib/train/checkpointing.h"
+#include "lib/train/trainer.h"
+
+namespace mpigpt::app {
+
+namespace {
+
+const char* kUsage =
+    "usage: mpigpt convert --to hf CHECKPOINT OUT_DIR       (config.json + model.safetensors)\n"
+    "       mpigpt convert --to llmc CHECKPOINT OUT.bin     (llm.c GPT-2 model file, fp32)\n"
+    "       mpigpt convert --from hf HF_DIR OUT_CHECKPOINT\n"
+    "       mpigpt convert --from llmc FILE.bin OUT_CHECKPOINT\n"
+    "CHECKPOINT: a checkpoint.save directory (its `latest` save) or one iter_NNNNNNN save.";
+
+// The whole-model shape of a Config, in the single-rank padding (tp 1).
+GptDims dims_of(const Config& cfg) { return make_dims(cfg, cfg.model.vocab_size); }
+
+}  // namespace
+
+int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
+  if (args.size() != 4 || (args[0] != "--to" && args[0] != "--from") || (args[1] != "hf" && args[1] != "llmc"))
+    fail("mpigpt convert: expected 4 arguments, got {}\n{}", args.size(), kUsage);
+  if (mpi.size() != 1) fail("mpigpt convert runs as one process (it has {}); start it without mpirun", mpi.size());
+  const bool to = args[0] == "--to", hf = args[1] == "hf";
+  const std::string& in = args[2];
+  const std::string& out = args[3];
+  if (to) {
+    Config cfg;
+    const TensorMap ours = read_model_tensors(in, &cfg);
+    const int V = cfg.model.vocab_size;
+    if (hf) {
+      save_hf_model(out, ours, cfg.model, V);
+    } else {
+      if (cfg.model.family != "gpt2")
+        fail("mpigpt convert --to llmc: llm.c model files hold GPT-2 models; {} holds a {} model", in, cfg.model.family);
+      TensorMap t = ours;
+      const int Vp = pad_vocab(V, 128);  // llm.c pads its vocabulary to a multiple of 128
+      repad_vocab(t, V, Vp);
+      write_llmc_model(out, t, cfg.model, V, Vp);
+    }
+    log_line("convert: {} -> {} ({} tensors, {} model, vocabulary {})", resolve_checkpoint(in), out, ours.size(),
+             cfg.model.family, V);
+    return 0;
+  }
+  Config cfg;
+  TensorMap ours;
+  int V = 0;
+  ModelConfig m;
+  if (hf) {
+    m = read_hf_config(in, &V);
+  } else {
+    ours = read_llmc_model(in, &m, &V, nullptr);
+  }
+  m.vocab_size = V;
+  cfg.adopt_model(m, in);
+  cfg.model.seq_len = std::min(cfg.model.max_position, cfg.model.seq_len > 0 ? cfg.model.seq_len : cfg.model.max_position);
+  cfg.resolve_defaults();
+  const GptDims d = dims_of(cfg);
+  if (hf)
+    ours = load_hf_model(in, cfg.model, V, d.Vp);
+  else
+    repad_vocab(ours, V, d.Vp);
+  write_model_checkpoint(out, ours, cfg, d, in);
+  log_line("convert: {} -> {}/{} ({} tensors, {} model, vocabulary {})", in, out, checkpoint_dir_name(0), ours.size(),
+           cfg.model.family, V);
+  return 0;
+}
+
+}  // namespace mpigpt::app

@@ -1,0 +1,379 @@
+// Saving and loading checkpoints: names, boxes, metadata, `latest` and retention.
+#include "lib/train/checkpointing.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "lib/core/error.h"
+#include "lib/train/layout.h"
+
+namespace mpigpt {
+
+namespace fs = std::filesystem;
+
+std::vector<LocalBox> global_boxes(const ParamInfo& p, int64_t begin, int64_t end) {
+  const int64_t cols = p.shape.ndim > 1 ? p.shape.numel() / p.shape[0] : 1;
+  const int64_t rows = p.numel() / cols;
+  std::vector<LocalBox> out;
+  for (const Box& b : flat_range_boxes(rows, cols, begin, end)) {
+    // A local box is contiguous (whole local rows, or part of one); its rows may straddle
+    // the row blocks that map local rows to global ones.
+    if (p.row_blocks.empty()) {
+      out.push_back({Box{b.row0, b.rows, b.col0 + p.col_begin, b.cols}, b.row0 * cols + b.col0});
+      continue;
+    }
+    int64_t local_first = 0;
+    for (const auto& [global_first, count] : p.row_blocks) {
+      const int64_t lo = std::max(b.row0, local_first), hi = std::min(b.row0 + b.rows, local_first + count);
+      if (lo < hi)
+        out.push_back({Box{global_first + (lo - local_first), hi - lo, b.col0 + p.col_begin, b.cols},
+                       lo * cols + b.col0});
+      local_first += count;
+    }
+  }
+  return out;
+}
+
+std::string checkpoint_dir_name(int64_t iteration) { return fmt::format("iter_{:07d}", iteration); }
+
+namespace {
+
+const char* kFile = "checkpoint.h5";
+
+std::string model_name(const std::string& p) { return "model/" + p; }
+std::string moment_name(int k, const std::string& p) { return (k == 0 ? "optimizer/exp_avg/" : "optimizer/exp_avg_sq/") + p; }
+
+// The model's shape as stored and compared on load: a checkpoint of another shape is refused
+// naming the field.
+std::vector<std::pair<std::string, int64_t>> shape_attrs(const GptDims& d) {
+  return {{"model.num_layers", d.L}, {"model.hidden", d.C},       {"model.num_heads", d.NH},
+          {"model.num_kv_heads", d.NKV}, {"model.ffn_hidden", d.F}, {"model.vocab_size", d.V},
+          {"model.max_position", d.gpt2() ? d.maxT : 0}, {"model.tie_embeddings", d.tied ? 1 : 0}};
+}
+
+// Every rank has to name every dataset in the same order (collective HDF5), also those of
+// other pipeline stages: the whole model's table in this layout's vocabulary padding.
+std::vector<ParamInfo> global_table(const GptDims& d) { return build_param_table(d); }
+
+// The rows of p that hold data (vocabulary padding excluded): loading into another tp size
+// changes the padding, so only the real rows are read.
+int64_t valid_rows(const ParamInfo& p) { return p.valid_rows >= 0 ? p.valid_rows : p.global[0]; }
+
+// This rank's pieces of the model tensor `name` (nothing when another rank writes it).
+struct Plan {
+  std::vector<Piece> params;
+  std::vector<Piece> moments[2];
+};
+
+// Which parameter and state pieces this rank writes (or reads) for each global name.
+std::vector<Plan> make_plans(ModelRunner& r, const std::vector<ParamInfo>& global, bool reading) {
+  GPT& m = r.model();
+  const auto& table = m.params();
+  const bool tp0 = r.mesh().coords().tp == 0, dp0 = r.mesh().dp_cp().rank() == 0;
+  std::vector<Plan> plans(global.size());
+  auto index_of = [&](const std::string& name) {
+    for (size_t g = 0; g < global.size(); ++g)
+      if (global[g].name == name) return int(g);
+    fail("parameter {} is not in the model's table", name);
+  };
+  // Reading drops the vocabulary padding rows (the padding follows the tp size, so another
+  // layout may have more or fewer); writing stores them (zeros) so the dataset is complete.
+  auto clip = [reading](const ParamInfo& p, const LocalBox& lb) {
+    LocalBox c = lb;
+    if (!reading) return c;
+    const int64_t end = std::min(c.box.row0 + c.box.rows, valid_rows(p));
+    c.box.rows = std::max<int64_t>(0, end - c.box.row0);
+    return c;
+  };
+  for (size_t i = 0; i < table.size(); ++i) {
+    const ParamInfo& p = table[i];
+    // Replicated data is written once; every holder reads it. The tied replica is stage 0's
+    // word embedding: it is read like it but never written.
+    if (!reading && (p.replica || !dp0 || (p.split == TpSplit::None && !tp0))) continue;
+    float* w = m.param(int(i)).f32();
+    for (const LocalBox& lb : global_boxes(p, 0, p.numel())) {
+      const LocalBox c = clip(p, lb);
+      if (c.box.rows > 0) plans[index_of(p.name)].params.push_back({c.box, w + c.local});
+    }
+  }
+  AdamW& opt = r.optimizer();
+  Tensor moments[2] = {opt.m(), opt.v()};
+  const bool state_writer = r.distributed_optimizer() || dp0;
+  for (const auto& piece : opt.pieces()) {
+    const ParamInfo& p = table[piece.param];
+    if (!reading && (p.replica || !state_writer || (p.split == TpSplit::None && !tp0))) continue;
+    const int64_t begin = piece.begin - p.offset;
+    for (const LocalBox& lb : global_boxes(p, begin, begin + piece.count)) {
+      const LocalBox c = clip(p, lb);
+      if (c.box.rows == 0) continue;
+      for (int k = 0; k < 2; ++k)
+        plans[index_of(p.name)].moments[k].push_back({c.box, moments[k].f32() + piece.state + (c.local - begin)});
+    }
+  }
+  return plans;
+}
+
+Shape stored_shape(const ParamInfo& p) { return p.global; }
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) fail("cannot open {} to sync it", path);
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// Rank 0 does a file-system step; every rank learns whether it worked (no rank waits alone).
+template <class F>
+void on_rank0(const Comm& world, const std::string& what, F&& f) {
+  std::string err;
+  if (world.rank() == 0) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  int64_t failed = err.empty() ? 0 : 1;
+  world.allreduce_sum(&failed, 1);
+  if (failed) fail("{}{}", what, err.empty() ? std::string(" failed on rank 0") : ": " + err);
+}
+
+void write_meta(CheckpointWriter& w, const CheckpointMeta& meta, const Config& cfg, const GptDims& d, int64_t step,
+                const std::string& layout) {
+  w.attr("iteration", meta.iteration);
+  w.attr("consumed_samples", meta.consumed_samples);
+  w.attr("consumed_tokens", meta.consumed_tokens);
+  w.attr("lr", meta.lr);
+  w.attr("optimizer.step", step);
+  // The generators are counter-based (weights and data drawn by (seed, index)): the seed and
+  // the sampler position are their whole state.
+  w.attr("rng.seed", int64_t(cfg.training.seed));
+  w.attr("data.sampler_position", meta.consumed_samples);
+  w.attr("model.family", cfg.model.family);
+  for (const auto& [k, v] : shape_attrs(d)) w.attr(k, v);
+  w.attr("config", cfg.to_ini());
+  w.attr("layout", layout);
+}
+
+// Points root/latest at `name` atomically (rank 0 only).
+void point_latest(const std::string& root, const std::string& name) {
+  const std::string tmp = root + "/latest.tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << name << "\n";
+    if (!out.flush()) fail("cannot write {}", tmp);
+  }
+  fsync_path(tmp, false);
+  fs::rename(tmp, root + "/latest");  // atomic: `latest` names a complete save at every moment
+  fsync_path(root, true);
+}
+
+// Fault injection for the reliability test: MPIGPT_FAULT_KILL_IN_SAVE=ITER:RANK kills that
+// rank (SIGKILL, no clean-up) halfway through writing the save of iteration ITER.
+void kill_if_injected(int64_t iteration, int rank) {
+  const char* spec = std::getenv("MPIGPT_FAULT_KILL_IN_SAVE");
+  long long it = -1;
+  int r = -1;
+  if (spec && std::sscanf(spec, "%lld:%d", &it, &r) == 2 && it == iteration && r == rank) std::raise(SIGKILL);
+}
+
+}  // namespace
+
+SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, ModelRunner& r, const Config& cfg,
+                          int keep_last) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Comm& world = r.mesh().world();
+  const std::string name = checkpoint_dir_name(meta.iteration);
+  const std::string dir = root + "/" + name, file = dir + "/" + kFile;
+  on_rank0(world, "checkpoint.save: cannot create " + dir, [&] { fs::create_directories(dir); });
+
+  const GptDims& d = r.model().dims();
+  const std::vector<ParamInfo> global = global_table(d);
+  {
+    std::vector<Plan> plans = make_plans(r, global, false);
+    CheckpointWriter w(world.mpi(), file);
+    for (size_t g = 0; g < global.size(); ++g) w.write(model_name(global[g].name), stored_shape(global[g]), plans[g].params);
+    kill_if_injected(meta.iteration, world.rank());
+    for (int k = 0; k < 2; ++k)
+      for (size_t g = 0; g < global.size(); ++g)
+        w.write(moment_name(k, global[g].name), stored_shape(global[g]), plans[g].moments[k]);
+    const ParallelConfig& pc = cfg.parallel;
+    write_meta(w, meta, cfg, d, r.optimizer().steps(),
+               fmt::format("{} ranks: tp {} pp {} vpp {} cp {} ep {} expert_tp {} dp {} (order {}), sequence "
+                           "parallel {}, distributed optimizer {}", world.size(), pc.tp, pc.pp, pc.vpp, pc.cp, pc.ep,
+                           pc.expert_tp, r.mesh().dp_size(), pc.order, pc.sequence_parallel ? "on" : "off",
+                           cfg.engine.distributed_optimizer ? "on" : "off"));
+    w.close();
+  }
+  // Verify before declaring it complete: it opens as a checkpoint and holds every dataset.
+  {
+    CheckpointReader check(world.mpi(), file);
+    for (const auto& p : global)
+      for (const std::string& n : {model_name(p.name), moment_name(0, p.name), moment_name(1, p.name)})
+        if (!(check.shape(n) == stored_shape(p))) fail("checkpoint {}: dataset {} was not written completely", file, n);
+  }
+  int64_t bytes = 0;
+  on_rank0(world, "checkpoint.save: cannot update " + root + "/latest", [&] {
+    bytes = int64_t(fs::file_size(file));
+    point_latest(root, name);
+    if (keep_last > 0) {
+      std::vector<std::string> saves;
+      for (const auto& e : fs::directory_iterator(root))
+        if (e.is_directory() && e.path().filename().string().rfind("iter_", 0) == 0)
+          saves.push_back(e.path().filename().string());
+      std::sort(saves.begin(), saves.end());
+      for (size_t i = 0; i + size_t(keep_last) < saves.size(); ++i)
+        if (saves[i] != name) fs::remove_all(root + "/" + saves[i]);
+    }
+  });
+  world.allreduce_sum(&bytes, 1);
+  return {std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), bytes};
+}
+
+std::string resolve_checkpoint(const std::string& root) {
+  if (fs::exists(root + "/" + kFile)) return root + "/" + kFile;
+  const std::string latest = root + "/latest";
+  std::ifstream in(latest);
+  if (!in)
+    fail("checkpoint.load = {}: no {} (it names the newest complete save) and no {} there; pass the directory "
+         "given to --checkpoint.save or one of its iter_NNNNNNN directories", root, latest, kFile);
+  std::string name;
+  in >> name;
+  const std::string file = root + "/" + name + "/" + kFile;
+  if (name.empty() || !fs::exists(file))
+    fail("{} names '{}', but {} does not exist; the save directory is damaged: pass an iter_NNNNNNN directory "
+         "instead", latest, name, file);
+  return file;
+}
+
+CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& r, const Config& cfg) {
+  const Comm& world = r.mesh().world();
+  const std::string file = resolve_checkpoint(root);
+  CheckpointReader in(world.mpi(), file);
+  const GptDims& d = r.model().dims();
+  const std::string family = in.attr_string("model.family");
+  if (family != cfg.model.family)
+    fail("checkpoint {} holds a model.family = {} model; this run has model.family = {}: use the same model "
+         "settings to resume", file, family, cfg.model.family);
+  for (const auto& [k, v] : shape_attrs(d)) {
+    const int64_t saved = in.attr_int(k);
+    if (saved != v)
+      fail("checkpoint {} was saved with {} = {}; this run has {} = {}: use the same model settings to load it",
+           file, k, saved, k, v);
+  }
+  const std::vector<ParamInfo> global = global_table(d);
+  std::vector<Plan> plans = make_plans(r, global, true);
+  for (size_t g = 0; g < global.size(); ++g) {
+    const ParamInfo& p = global[g];
+    const std::string names[3] = {model_name(p.name), moment_name(0, p.name), moment_name(1, p.name)};
+    const std::vector<Piece>* pieces[3] = {&plans[g].params, &plans[g].moments[0], &plans[g].moments[1]};
+    for (int k = 0; k < 3; ++k) {
+      const Shape s = in.shape(names[k]);
+      // Only the vocabulary padding may differ (it follows the tensor-parallel size).
+      const bool ok = s.ndim == p.global.ndim && s[0] >= valid_rows(p) &&
+                      (s.ndim == 1 || s.numel() / s[0] == p.global.numel() / p.global[0]);
+      if (!ok)
+        fail("checkpoint {}: dataset {} has shape {}, this model needs {}; it was saved from a different model",
+             file, names[k], s.str(), p.global.str());
+      in.verify(names[k]);  // a damaged save is refused naming the dataset, not trained on
+      in.read(names[k], *pieces[k]);
+    }
+  }
+  r.optimizer().set_steps(in.attr_int("optimizer.step"));
+  CheckpointMeta meta;
+  meta.iteration = in.attr_int("iteration");
+  meta.consumed_samples = in.attr_int("consumed_samples");
+  meta.consumed_tokens = in.attr_int("consumed_tokens");
+  meta.lr = in.attr_double("lr");
+  return meta;
+}
+
+}  // namespace mpigpt
+
+namespace mpigpt {
+
+void load_weights(ModelRunner& r, const TensorMap& global, const std::string& source) {
+  GPT& m = r.model();
+  for (size_t i = 0; i < m.params().size(); ++i) {
+    const ParamInfo& p = m.params()[i];
+    auto it = global.find(p.name);
+    if (it == global.end()) fail("{} has no tensor {}; it holds a different model", source, p.name);
+    if (!(it->second.shape == p.global))
+      fail("{}: tensor {} has shape {}, this model needs {}; set the model options to match it", source, p.name,
+           it->second.shape.str(), p.global.str());
+    float* dst = m.param(int(i)).f32();
+    const float* src = it->second.data.data();
+    for (int64_t k = 0; k < p.numel(); ++k) dst[k] = src[p.global_index(k)];
+  }
+}
+
+TensorMap read_model_tensors(const std::string& root, Config* cfg) {
+  const std::string file = resolve_checkpoint(root);
+  CheckpointReader in(MPI_COMM_SELF, file);
+  TensorMap out;
+  for (const std::string& n : in.names()) {
+    if (n.rfind("model/", 0) != 0) continue;
+    HostTensor t;
+    t.shape = in.shape(n);
+    t.data.resize(size_t(t.shape.numel()));
+    const int64_t rows = t.shape[0], cols = t.shape.numel() / std::max<int64_t>(rows, 1);
+    in.read(n, {Piece{Box{0, rows, 0, cols}, t.data.data()}});
+    out[n.substr(6)] = std::move(t);
+  }
+  if (cfg) {
+    // The run's configuration as saved, read back through the INI parser.
+    const std::string ini = (fs::temp_directory_path() / fmt::format("mpigpt_ckpt_{}.ini", ::getpid())).string();
+    {
+      std::ofstream f(ini);
+      f << in.attr_string("config");
+    }
+    try {
+      *cfg = parse_config_args({"--config", ini}).config;
+    } catch (...) {
+      fs::remove(ini);
+      throw;
+    }
+    fs::remove(ini);
+    cfg->model.vocab_size = int(in.attr_int("model.vocab_size"));  // 0 in the INI: it came from the tokenizer
+    cfg->resolve_defaults();
+  }
+  return out;
+}
+
+void write_model_checkpoint(const std::string& root, const TensorMap& model, const Config& cfg, const GptDims& d,
+                            const std::string& source) {
+  const std::string name = checkpoint_dir_name(0), dir = root + "/" + name, file = dir + "/" + kFile;
+  fs::create_directories(dir);
+  CheckpointWriter w(MPI_COMM_SELF, file);
+  const std::vector<ParamInfo> table = global_table(d);
+  std::vector<float> zeros;
+  for (int k = -1; k < 2; ++k)
+    for (const ParamInfo& p : table) {
+      auto it = model.find(p.name);
+      if (it == model.end()) fail("{} has no tensor {}", source, p.name);
+      if (!(it->second.shape == p.global))
+        fail("{}: tensor {} has shape {}, expected {}", source, p.name, it->second.shape.str(), p.global.str());
+      const int64_t rows = p.global[0], cols = p.global.numel() / rows;
+      float* data = const_cast<float*>(it->second.data.data());
+      if (k >= 0) {  // Adam starts from zero moments at step 0
+        zeros.assign(size_t(p.global.numel()), 0.0f);
+        data = zeros.data();
+      }
+      w.write(k < 0 ? model_name(p.name) : moment_name(k, p.name), p.global, {Piece{Box{0, rows, 0, cols}, data}});
+    }
+  write_meta(w, CheckpointMeta{}, cfg, d, 0, "converted from " + source);
+  w.close();
+  point_latest(root, name);
+}
+
+}  // namespace mpigpt

@@ -1,0 +1,67 @@
+// Checkpoints of a training run (docs/checkpoint-format.md): which datasets and hyperslabs one
+// rank's model shard and optimizer slices are, saving a step into ROOT/iter_NNNNNNN/ with the
+// atomic `latest` pointer and retention, and loading any save into any layout (every rank
+// reads the boxes its layout owns).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "io/checkpoint_file.h"
+#include "io/config.h"
+#include "io/tensor_map.h"
+#include "lib/model/params.h"
+#include "lib/train/model_runner.h"
+
+namespace mpigpt {
+
+// The global boxes holding local elements [begin, end) of parameter p (a tensor-parallel
+// shard: row blocks and a column range), in increasing global order, each with the local
+// element offset where its (contiguous) data starts.
+struct LocalBox {
+  Box box;
+  int64_t local = 0;
+};
+std::vector<LocalBox> global_boxes(const ParamInfo& p, int64_t begin, int64_t end);
+
+// "iter_0000100"
+std::string checkpoint_dir_name(int64_t iteration);
+
+// What a save carries besides the tensors.
+struct CheckpointMeta {
+  int64_t iteration = 0;         // steps completed
+  int64_t consumed_samples = 0;  // sequences of the global batches seen
+  int64_t consumed_tokens = 0;
+  double lr = 0;                 // learning rate of the last step (informational)
+};
+
+// Collective over the mesh's world: writes ROOT/iter_<it>/checkpoint.h5, verifies it, then
+// points ROOT/latest at it (write + rename) and keeps only the newest `keep_last` saves (0: all).
+// Returns the seconds it took and the bytes written.
+struct SaveStats {
+  double seconds = 0;
+  int64_t bytes = 0;
+};
+SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, ModelRunner& runner,
+                          const Config& cfg, int keep_last);
+
+// Collective: the save ROOT/latest names (or ROOT itself when it is an iter_ directory), read
+// into this layout. Errors name the directory, file and dataset: no `latest`, a different
+// model shape, a damaged file.
+CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& runner, const Config& cfg);
+
+// The path of the checkpoint file of the save that `root` points to.
+std::string resolve_checkpoint(const std::string& root);
+
+// Whole-model interchange (conversion, --init-from-hf/llmc), by global parameter name:
+// copy this rank's shard of every parameter out of `global` (vocabulary rows padded as this
+// layout pads them); `source` names the origin in errors.
+void load_weights(ModelRunner& runner, const TensorMap& global, const std::string& source);
+// One process: every model tensor of the save `root` points to, and (if cfg) its configuration.
+TensorMap read_model_tensors(const std::string& root, Config* cfg);
+// One process: a save (iteration 0, zero Adam moments) of whole tensors into root/iter_0000000.
+void write_model_checkpoint(const std::string& root, const TensorMap& model, const Config& cfg, const GptDims& d,
+                            const std::string& source);
+
+}  // namespace mpigpt
