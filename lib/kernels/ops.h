@@ -92,6 +92,41 @@ class Ops {
   virtual void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH,
                                   int NKV, int HD) = 0;
 
+  // ---- blockwise attention (context parallelism, packed sequences) --------------------------
+  // Attention of one block of queries against one block of keys/values with an explicit mask
+  // given by per-token positions and document ids: key j is visible to query i (same batch row
+  // b) iff kseg[b,j] == qseg[b,i] and kpos[b,j] <= qpos[b,i]. Ring attention calls it once per
+  // (local queries, arriving K/V block) and merges the partial results by their log-sum-exp;
+  // packed sequences use document ids so no token attends across a document boundary.
+  //   qkv (B,Tq,(NH+2*NKV)*HD): only its NH query heads are read (rotary already applied).
+  //   kv  (B,Tk,2*NKV*HD): rows [NKV key heads | NKV value heads].
+  //   qpos, qseg (B,Tq) i32; kpos, kseg (B,Tk) i32.
+  //   out (B,Tq,NH*HD) = softmax(q k^T / sqrt(HD) over the visible keys) v, normalised within
+  //   this block; lse (B,NH,Tq) f32 = log sum_j exp(q.k_j / sqrt(HD)) over the visible keys.
+  //   A query with no visible key gets out = 0 and lse = -inf.
+  virtual void attention_block_forward(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
+                                       Tensor kpos, Tensor kseg, int NH, int NKV, int HD) = 0;
+  // Merge a block's partial result into the running one (in place): with m = logaddexp(lse,
+  // blk_lse): out = out * exp(lse - m) + blk_out * exp(blk_lse - m), lse = m. -inf on either
+  // side is handled (a row that stays -inf keeps out = 0). out, blk_out (B,Tq,NH*HD); lse,
+  // blk_lse (B,NH,Tq).
+  virtual void attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) = 0;
+  // Backward of one block given the FINAL (merged over all blocks) out and lse of the queries:
+  // P = exp(q.k/sqrt(HD) - lse) on visible pairs, D = rowsum(dout * out) per (b,h,i),
+  // dS = P * (dout.v - D). The query-head columns of dqkv (B,Tq,(NH+2*NKV)*HD) ACCUMULATE
+  // dS k / sqrt(HD) (its key/value columns are untouched); dkv (B,Tk,2*NKV*HD) ACCUMULATES the
+  // key gradient dS^T q / sqrt(HD) and the value gradient P^T dout (grouped-query heads summed).
+  virtual void attention_block_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out,
+                                        Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH,
+                                        int NKV, int HD) = 0;
+  // Column block copy between row-major matrices with the same number of rows:
+  // dst (N,Dd)[:, dst_col : dst_col+ncols] = src (N,Ds)[:, src_col : src_col+ncols].
+  virtual void copy_cols(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) = 0;
+  // Row gather by index: out (M,C)[i] = inp (N,C)[index[i]], index (M) i32 in [0, N).
+  virtual void gather_rows(Tensor out, Tensor inp, Tensor index) = 0;
+  // Its transpose: dinp (N,C)[index[i]] += dout (M,C)[i] (ACCUMULATES; indices may repeat).
+  virtual void scatter_add_rows(Tensor dinp, Tensor dout, Tensor index) = 0;
+
   // ---- loss ---------------------------------------------------------------------------------
   // Fused softmax + cross-entropy over the first V of Vp columns of logits (N,Vp).
   // losses (N) = -log softmax(row)[target]; a row whose target is < 0 is ignored (loss 0).
@@ -134,6 +169,37 @@ class Ops {
   // Sum of squares (for the global gradient norm) and plain sum, returned to the host in double.
   virtual double sum_squares(Tensor t) = 0;
   virtual double sum(Tensor t) = 0;
+
+  // ---- mixture of experts -------------------------------------------------------------------
+  // E experts, K experts per token (top-k), M routed rows (one per kept (token, k) assignment).
+  // Router: probs (N,E) = softmax(logits) over E, or sigmoid(logits) element-wise when sigmoid;
+  // topk (N,K) i32 = the K experts of largest prob per row, in descending order of prob (ties:
+  // lower expert index first); gates (N,K) = their probs, divided by the sum of the K when
+  // normalize; lse (N) = logsumexp of the logits row (for the router z-loss; optional).
+  virtual void moe_router_forward(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
+                                  bool normalize) = 0;
+  // dlogits (N,E) OVERWRITTEN with the gradient of a loss that depends on gates (dgates (N,K)),
+  // on probs directly (dprobs (N,E), optional: the load-balancing loss) and on lse (dlse (N),
+  // optional: the z-loss, d lse / d logits = softmax(logits) also for a sigmoid router). The
+  // top-k choice itself is piecewise constant and has no gradient. logits, probs, topk: forward's.
+  virtual void moe_router_backward(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits,
+                                   Tensor probs, Tensor topk, bool sigmoid, bool normalize) = 0;
+  // Grouped linear: G = weight.size(0) groups of consecutive rows of inp (M,IC), group g having
+  // group_rows[g] rows (a HOST array of G counts summing to M), each through its own weight[g]
+  // (G,OC,IC) and bias[g] (G,OC, optional): out (M,OC) = inp_g @ weight[g]^T + bias[g] per group.
+  virtual void grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                      const int64_t* group_rows) = 0;
+  // dinp (M,IC) OVERWRITTEN (optional); dweight (G,OC,IC) and dbias (G,OC, optional) ACCUMULATE.
+  virtual void grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                                       Tensor weight, const int64_t* group_rows) = 0;
+  // Weighted combine of routed rows back into tokens: for each row i of rows (M,C), with
+  // s = slot[i] (slot (M) i32 in [0, N*K), the flat (token, k) position): out (N,C) row s / K
+  // ACCUMULATES gates.flat[s] * rows[i]. gates (N,K). Slots must be distinct.
+  virtual void moe_combine(Tensor out, Tensor rows, Tensor slot, Tensor gates) = 0;
+  // Its backward: drows (M,C)[i] = gates.flat[s] * dout[s / K] (OVERWRITTEN); dgates.flat[s] =
+  // dout[s / K] . rows[i] (OVERWRITTEN at the M slots, every other entry untouched).
+  virtual void moe_combine_backward(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot,
+                                    Tensor gates) = 0;
 };
 
 // The CPU reference backend (fp32, OpenBLAS, OpenMP threads).

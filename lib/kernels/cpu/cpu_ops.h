@@ -57,6 +57,16 @@ class CpuOps final : public Ops {
   void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
                           int HD) override;
 
+  // cpu_attention_block.cpp
+  void attention_block_forward(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg, Tensor kpos,
+                               Tensor kseg, int NH, int NKV, int HD) override;
+  void attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) override;
+  void attention_block_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out, Tensor lse,
+                                Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD) override;
+  void copy_cols(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) override;
+  void gather_rows(Tensor out, Tensor inp, Tensor index) override;
+  void scatter_add_rows(Tensor dinp, Tensor dout, Tensor index) override;
+
   // cpu_loss.cpp
   void crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
                                      float dloss) override;
@@ -72,6 +82,17 @@ class CpuOps final : public Ops {
              float weight_decay, int64_t step, float grad_scale) override;
   double sum_squares(Tensor t) override;
   double sum(Tensor t) override;
+
+  // cpu_moe.cpp
+  void moe_router_forward(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
+                          bool normalize) override;
+  void moe_router_backward(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits, Tensor probs,
+                           Tensor topk, bool sigmoid, bool normalize) override;
+  void grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) override;
+  void grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight,
+                               const int64_t* group_rows) override;
+  void moe_combine(Tensor out, Tensor rows, Tensor slot, Tensor gates) override;
+  void moe_combine_backward(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot, Tensor gates) override;
 };
 
 // ---- argument checks shared by the ops (cheap: shapes, dtypes, devices; never per element) -------
