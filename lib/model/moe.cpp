@@ -1,0 +1,264 @@
+// The mixture-of-experts layer: router, capacity, losses, grouped experts, dispatch (see moe.h).
+#include "lib/model/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace mpigpt {
+
+namespace {
+template <class T>
+Tensor host(std::vector<T>& v, DType dt) {
+  return Tensor(v.data(), {int64_t(v.size())}, dt, Device::CPU);
+}
+}  // namespace
+
+void MoeConfig::validate() const {
+  MPIGPT_CHECK(num_experts >= 1, "moe: num_experts = {} must be >= 1", num_experts);
+  MPIGPT_CHECK(top_k >= 1 && top_k <= num_experts, "moe: top_k = {} must lie in [1, num_experts = {}]", top_k,
+               num_experts);
+  MPIGPT_CHECK(hidden >= 1, "moe: hidden (expert F) = {} must be >= 1", hidden);
+  MPIGPT_CHECK(shared_hidden >= 0, "moe: shared_hidden = {} must be >= 0 (0: no shared expert)", shared_hidden);
+  MPIGPT_CHECK(aux_loss_coeff >= 0.0f && z_loss_coeff >= 0.0f,
+               "moe: aux_loss_coeff = {} and z_loss_coeff = {} must be >= 0", aux_loss_coeff, z_loss_coeff);
+  MPIGPT_CHECK(std::isfinite(capacity_factor), "moe: capacity_factor = {} must be finite (<= 0: dropless)",
+               capacity_factor);
+}
+
+int64_t moe_capacity(const MoeConfig& cfg, int64_t T) {
+  if (cfg.capacity_factor <= 0.0f) return 0;
+  // In double from the float factor, less a relative 1e-6 (the float rounding of the factor is
+  // ~6e-8) so that e.g. 1.1f * 10 gives 11, not 12.
+  const double c = double(cfg.capacity_factor) * double(T) * cfg.top_k / cfg.num_experts;
+  return std::max<int64_t>(1, int64_t(std::ceil(c * (1.0 - 1e-6))));
+}
+
+std::vector<uint8_t> moe_capacity_keep(const int32_t* expert, const float* gate, const int32_t* token_index, int64_t T,
+                                       int K, int E, int64_t capacity, MoeConfig::DropPolicy policy) {
+  std::vector<std::vector<int64_t>> by_expert(static_cast<size_t>(E));
+  for (int64_t a = 0; a < T * K; ++a)
+    if (expert[a] >= 0) by_expert[expert[a]].push_back(a);
+  std::vector<uint8_t> keep(static_cast<size_t>(T * K), 0);
+  for (auto& list : by_expert) {
+    auto earlier = [&](int64_t a, int64_t b) { return token_index[a / K] < token_index[b / K]; };
+    if (policy == MoeConfig::DropPolicy::Probs)
+      std::sort(list.begin(), list.end(),
+                [&](int64_t a, int64_t b) { return gate[a] != gate[b] ? gate[a] > gate[b] : earlier(a, b); });
+    else
+      std::sort(list.begin(), list.end(), earlier);
+    for (size_t i = 0; i < list.size() && int64_t(i) < capacity; ++i) keep[list[i]] = 1;
+  }
+  return keep;
+}
+
+MoeLayer::MoeLayer(const MoeConfig& cfg, Ops& ops, int64_t C, const TokenDispatcher* dispatcher,
+                   const Comm* token_group, const Comm* expert_tp)
+    : cfg_(cfg), ops_(ops), C_(C), disp_(dispatcher), token_group_(token_group), etp_(expert_tp) {
+  cfg_.validate();
+  if (!disp_) {
+    own_disp_ = std::make_unique<AllToAllDispatcher>(ops, nullptr, cfg_.num_experts);
+    disp_ = own_disp_.get();
+  }
+  MPIGPT_CHECK(disp_->num_experts() == cfg_.num_experts, "moe: the dispatcher routes {} experts, the config has {}",
+               disp_->num_experts(), cfg_.num_experts);
+  if (etp_ && etp_->size() > 1) etp_size_ = etp_->size(), etp_rank_ = etp_->rank();
+  MPIGPT_CHECK(cfg_.hidden % etp_size_ == 0, "moe: expert hidden size {} cannot be split over expert_tp = {}",
+               cfg_.hidden, etp_size_);
+  Fl_ = cfg_.hidden / etp_size_;
+}
+
+std::vector<std::pair<std::string, Shape>> MoeLayer::weight_shapes() const {
+  const int64_t E = cfg_.num_experts, El = num_local_experts();
+  const bool glu = cfg_.activation == MoeConfig::Activation::Swiglu;
+  const int64_t H = glu ? 2 * Fl_ : Fl_, Fs = cfg_.shared_hidden, Hs = glu ? 2 * Fs : Fs;
+  std::vector<std::pair<std::string, Shape>> s = {
+      {"router.weight", {E, C_}}, {"experts.fc.weight", {El, H, C_}}, {"experts.proj.weight", {El, C_, Fl_}}};
+  if (cfg_.bias) s.push_back({"experts.fc.bias", {El, H}}), s.push_back({"experts.proj.bias", {El, C_}});
+  if (Fs > 0) {
+    s.push_back({"shared.fc.weight", {Hs, C_}});
+    s.push_back({"shared.proj.weight", {C_, Fs}});
+    if (cfg_.bias) s.push_back({"shared.fc.bias", {Hs}}), s.push_back({"shared.proj.bias", {C_}});
+  }
+  return s;
+}
+
+// out = proj(act(fc(x))): dense when groups is null, else grouped over the local experts.
+void MoeLayer::mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, Tensor fcb, Tensor proj, Tensor projb,
+                           const int64_t* groups) {
+  if (groups)
+    ops_.grouped_linear_forward(h, x, fc, fcb, groups);
+  else
+    ops_.linear_forward(h, x, fc, fcb);
+  if (cfg_.activation == MoeConfig::Activation::Gelu)
+    ops_.gelu_forward(a, h);
+  else
+    ops_.swiglu_forward(a, h);
+  if (groups)
+    ops_.grouped_linear_forward(out, a, proj, projb, groups);
+  else
+    ops_.linear_forward(out, a, proj, projb);
+}
+
+MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token_index, const MoeWeights& w) {
+  const int64_t N = x.size(0), E = cfg_.num_experts, C = C_;
+  const int K = cfg_.top_k;
+  const bool glu = cfg_.activation == MoeConfig::Activation::Swiglu;
+  MPIGPT_CHECK(x.numel() == N * C && y.numel() == N * C, "moe forward: x {} and y {} must be (N, C = {})",
+               x.shape.str(), y.shape.str(), C);
+  A.x = x, A.N = N;
+  A.logits_t = A.logits.get(ops_, {N, E});
+  A.probs_t = A.probs.get(ops_, {N, E});
+  A.topk_t = A.topk.get(ops_, {N, K}, DType::I32);
+  A.gates_t = A.gates.get(ops_, {N, K});
+  A.lse_t = A.lse.get(ops_, {N});
+  ops_.linear_forward(A.logits_t, x, w.router, Tensor());
+  ops_.moe_router_forward(A.probs_t, A.topk_t, A.gates_t, A.lse_t, A.logits_t,
+                          cfg_.router == MoeConfig::Router::Sigmoid, cfg_.normalize_gates());
+
+  // Routing metadata to the host; statistics over the whole micro-batch.
+  std::vector<int32_t> expert(static_cast<size_t>(N * K));
+  std::vector<float> gate(static_cast<size_t>(N * K));
+  ops_.copy(host(expert, DType::I32), A.topk_t.view({N * K}));
+  ops_.copy(host(gate, DType::F32), A.gates_t.view({N * K}));
+  std::vector<int64_t> stat(static_cast<size_t>(E) + 1, 0);  // per-expert assignments before dropping, then N
+  for (int32_t e : expert) ++stat[e];
+  stat[E] = N;
+  const bool grouped = token_group_ && token_group_->size() > 1;
+  if (grouped) token_group_->allreduce_sum(stat.data(), int(E + 1));
+  const int64_t T = stat[E];
+  const int P = grouped ? token_group_->size() : 1, r = grouped ? token_group_->rank() : 0;
+
+  if (const int64_t cap = moe_capacity(cfg_, T); cap > 0) {
+    MPIGPT_CHECK(T == N * P, "moe capacity: the ranks of token_group must hold equal token counts ({} here, {} in all)",
+                 N, T);
+    std::vector<int32_t> idx(static_cast<size_t>(N));
+    for (int64_t t = 0; t < N; ++t) idx[t] = token_index ? token_index[t] : int32_t(r * N + t);
+    std::vector<int32_t> all_idx(static_cast<size_t>(T)), all_expert(static_cast<size_t>(T * K));
+    std::vector<float> all_gate(static_cast<size_t>(T * K));
+    if (grouped) {  // every rank decides for every assignment of the micro-batch, identically
+      token_group_->all_gather(host(all_idx, DType::I32), host(idx, DType::I32));
+      token_group_->all_gather(host(all_expert, DType::I32), host(expert, DType::I32));
+      token_group_->all_gather(host(all_gate, DType::F32), host(gate, DType::F32));
+    } else {
+      all_idx = idx, all_expert = expert, all_gate = gate;
+    }
+    const auto keep =
+        moe_capacity_keep(all_expert.data(), all_gate.data(), all_idx.data(), T, K, int(E), cap, cfg_.drop_policy);
+    for (int64_t a = 0; a < N * K; ++a)
+      if (!keep[r * N * K + a]) expert[a] = -1;
+  }
+
+  MoeLosses L;
+  A.aux_row.assign(static_cast<size_t>(E), 0.0f);
+  if (cfg_.aux_loss_coeff > 0.0f) {
+    // P_e sums: ones (1,N) @ probs (N,E), reduced on the host in double.
+    Tensor ones = ones_.get(ops_, {1, N}), psum = psum_.get(ops_, {1, E});
+    ops_.fill(ones, 1.0f);
+    ops_.gemm(psum, ones, A.probs_t, false, false, 1.0f, 0.0f);
+    std::vector<float> pf(static_cast<size_t>(E));
+    ops_.copy(host(pf, DType::F32), psum.view({E}));
+    std::vector<double> P_e(pf.begin(), pf.end());
+    if (grouped) token_group_->allreduce_sum(P_e.data(), int(E));
+    double s = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+      const double f = double(stat[e]) / double(T * K);
+      s += f * P_e[e] / double(T);
+      A.aux_row[e] = float(double(cfg_.aux_loss_coeff) * double(E) * f / double(T));
+    }
+    L.aux = double(cfg_.aux_loss_coeff) * double(E) * s;
+  }
+  A.z_grad = 0.0;
+  if (cfg_.z_loss_coeff > 0.0f) {
+    double ss = ops_.sum_squares(A.lse_t);
+    if (grouped) token_group_->allreduce_sum(&ss, 1);
+    L.z = double(cfg_.z_loss_coeff) * ss / double(T);
+    A.z_grad = 2.0 * double(cfg_.z_loss_coeff) / double(T);
+  }
+
+  // Experts: dispatch, one grouped GEMM per projection, all-reduce of expert_tp partial sums.
+  DispatchState& D = A.dispatch;
+  disp_->plan(D, expert, N, K, A.gates_t);
+  const int64_t M = D.expert_rows, H = glu ? 2 * Fl_ : Fl_;
+  A.xe_t = A.xe.get(ops_, {M, C});
+  A.h_t = A.h.get(ops_, {M, H});
+  A.a_t = A.a.get(ops_, {M, Fl_});
+  A.ye_t = A.ye.get(ops_, {M, C});
+  disp_->dispatch_forward(A.xe_t, x, D);
+  mlp_forward(A.ye_t, A.h_t, A.a_t, A.xe_t, w.fc, w.fc_bias, w.proj, etp_rank_ == 0 ? w.proj_bias : Tensor(),
+              D.rows_per_expert.data());
+  if (etp_size_ > 1) etp_->allreduce_sum(A.ye_t);
+
+  if (cfg_.shared_hidden > 0) {
+    const int64_t Fs = cfg_.shared_hidden;
+    A.sh_t = A.sh.get(ops_, {N, glu ? 2 * Fs : Fs});
+    A.sa_t = A.sa.get(ops_, {N, Fs});
+    mlp_forward(y, A.sh_t, A.sa_t, x, w.shared_fc, w.shared_fc_bias, w.shared_proj, w.shared_proj_bias, nullptr);
+  } else {
+    ops_.fill(y, 0.0f);
+  }
+  disp_->combine_forward(y, A.ye_t, D);
+  return L;
+}
+
+void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, const MoeWeights& g, float aux_scale) {
+  const int64_t N = A.N, E = cfg_.num_experts, C = C_;
+  const int K = cfg_.top_k;
+  const bool glu = cfg_.activation == MoeConfig::Activation::Swiglu;
+  MPIGPT_CHECK(dx.numel() == N * C && dy.numel() == N * C, "moe backward: dx {} and dy {} must be (N = {}, C = {})",
+               dx.shape.str(), dy.shape.str(), N, C);
+  DispatchState& D = A.dispatch;
+  const int64_t M = D.expert_rows, H = glu ? 2 * Fl_ : Fl_;
+  const int64_t* groups = D.rows_per_expert.data();
+
+  // Combine: d(gates) and d(expert outputs); then the experts, back to front.
+  Tensor dgates = dgates_.get(ops_, {N, K}), dye = dye_.get(ops_, {M, C});
+  disp_->combine_backward(dye, dgates, dy, A.ye_t, D);
+  Tensor da = da_.get(ops_, {M, Fl_}), dh = dh_.get(ops_, {M, H});
+  ops_.grouped_linear_backward(da, g.proj, g.proj_bias, dye, A.a_t, w.proj, groups);
+  if (glu)
+    ops_.swiglu_backward(dh, da, A.h_t);
+  else
+    ops_.gelu_backward(dh, da, A.h_t);
+  Tensor dxe = dye;  // dye is spent: its buffer takes d(expert inputs)
+  ops_.grouped_linear_backward(dxe, g.fc, g.fc_bias, dh, A.xe_t, w.fc, groups);
+  if (etp_size_ > 1) etp_->allreduce_sum(dxe);
+
+  // dx = shared expert's + dispatched experts' + router's.
+  if (cfg_.shared_hidden > 0) {
+    const int64_t Fs = cfg_.shared_hidden;
+    Tensor dsa = da_.get(ops_, {N, Fs}), dsh = dh_.get(ops_, {N, glu ? 2 * Fs : Fs});
+    ops_.linear_backward(dsa, g.shared_proj, g.shared_proj_bias, dy, A.sa_t, w.shared_proj);
+    if (glu)
+      ops_.swiglu_backward(dsh, dsa, A.sh_t);
+    else
+      ops_.gelu_backward(dsh, dsa, A.sh_t);
+    ops_.linear_backward(dx, g.shared_fc, g.shared_fc_bias, dsh, A.x, w.shared_fc);
+  } else {
+    ops_.fill(dx, 0.0f);
+  }
+  disp_->dispatch_backward(dx, dxe, D);
+
+  Tensor dprobs, dlse;
+  if (cfg_.aux_loss_coeff > 0.0f) {  // d aux / d p_te = aux_row[e] for every token: ones (N,1) @ row (1,E)
+    std::vector<float> row(A.aux_row);
+    for (float& v : row) v *= aux_scale;
+    Tensor drow = drow_.get(ops_, {1, E}), ones = ones_.get(ops_, {N, 1});
+    ops_.copy(drow.view({E}), host(row, DType::F32));
+    ops_.fill(ones, 1.0f);
+    dprobs = dprobs_.get(ops_, {N, E});
+    ops_.gemm(dprobs, ones, drow, false, false, 1.0f, 0.0f);
+  }
+  if (A.z_grad != 0.0) {
+    dlse = dlse_.get(ops_, {N});
+    ops_.copy(dlse, A.lse_t);
+    ops_.scale(dlse, float(A.z_grad * double(aux_scale)));
+  }
+  Tensor dlogits = dlogits_.get(ops_, {N, E}), dxr = dxr_.get(ops_, {N, C});
+  ops_.moe_router_backward(dlogits, dgates, dprobs, dlse, A.logits_t, A.probs_t, A.topk_t,
+                           cfg_.router == MoeConfig::Router::Sigmoid, cfg_.normalize_gates());
+  ops_.linear_backward(dxr, g.router, Tensor(), dlogits, A.x, w.router);
+  ops_.add(dx, dx, dxr);
+}
+
+}  // namespace mpigpt

@@ -1,0 +1,140 @@
+// The mixture-of-experts (MoE) layer that replaces a transformer block's dense MLP: a router picks
+// the top-k of E experts per token, optional capacity drops assignments, the token dispatcher
+// (parallel/expert_parallel.h) moves rows to the ranks holding the experts, the local experts run
+// as one grouped GEMM per projection, and the gate-weighted outputs come back:
+//   y (N,C) = sum over the token's kept top-k experts e of gate_e * expert_e(x) (+ shared(x)).
+//
+// Layout invariance: the load-balancing statistics and the capacity decisions are taken over ALL
+// tokens of the micro-batch. `token_group` is the set of ranks holding the other tokens of the
+// same micro-batch (nullptr: this rank holds them all); every rank of it must hold the same
+// number of tokens, and the group must move host memory (an MPI Comm: routing metadata is small
+// and lives on the host). Ranks that hold the SAME tokens (tensor parallelism without sequence
+// parallelism) must not be in it: they would be counted twice.
+//
+// Losses (both already multiplied by their coefficients; T = tokens of the micro-batch over
+// token_group, p (T,E) the router probs: softmax, or the raw sigmoid scores):
+//   aux = aux_loss_coeff * E * sum_e f_e * P_e   (Switch / Megatron "aux_loss")
+//         f_e = (top-k assignments to e, counted BEFORE capacity dropping) / (T * K),
+//         P_e = (1/T) sum_t p_te; f_e is a constant (no gradient), the gradient flows through P_e.
+//   z   = z_loss_coeff * (1/T) sum_t logsumexp(logits_t)^2   (ST-MoE router z-loss)
+// Backward adds aux_scale * (their gradients) to the gradient coming from dy. The trainer passes
+// aux_scale = 1 / (micro-batches in the global batch) when its main loss is a mean over them.
+//
+// Gradients: weight gradients ACCUMULATE, dx is OVERWRITTEN. Each rank's router gradient covers
+// only its own tokens, and each expert's gradient only the tokens that reached it through this
+// rank's dispatcher: the trainer sums the router gradient over every rank holding other tokens
+// (data + token_group ranks, like a sequence-parallel norm) and expert gradients over the ranks
+// holding the same experts with other tokens (the expert-data-parallel group).
+//
+// Expert tensor parallelism (expert_tp, size T > 1): the F hidden units of every routed expert are
+// split over the group (fc rows, proj columns); partial expert outputs are all-reduced, as are
+// the expert input gradients. Every rank of expert_tp must hold the SAME tokens (tensor
+// parallelism without sequence parallelism), hence identical routing and dispatch. The shared
+// expert is not split (each rank computes all of it). Proj biases are added by expert_tp rank 0.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lib/kernels/ops.h"
+#include "parallel/comm.h"
+#include "parallel/expert_parallel.h"
+
+namespace mpigpt {
+
+struct MoeConfig {
+  enum class Router { Softmax, Sigmoid };
+  enum class DropPolicy { Probs, Position };
+  enum class Activation { Gelu, Swiglu };
+  int num_experts = 8;                         // E
+  int top_k = 2;                               // K experts per token
+  Router router = Router::Softmax;             // softmax over E then top-k, or sigmoid scores then top-k
+  bool norm_topk_prob = false;                 // softmax: renormalise the K gates to sum 1 (sigmoid always does)
+  float aux_loss_coeff = 0.0f;                 // load-balancing loss coefficient (0: off)
+  float z_loss_coeff = 0.0f;                   // router z-loss coefficient (0: off)
+  float capacity_factor = 0.0f;                // <= 0: dropless; else capacity = ceil(cf * T * K / E) per expert
+  DropPolicy drop_policy = DropPolicy::Probs;  // keep the highest gates, or the earliest tokens
+  Activation activation = Activation::Gelu;    // GELU (fc (F,C)) or SwiGLU (fc (2F,C) = [gate | up])
+  bool bias = true;                            // fc and proj biases (experts and shared expert)
+  int64_t hidden = 0;                          // F: hidden units per expert (before expert_tp splits it)
+  int64_t shared_hidden = 0;                   // hidden units of the shared expert; 0: no shared expert
+  void validate() const;                       // throws naming the field
+  bool normalize_gates() const { return router == Router::Sigmoid || norm_topk_prob; }
+};
+
+// Views of the layer's weights (or, with the same shapes, their gradients). El = E / ep local
+// experts, Fl = F / expert_tp, H = Fl (GELU) or 2*Fl (SwiGLU, per expert [gate_l | up_l] rows),
+// Hs = shared_hidden or 2*shared_hidden. Biases are undefined when cfg.bias is false; in a
+// gradient set any view may be undefined ("not wanted").
+struct MoeWeights {
+  Tensor router;                         // (E, C), no bias
+  Tensor fc, fc_bias;                    // (El, H, C), (El, H)
+  Tensor proj, proj_bias;                // (El, C, Fl), (El, C)
+  Tensor shared_fc, shared_fc_bias;      // (Hs, C), (Hs)
+  Tensor shared_proj, shared_proj_bias;  // (C, shared_hidden), (C)
+};
+
+struct MoeLosses {
+  double aux = 0.0, z = 0.0;  // coefficient * loss, identical on every rank of token_group
+};
+
+// The saved state of one forward (one per micro-batch in flight), sized on each call and reused:
+// keep one per pipeline slot and pass it to the matching backward. The input x is held by view:
+// it must stay unchanged until the backward.
+struct MoeActs {
+  Tensor x;
+  int64_t N = 0;
+  std::vector<float> aux_row;  // d aux / d p_te per expert (the same for every token), unscaled
+  double z_grad = 0.0;         // d z / d lse_t = z_grad * lse_t
+  GrowBuffer logits, probs, topk, gates, lse, xe, h, a, ye, sh, sa;
+  Tensor logits_t, probs_t, topk_t, gates_t, lse_t, xe_t, h_t, a_t, ye_t, sh_t, sa_t;
+  DispatchState dispatch;
+};
+
+// Capacity per expert for T tokens (0 = dropless).
+int64_t moe_capacity(const MoeConfig& cfg, int64_t T);
+// Which of the T*K assignments to keep (1) when each expert takes at most `capacity`:
+// expert (T*K) its expert, gate (T*K) its gate weight, token_index (T) the token's position in the
+// micro-batch (ties and the `position` policy use it; it must be distinct). Probs: per expert the
+// highest gates, ties to the lower token index; Position: the lowest token indices.
+std::vector<uint8_t> moe_capacity_keep(const int32_t* expert, const float* gate, const int32_t* token_index, int64_t T,
+                                       int K, int E, int64_t capacity, MoeConfig::DropPolicy policy);
+
+class MoeLayer {
+ public:
+  // C channels. dispatcher: nullptr = a local one (all E experts on this rank); otherwise its
+  // num_experts must be cfg.num_experts and the weights hold its num_local_experts().
+  // The dispatcher and the comms are held by pointer and must outlive the layer.
+  MoeLayer(const MoeConfig& cfg, Ops& ops, int64_t C, const TokenDispatcher* dispatcher = nullptr,
+           const Comm* token_group = nullptr, const Comm* expert_tp = nullptr);
+  const MoeConfig& config() const { return cfg_; }
+  int num_local_experts() const { return disp_->num_local_experts(); }
+  int64_t local_hidden() const { return Fl_; }  // Fl
+  // Shapes of every weight of MoeWeights for this rank (name -> shape), for the parameter table.
+  std::vector<std::pair<std::string, Shape>> weight_shapes() const;
+
+  // y (N,C) OVERWRITTEN from x (N,C). token_index (N, host): each token's index in the
+  // micro-batch (nullptr: token_group.rank() * N + t). Collective over token_group, the
+  // dispatcher's group and expert_tp.
+  MoeLosses forward(MoeActs& acts, Tensor y, Tensor x, const int32_t* token_index, const MoeWeights& w);
+  // dx (N,C) OVERWRITTEN; g ACCUMULATES. dy (N,C) the gradient of y; aux_scale scales the aux and
+  // z-loss gradients (see the top of this file).
+  void backward(Tensor dx, MoeActs& acts, Tensor dy, const MoeWeights& w, const MoeWeights& g, float aux_scale);
+
+ private:
+  void mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, Tensor fcb, Tensor proj, Tensor projb,
+                   const int64_t* groups);
+  MoeConfig cfg_;
+  Ops& ops_;
+  int64_t C_, Fl_;
+  std::unique_ptr<TokenDispatcher> own_disp_;
+  const TokenDispatcher* disp_;
+  const Comm* token_group_;
+  const Comm* etp_;
+  int etp_size_ = 1, etp_rank_ = 0;
+  // Scratch shared by all calls (one forward or backward of this layer runs at a time).
+  GrowBuffer ones_, psum_, dgates_, dye_, da_, dh_, drow_, dprobs_, dlse_, dlogits_, dxr_;
+};
+
+}  // namespace mpigpt
