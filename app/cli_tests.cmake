@@ -82,3 +82,13 @@ ckpt_test(ckpt_sigterm_np2 ok "^exit 0, latest = iter_[0-9]+$"
 # and training starts from the llm.c export of it.
 ckpt_test(ckpt_convert_roundtrip ok "weights: from the llm.c model"
   "rm -rf ${CLI_DIR}/cv && ${BIN} train ${CK} --training.train_iters 3 --checkpoint.save ${CLI_DIR}/cv/a >/dev/null && ${BIN} convert --to hf ${CLI_DIR}/cv/a ${CLI_DIR}/cv/hf && ${BIN} convert --from hf ${CLI_DIR}/cv/hf ${CLI_DIR}/cv/b && ${BIN} checkpoint info ${CLI_DIR}/cv/a | grep '^model/' > ${CLI_DIR}/cv/a.txt && ${BIN} checkpoint info ${CLI_DIR}/cv/b | grep '^model/' > ${CLI_DIR}/cv/b.txt && test -s ${CLI_DIR}/cv/a.txt && diff ${CLI_DIR}/cv/a.txt ${CLI_DIR}/cv/b.txt && ${BIN} convert --to llmc ${CLI_DIR}/cv/b ${CLI_DIR}/cv/m.bin && ${BIN} train ${CK} --model.num_layers 2 --training.train_iters 2 --init-from-llmc ${CLI_DIR}/cv/m.bin")
+
+# Context parallelism and packed sequences: bad settings end every rank with the field named;
+# a cp2 run with packing evaluates, saves, and resumes on one rank (parameters are replicated
+# over cp, so the checkpoint holds no trace of the cp layout).
+cli_test(cp_seq_len_np2 fail "model.seq_len = 30 is not divisible by 2 \\* parallel.cp = 4"
+  "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --model.seq_len 30 --parallel.cp 2")
+cli_test(cp_comm_type fail "parallel.cp_comm_type = 'ring'"
+  "${BIN} train ${TINY} --parallel.cp_comm_type ring")
+ckpt_test(cp_packed_resume_np2 ok "resumed from .*iter_0000004.*iter +6/6 .*loss [0-9]"
+  "rm -rf ${CLI_DIR}/cpk && ${MPIRUN_STR} -np 2 ${BIN} train ${CK} --parallel.cp 2 --engine.sequence_packing true --training.train_iters 4 --training.eval_interval 2 --checkpoint.save ${CLI_DIR}/cpk >/dev/null && ${BIN} train ${CK} --engine.sequence_packing true --training.train_iters 6 --checkpoint.load ${CLI_DIR}/cpk > ${CLI_DIR}/cpk.out 2>&1 && tr '\\n' ' ' < ${CLI_DIR}/cpk.out")

@@ -74,6 +74,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(parallel, pp, "pipeline-parallel stages", {"pipeline_model_parallel_size"}),
       MPIGPT_OPTION(parallel, vpp, "virtual stages (model chunks) per pipeline rank; >1 = interleaved 1F1B", {"virtual_pipeline_model_parallel_size"}),
       MPIGPT_OPTION(parallel, cp, "context-parallel size (sequence split over cp ranks)", {"context_parallel_size"}),
+      MPIGPT_OPTION(parallel, cp_comm_type, "context-parallel attention: p2p (ring) | all_gather"),
       MPIGPT_OPTION(parallel, ep, "expert-parallel size", {"expert_model_parallel_size"}),
       MPIGPT_OPTION(parallel, expert_tp, "tensor-parallel size inside the expert grid", {"expert_tensor_parallel_size"}),
       MPIGPT_OPTION(parallel, sequence_parallel, "shard norms/residual over T within the tp group"),

@@ -16,6 +16,7 @@ struct ParallelConfig {
   int pp = 1;                           // pipeline-parallel stages
   int vpp = 1;                          // virtual stages (model chunks) per pipeline rank; >1 = interleaved 1F1B
   int cp = 1;                           // context-parallel size (sequence split over cp ranks)
+  std::string cp_comm_type = "p2p";     // context-parallel attention: p2p (ring) | all_gather
   int ep = 1;                           // expert-parallel size
   int expert_tp = 1;                    // tensor-parallel size inside the expert grid
   bool sequence_parallel = false;       // shard norms/residual over T within the tp group

@@ -55,6 +55,7 @@ void check_ranges(const Config& c) {
   one_of("engine.grad_accum_dtype", e.grad_accum_dtype, {"fp32", "bf16"});
   one_of("training.precision", t.precision, {"fp32", "bf16"});
   one_of("engine.backend", e.backend, {"cpu", "cuda"});
+  one_of("parallel.cp_comm_type", p.cp_comm_type, {"p2p", "all_gather"});
   one_of("data.tokenizer", c.data.tokenizer, {"byte", "gpt2"});
   parse_order(p.order);  // the rank grid's own check
   check_no_decay(t.no_decay);

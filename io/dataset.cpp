@@ -198,12 +198,27 @@ void GptDataset::read_stream(int64_t pos, int64_t count, int32_t* out) const {
   }
 }
 
-void GptDataset::get(int64_t index, int32_t* tokens, int32_t* targets) const {
+void GptDataset::get(int64_t index, int32_t* tokens, int32_t* targets, int32_t* positions) const {
   const int64_t w = window_of(index);
   std::vector<int32_t> buf(static_cast<size_t>(seq_len_) + 1);
   read_stream(w * seq_len_, seq_len_ + 1, buf.data());
   std::memcpy(tokens, buf.data(), sizeof(int32_t) * size_t(seq_len_));
   std::memcpy(targets, buf.data() + 1, sizeof(int32_t) * size_t(seq_len_));
+  if (!positions) return;
+  // Document boundaries come from the split's document starts (not from scanning for an EOD id,
+  // which a tokenizer may also produce inside a document).
+  const int64_t first = w * seq_len_;
+  size_t k = size_t(std::upper_bound(starts_.begin(), starts_.end(), first) - starts_.begin());  // next start
+  int32_t p = 0;
+  for (int64_t t = 0; t < seq_len_; ++t, ++p) {
+    if (k < starts_.size() && starts_[k] == first + t) {
+      p = 0;
+      ++k;
+    }
+    positions[t] = p;
+    // Token t's target is token t+1: when a document starts there, the pair crosses documents.
+    if (k < starts_.size() && starts_[k] == first + t + 1) targets[t] = -1;
+  }
 }
 
 }  // namespace mpigpt

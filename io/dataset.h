@@ -68,7 +68,10 @@ class GptDataset {
 
   // tokens (T) and targets (T) = the window's tokens shifted by one, for global sample
   // `index` >= 0. Fails, naming the file, if an id is not below the model's vocabulary size.
-  void get(int64_t index, int32_t* tokens, int32_t* targets) const;
+  // With `positions` (T) given, the sample is a packed row: positions restart at 0 at the row's
+  // start and at every document that begins inside it, and the target of a document's last token
+  // (its EOD, whose next token opens another document) is -1, so no loss crosses documents.
+  void get(int64_t index, int32_t* tokens, int32_t* targets, int32_t* positions = nullptr) const;
   // Which window (0 .. samples_per_epoch - 1) global sample `index` reads.
   int64_t window_of(int64_t index) const;
   // The source documents of this split, in stream order.

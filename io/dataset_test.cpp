@@ -116,6 +116,40 @@ TEST_CASE("GptDataset: samples depend only on (seed, index), targets are tokens 
   CHECK(differs);
 }
 
+TEST_CASE("GptDataset: packed rows restart positions at documents and drop the cross-document target") {
+  TempDir tmp;
+  auto src = TokenSource::open(write_corpus(tmp, 40));
+  const int T = 16;
+  GptDataset ds(src, Split::Train, 0.1, T, 1234, kVocab);
+  const auto stream = stream_of_split(ds, *src);
+  // Document starts in the stream, rebuilt from the documents' lengths.
+  std::set<int64_t> starts;
+  int64_t at = 0;
+  for (uint32_t d : ds.documents()) {
+    starts.insert(at);
+    at += src->document_length(d);
+  }
+  std::vector<int32_t> x(T), y(T), pos(T), x0(T), y0(T);
+  int boundaries = 0;
+  for (int64_t i = 0; i < ds.samples_per_epoch(); ++i) {
+    ds.get(i, x.data(), y.data(), pos.data());
+    ds.get(i, x0.data(), y0.data());
+    CHECK(x == x0);  // the same tokens as an unpacked row
+    const int64_t w = ds.window_of(i);
+    int32_t p = 0;
+    for (int t = 0; t < T; ++t, ++p) {
+      if (t > 0 && starts.count(w * T + t)) p = 0;
+      CHECK(pos[size_t(t)] == p);
+      const bool crosses = starts.count(w * T + t + 1) > 0;
+      boundaries += crosses;
+      // The token before a document start is the EOD of the one before it.
+      if (crosses) CHECK(x[size_t(t)] == kVocab - 1);
+      CHECK(y[size_t(t)] == (crosses ? -1 : y0[size_t(t)]));
+    }
+  }
+  CHECK(boundaries > 10);  // the corpus' documents (6-34 tokens) end inside many rows
+}
+
 TEST_CASE("GptDataset: every window exactly once per epoch, a fresh order each epoch") {
   TempDir tmp;
   auto src = TokenSource::open(write_corpus(tmp, 30));

@@ -59,6 +59,9 @@ def load_layouts(path: Path) -> tuple[dict, list[dict]]:
     layouts = spec.get("layouts")
     if not isinstance(families, dict) or not families or not isinstance(layouts, list):
         raise SetupError(f"{path}: needs a 'families' object and a 'layouts' list")
+    default_families = spec.get("default_families", list(families))
+    if not isinstance(default_families, list) or any(f not in families for f in default_families):
+        raise SetupError(f"{path}: 'default_families' must list families of 'families'")
     names = set()
     for i, lay in enumerate(layouts):
         where = f"{path}: layouts[{i}]"
@@ -71,7 +74,7 @@ def load_layouts(path: Path) -> tuple[dict, list[dict]]:
             raise SetupError(f"{where} ({lay['name']}): 'ranks' must be an integer from 1 to 8")
         if not isinstance(lay.get("set", {}), dict):
             raise SetupError(f"{where} ({lay['name']}): 'set' must be an object of option: value")
-        fams = lay.setdefault("families", list(families))
+        fams = lay.setdefault("families", list(default_families))
         unknown = [f for f in fams if f not in families]
         if unknown:
             raise SetupError(f"{where} ({lay['name']}): unknown families {unknown}; known: {list(families)}")

@@ -12,6 +12,7 @@ struct GPT::Slot {
   bool busy = false;
   Arena arena;
   Tensor tokens, targets, losses;  // (N): tokens on the embedding's chunk, targets on the head's
+  Tensor positions, pos_all, seg_all;  // masked attention: (N) own positions, (cp*N) every rank's
   std::vector<Tensor> resid;       // resid[i]: input of the chunk's i-th layer; resid.back(): output
   std::vector<BlockActs> a;
   Tensor xf, xf_mean, xf_rstd, xf_full, logits;  // head
@@ -22,13 +23,17 @@ GPT::GPT(const GptDims& d, Ops& ops, int B)
     : GPT(d, ops, B, ModelPlacement{}, TensorParallel(nullptr, false), build_param_table(d), -1) {}
 
 GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const TensorParallel& tp,
-         std::vector<ParamInfo> table, int64_t buffer_numel)
-    : d_(d), ops_(ops), B_(B), tp_(tp), table_(std::move(table)), arena_(ops) {
+         std::vector<ParamInfo> table, int64_t buffer_numel, const SequenceLayout& seq)
+    : d_(d), ops_(ops), B_(B), tp_(tp), cp_(seq.cp, seq.cp_comm, ops), table_(std::move(table)), arena_(ops) {
   MPIGPT_CHECK(d.C % d.NH == 0 && d.NH % d.NKV == 0, "C={} NH={} NKV={}", d.C, d.NH, d.NKV);
   MPIGPT_CHECK(d.Vp >= d.V && d.T <= d.maxT, "V={} Vp={} T={} maxT={}", d.V, d.Vp, d.T, d.maxT);
   MPIGPT_CHECK(pl.tp == tp_.size() && d.NH % pl.tp == 0 && d.NKV % pl.tp == 0 && d.Vp % pl.tp == 0,
                "placement tp {} vs group {}, NH {} NKV {} Vp {}", pl.tp, tp_.size(), d.NH, d.NKV, d.Vp);
-  N_ = int64_t(B) * d.T;
+  MPIGPT_CHECK(cp_.size() == 1 || d.T % (2 * cp_.size()) == 0, "T = {} does not split into 2*cp = {} chunks", d.T,
+               2 * cp_.size());
+  masked_ = cp_.size() > 1 || seq.packed;
+  Tl_ = d.T / cp_.size();
+  N_ = int64_t(B) * Tl_;
   MPIGPT_CHECK(N_ % tp_.size() == 0, "B*T = {} rows do not split over tp {}", N_, tp_.size());
   Nl_ = tp_.local_rows(N_);
   nh_ = d.NH / pl.tp;
@@ -123,9 +128,9 @@ void GPT::setup(const ModelPlacement& pl) {
   arena_.plan(&ce_sum_, {N_});
   arena_.plan(&ce_target_, {N_});
   arena_.commit();
-  // Without packing, positions restart at 0 in every row.
+  // Unless the micro-batch brings its own (masked_), positions restart at 0 in every row.
   std::vector<int32_t> pos(N_);
-  for (int64_t i = 0; i < N_; ++i) pos[i] = int32_t(i % d_.T);
+  for (int64_t i = 0; i < N_; ++i) pos[i] = int32_t(i % Tl_);
   ops_.copy(positions_, Tensor(pos.data(), {N_}, DType::I32));
 }
 
@@ -150,6 +155,11 @@ GPT::Slot& GPT::acquire(int c, int mb) {
   const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
   Arena& A = s->arena;
   if (ch.embed) A.plan(&s->tokens, {N_}, DType::I32);
+  if (masked_) {
+    A.plan(&s->positions, {N_}, DType::I32);
+    A.plan(&s->pos_all, {cp_.size() * N_}, DType::I32);
+    A.plan(&s->seg_all, {cp_.size() * N_}, DType::I32);
+  }
   const int n = ch.end_layer - ch.first_layer;
   s->resid.resize(n + 1);
   for (auto& r : s->resid) A.plan(&r, {Nl_, C});
@@ -160,7 +170,8 @@ GPT::Slot& GPT::acquire(int c, int mb) {
     A.plan(&a.n1_rstd, {Nl_});
     if (sp) A.plan(&a.n1_full, {N_, C});
     A.plan(&a.qkv, {N_, (nh_ + 2 * nkv_) * HD});
-    A.plan(&a.att_saved, {ops_.attention_saved_numel(B_, d_.T, nh_)});
+    // Masked attention keeps the log-sum-exp per query and head; the plain op what its backend needs.
+    A.plan(&a.att_saved, {masked_ ? int64_t(B_) * nh_ * Tl_ : ops_.attention_saved_numel(B_, Tl_, nh_)});
     A.plan(&a.att, {N_, nh_ * HD});
     A.plan(&a.mid, {Nl_, C});
     A.plan(&a.n2, {Nl_, C});
@@ -263,6 +274,8 @@ void GPT::norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor i
     ops_.rmsnorm_backward(dinp, dw, dout, inp, rstd, w);
 }
 
+Tensor GPT::positions(const Slot& s) const { return masked_ ? s.positions : positions_; }
+
 Tensor GPT::chunk_input(int c, int mb) {
   MPIGPT_CHECK(!chunks_[c].embed, "chunk {} starts with the embedding; it takes tokens, not activations", c);
   return acquire(c, mb).resid[0];
@@ -274,24 +287,31 @@ Tensor GPT::chunk_output(int c, int mb) const {
   return s->resid.back();
 }
 
-double GPT::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, float dloss) {
+double GPT::forward_chunk(int c, int mb, const MicroBatchInput& in, float dloss) {
   const Chunk& ch = chunks_[c];
   Slot& s = acquire(c, mb);
+  if (masked_) {
+    MPIGPT_CHECK(in.pos && in.seg, "forward_chunk({}, {}): a split or packed sequence needs pos and seg", c, mb);
+    const int64_t n = cp_.size() * N_;
+    ops_.copy(s.pos_all, Tensor(const_cast<int32_t*>(in.pos), {n}, DType::I32));
+    ops_.copy(s.seg_all, Tensor(const_cast<int32_t*>(in.seg), {n}, DType::I32));
+    ops_.copy(s.positions, s.pos_all.flat_slice(cp_.rank() * N_, N_));
+  }
   if (ch.embed) {
     // A vocabulary-parallel lookup: each tp rank adds the rows of its vocabulary shard (and
     // rank 0 the positions), the row-parallel reduction completes the sum.
-    ops_.copy(s.tokens, Tensor(const_cast<int32_t*>(tokens), {N_}, DType::I32));
+    ops_.copy(s.tokens, Tensor(const_cast<int32_t*>(in.tokens), {N_}, DType::I32));
     Tensor x0 = tp_.row_output_target(s.resid[0], full_);
-    ops_.embedding_forward(x0, s.tokens, positions_, wte_, tp_.rank() == 0 ? wpe_ : Tensor(),
+    ops_.embedding_forward(x0, s.tokens, positions(s), wte_, tp_.rank() == 0 ? wpe_ : Tensor(),
                            int64_t(tp_.rank()) * wte_.size(0));
     tp_.row_output_forward(s.resid[0], x0);
   }
   for (int l = ch.first_layer; l < ch.end_layer; ++l) {
     const int i = l - ch.first_layer;
-    block_forward(l, s.a[i], s.resid[i], s.resid[i + 1]);
+    block_forward(l, s, s.a[i], s.resid[i], s.resid[i + 1]);
   }
   if (!ch.head) return 0.0;
-  ops_.copy(s.targets, Tensor(const_cast<int32_t*>(targets), {N_}, DType::I32));
+  ops_.copy(s.targets, Tensor(const_cast<int32_t*>(in.targets), {N_}, DType::I32));
   return head_forward(s, dloss);
 }
 
@@ -318,15 +338,19 @@ double GPT::head_forward(Slot& s, float dloss) {
   return ops_.sum(s.losses);
 }
 
-void GPT::block_forward(int l, BlockActs& a, Tensor x_in, Tensor x_out) {
+void GPT::block_forward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor x_out) {
   const Block& w = w_[local_of_layer_[l]];
-  auto as3 = [&](Tensor t) { return t.view({B_, d_.T, t.size(1)}); };
+  auto as3 = [&](Tensor t) { return t.view({B_, Tl_, t.size(1)}); };
   const bool bias_here = tp_.rank() == 0;  // a row-parallel bias is added once, before the reduction
   norm_forward(a.n1, a.n1_mean, a.n1_rstd, x_in, w.n1w, w.n1b);
   Tensor n1 = tp_.column_input_forward(a.n1_full, a.n1);
   ops_.linear_forward(a.qkv, n1, w.qkvw, w.qkvb);
-  if (!d_.gpt2()) ops_.rope_forward(a.qkv, positions_, nh_, nkv_, d_.HD(), d_.rope_theta);
-  ops_.attention_forward(as3(a.att), a.att_saved, as3(a.qkv), nh_, nkv_, d_.HD());
+  if (!d_.gpt2()) ops_.rope_forward(a.qkv, positions(s), nh_, nkv_, d_.HD(), d_.rope_theta);
+  if (masked_)
+    cp_.attention_forward(as3(a.att), a.att_saved.view({B_, nh_, Tl_}), as3(a.qkv), s.pos_all, s.seg_all, nh_, nkv_,
+                          d_.HD());
+  else
+    ops_.attention_forward(as3(a.att), a.att_saved, as3(a.qkv), nh_, nkv_, d_.HD());
   Tensor mid = tp_.row_output_target(a.mid, full_);
   ops_.linear_forward(mid, a.att, w.projw, bias_here ? w.projb : Tensor());
   tp_.row_output_forward(a.mid, mid);
@@ -355,12 +379,12 @@ void GPT::backward_chunk(int c, int mb, const GradsFinal& final) {
   // On entry dres_ = d(loss)/d(chunk output); on exit d(loss)/d(chunk input).
   for (int l = ch.end_layer - 1; l >= ch.first_layer; --l) {
     const int i = l - ch.first_layer;
-    block_backward(l, s->a[i], s->resid[i], dres_);
+    block_backward(l, *s, s->a[i], s->resid[i], dres_);
     if (final) final(layer_params_[local_of_layer_[l]].first, layer_params_[local_of_layer_[l]].second);
   }
   if (ch.embed) {
     Tensor dx0 = tp_.row_output_backward(full_, dres_);
-    ops_.embedding_backward(dwte_, dwpe_, dx0, s->tokens, positions_, int64_t(tp_.rank()) * dwte_.size(0));
+    ops_.embedding_backward(dwte_, dwpe_, dx0, s->tokens, positions(*s), int64_t(tp_.rank()) * dwte_.size(0));
     if (final) final(embed_params_.first, embed_params_.second);
   }
   release(c, mb);
@@ -377,10 +401,10 @@ void GPT::head_backward(Slot& s) {
 }
 
 // On entry dres = d(loss)/d(x_out); on exit d(loss)/d(x_in).
-void GPT::block_backward(int l, BlockActs& a, Tensor x_in, Tensor dres) {
+void GPT::block_backward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor dres) {
   const Block& w = w_[local_of_layer_[l]];
   const Block& g = g_[local_of_layer_[l]];
-  auto as3 = [&](Tensor t) { return t.view({B_, d_.T, t.size(1)}); };
+  auto as3 = [&](Tensor t) { return t.view({B_, Tl_, t.size(1)}); };
   // x_out = mid + proj(act(fc(norm2(mid))))
   Tensor dout = tp_.row_output_backward(full_, dres);
   ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
@@ -394,8 +418,12 @@ void GPT::block_backward(int l, BlockActs& a, Tensor x_in, Tensor dres) {
   // mid = x_in + proj(attention(qkv(norm1(x_in))))
   Tensor dmid = tp_.row_output_backward(full_, dres);
   ops_.linear_backward(datt_, g.projw, g.projb, dmid, a.att, w.projw);
-  ops_.attention_backward(as3(dqkv_), as3(datt_), as3(a.qkv), as3(a.att), a.att_saved, nh_, nkv_, d_.HD());
-  if (!d_.gpt2()) ops_.rope_backward(dqkv_, positions_, nh_, nkv_, d_.HD(), d_.rope_theta);
+  if (masked_)
+    cp_.attention_backward(as3(dqkv_), as3(datt_), as3(a.qkv), as3(a.att), a.att_saved.view({B_, nh_, Tl_}),
+                           s.pos_all, s.seg_all, nh_, nkv_, d_.HD());
+  else
+    ops_.attention_backward(as3(dqkv_), as3(datt_), as3(a.qkv), as3(a.att), a.att_saved, nh_, nkv_, d_.HD());
+  if (!d_.gpt2()) ops_.rope_backward(dqkv_, positions(s), nh_, nkv_, d_.HD(), d_.rope_theta);
   ops_.linear_backward(full_, g.qkvw, g.qkvb, dqkv_, a.n1_full, w.qkvw);
   Tensor dn1 = tp_.column_input_backward(dn_, full_);
   norm_backward(dres, g.n1w, g.n1b, dn1, x_in, a.n1_mean, a.n1_rstd, w.n1w);  // dres = d(x_in)

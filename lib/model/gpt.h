@@ -16,9 +16,29 @@
 #include "lib/kernels/ops.h"
 #include "lib/model/gpt_dims.h"
 #include "lib/model/params.h"
+#include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
 
 namespace mpigpt {
+
+// How the sequence of a micro-batch is laid out: split over a context-parallel group, and/or
+// packed with several documents per row. Either one switches attention to the masked
+// (positions + document ids) path of parallel/context_parallel.
+struct SequenceLayout {
+  const Comm* cp = nullptr;  // context-parallel group (nullptr: the whole sequence on this rank)
+  CpCommType cp_comm = CpCommType::P2P;
+  bool packed = false;       // documents packed into rows: positions restart, attention stays inside
+};
+
+// One micro-batch as a rank's model chunk sees it (host arrays).
+struct MicroBatchInput {
+  const int32_t* tokens = nullptr;   // (B*Tl) this rank's tokens (read by the embedding's chunk)
+  const int32_t* targets = nullptr;  // (B*Tl) their targets, < 0 ignored (read by the head's chunk)
+  // With a SequenceLayout that is split or packed: positions within the document and document
+  // ids of every cp rank's tokens, (cp, B, Tl) rank-major (CpMicroBatch); else nullptr.
+  const int32_t* pos = nullptr;
+  const int32_t* seg = nullptr;
+};
 
 class GPT {
  public:
@@ -26,12 +46,14 @@ class GPT {
   GPT(const GptDims& d, Ops& ops, int B);
   // This rank's part: `table` from build_param_table(d, pl), its offsets possibly moved by a
   // data-parallel buffer plan of `buffer_numel` elements.
+  // Tokens per row on this rank: Tl = T / cp.
   GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const TensorParallel& tp,
-      std::vector<ParamInfo> table, int64_t buffer_numel);
+      std::vector<ParamInfo> table, int64_t buffer_numel, const SequenceLayout& seq = {});
   ~GPT();
 
   const GptDims& dims() const { return d_; }
   int batch() const { return B_; }
+  int64_t local_seq_len() const { return Tl_; }  // T / cp
   const std::vector<ParamInfo>& params() const { return table_; }
   Tensor params_flat() const { return params_.tensor({buffer_numel_}); }
   Tensor grads_flat() const { return grads_.tensor({buffer_numel_}); }
@@ -59,7 +81,10 @@ class GPT {
   // micro-batch (the first chunk reads tokens, the head's chunk targets; target < 0 is
   // ignored). Returns the sum of the token losses on the head's chunk, else 0. With
   // dloss != 0 the logits become their gradient scaled by dloss, ready for backward.
-  double forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, float dloss);
+  double forward_chunk(int c, int mb, const MicroBatchInput& in, float dloss);
+  double forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, float dloss) {
+    return forward_chunk(c, mb, MicroBatchInput{tokens, targets}, dloss);
+  }
   Tensor chunk_output(int c, int mb) const;  // the activation to pass on (not on the head's chunk)
   // Where the received gradient of chunk c's output goes; backward_chunk leaves the gradient
   // of its input there (valid until the next backward).
@@ -97,12 +122,13 @@ class GPT {
   Slot& acquire(int c, int mb);
   Slot* find(int c, int mb) const;
   Block weights(const Buffer& buf, int l) const;
+  Tensor positions(const Slot& s) const;
   Tensor view_of(const Buffer& buf, const std::string& name) const;
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor w, Tensor b);
   void norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
                      Tensor w);
-  void block_forward(int l, BlockActs& a, Tensor x_in, Tensor x_out);
-  void block_backward(int l, BlockActs& a, Tensor x_in, Tensor dres);
+  void block_forward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor x_out);
+  void block_backward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor dres);
   double head_forward(Slot& s, float dloss);
   void head_backward(Slot& s);
 
@@ -110,7 +136,10 @@ class GPT {
   Ops& ops_;
   int B_;
   TensorParallel tp_;
-  int64_t N_ = 0, Nl_ = 0;  // rows of a micro-batch, and of its sequence shard
+  ContextParallel cp_;
+  bool masked_ = false;     // attention by positions and document ids (cp > 1 or packed)
+  int64_t Tl_ = 0;          // tokens per row on this rank (T / cp)
+  int64_t N_ = 0, Nl_ = 0;  // rows of a micro-batch on this rank (B*Tl), and of its tp sequence shard
   int nh_ = 0, nkv_ = 0;    // heads this tp rank computes
   std::vector<ParamInfo> table_;
   int64_t num_params_ = 0, buffer_numel_ = 0;

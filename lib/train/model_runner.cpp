@@ -9,20 +9,33 @@
 namespace mpigpt {
 
 // The pipeline stage the executor drives: one GPT chunk per virtual stage, the micro-batch's
-// tokens from the step's batch, and the data-parallel hooks (parameters gathered before first
-// use, gradient buckets started when the last micro-batch's backward completes them).
+// tokens from the step's batch (this cp rank's share, with every rank's positions and document
+// ids, when the sequence is split or packed), and the data-parallel hooks (parameters gathered
+// before first use, gradient buckets started when the last micro-batch's backward completes them).
 class ModelRunner::Stage : public PipelineStage {
  public:
-  Stage(ModelRunner& r, const int32_t* tokens, const int32_t* targets, float dloss, bool train, int num_micro)
+  Stage(ModelRunner& r, const int32_t* tokens, const int32_t* targets, const int32_t* positions, float dloss,
+        bool train, int num_micro)
       : r_(r), m_(*r.model_), tokens_(tokens), targets_(targets), dloss_(dloss), train_(train),
-        num_micro_(num_micro), N_(int64_t(m_.batch()) * m_.dims().T) {}
+        num_micro_(num_micro), N_(int64_t(m_.batch()) * m_.dims().T) {
+    const int cp = r.mesh_.cp().size();
+    if (cp > 1 || r.seq_.packed)
+      for (int mb = 0; mb < num_micro; ++mb)
+        split_.push_back(cp_split(m_.batch(), m_.dims().T, cp, r.mesh_.cp().rank(), tokens + mb * N_,
+                                  targets + mb * N_, positions ? positions + mb * N_ : nullptr));
+  }
   double loss_sum = 0;
 
   Tensor forward_input(int mb, int c) override { return m_.chunk_input(c, mb); }
   void forward(int mb, int c) override {
     if (mb == 0) wait_params(c);
     if (!train_ && mb > 0) m_.release(c, mb - 1);  // its output went out right after its forward
-    loss_sum += m_.forward_chunk(c, mb, tokens_ + mb * N_, targets_ + mb * N_, train_ ? dloss_ : 0.0f);
+    MicroBatchInput in{tokens_ + mb * N_, targets_ + mb * N_};
+    if (!split_.empty()) {
+      const CpMicroBatch& s = split_[mb];
+      in = {s.tokens.data(), s.targets.data(), s.pos.data(), s.seg.data()};
+    }
+    loss_sum += m_.forward_chunk(c, mb, in, train_ ? dloss_ : 0.0f);
   }
   Tensor forward_output(int mb, int c) override { return m_.chunk_output(c, mb); }
   Tensor backward_input(int, int c) override { return m_.chunk_grad(c); }
@@ -54,11 +67,13 @@ class ModelRunner::Stage : public PipelineStage {
   float dloss_;
   bool train_;
   int num_micro_;
-  int64_t N_;
+  int64_t N_;                         // tokens of a whole micro-batch (B*T)
+  std::vector<CpMicroBatch> split_;   // per micro-batch, when the sequence is split or packed
 };
 
 ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, Ops& ops)
-    : cfg_(cfg), mesh_(mesh), ops_(ops), tp_(&mesh.tp(), cfg.parallel.sequence_parallel) {
+    : cfg_(cfg), mesh_(mesh), ops_(ops), tp_(&mesh.tp(), cfg.parallel.sequence_parallel),
+      seq_{&mesh.cp(), parse_cp_comm_type(cfg.parallel.cp_comm_type), cfg.engine.sequence_packing} {
   const ParallelConfig& pc = cfg.parallel;
   const TrainingConfig& tc = cfg.training;
   pp_rank_ = mesh.coords().pp;
@@ -76,7 +91,7 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   const Comm& dp = mesh.dp_cp();
   BufferLayout layout = plan_buffer(numels, cfg.engine.bucket_size, dp.size());
   for (size_t i = 0; i < table.size(); ++i) table[i].offset = layout.offsets[i];
-  model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, layout.total);
+  model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, layout.total, seq_);
   model_->init_weights(tc.seed);
 
   // Tied embeddings over a pipeline: the last stage's replica starts as stage 0's copy.
@@ -113,7 +128,7 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
       counted.push_back(layout.param_range(int(i)));
   norm_ranges_ = intersect_ranges(counted, sync_->owned_ranges());
 
-  num_micro_ = tc.global_batch / (dp.size() * tc.micro_batch);
+  num_micro_ = tc.global_batch / (mesh.dp().size() * tc.micro_batch);  // cp ranks share their rows
   schedule_ = make_schedule(pc.pp, pc.vpp, num_micro_);
 }
 
@@ -124,8 +139,8 @@ bool ModelRunner::writes_replicated() const { return tp_.rank() == 0 && mesh_.dp
 bool ModelRunner::delayed(int param) const { return param == tied_param_; }
 
 double ModelRunner::run(const std::vector<Action>& actions, const int32_t* tokens, const int32_t* targets,
-                        float dloss, bool train, int num_micro) {
-  Stage stage(*this, tokens, targets, dloss, train, num_micro);
+                        const int32_t* positions, float dloss, bool train, int num_micro) {
+  Stage stage(*this, tokens, targets, positions, dloss, train, num_micro);
   run_schedule(actions, stage, mesh_.pp());
   if (!train)
     for (int c = 0; c < model_->num_chunks(); ++c) model_->release(c, num_micro - 1);
@@ -135,16 +150,18 @@ double ModelRunner::run(const std::vector<Action>& actions, const int32_t* token
   return loss;
 }
 
-double ModelRunner::forward_backward(const int32_t* tokens, const int32_t* targets, int num_micro, float dloss) {
+double ModelRunner::forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions,
+                                     int num_micro, float dloss) {
   MPIGPT_CHECK(num_micro == num_micro_, "the schedule is made for {} micro-batches, not {}", num_micro_, num_micro);
   model_->zero_grads();
-  const double loss = run(schedule_[pp_rank_], tokens, targets, dloss, true, num_micro);
+  const double loss = run(schedule_[pp_rank_], tokens, targets, positions, dloss, true, num_micro);
   finish_grads();
   return loss;
 }
 
 // Forward only: micro-batch after micro-batch, each through the chunks in virtual-stage order.
-double ModelRunner::forward_only(const int32_t* tokens, const int32_t* targets, int num_micro) {
+double ModelRunner::forward_only(const int32_t* tokens, const int32_t* targets, const int32_t* positions,
+                                 int num_micro) {
   const int pp = cfg_.parallel.pp, vpp = cfg_.parallel.vpp;
   const int prev = (pp_rank_ + pp - 1) % pp, next = (pp_rank_ + 1) % pp;
   std::vector<Action> actions;
@@ -155,7 +172,7 @@ double ModelRunner::forward_only(const int32_t* tokens, const int32_t* targets, 
       actions.push_back({ActionType::Forward, mb, c, -1});
       if (s + 1 < pp * vpp) actions.push_back({ActionType::SendForward, mb, c, next});
     }
-  return run(actions, tokens, targets, 0.0f, false, num_micro);
+  return run(actions, tokens, targets, positions, 0.0f, false, num_micro);
 }
 
 void ModelRunner::finish_grads() {

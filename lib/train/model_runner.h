@@ -25,13 +25,17 @@ class ModelRunner {
   ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, Ops& ops);
   ~ModelRunner();
 
-  // Forward and backward of one optimizer step over `num_micro` micro-batches whose tokens and
-  // targets lie back to back (micro_batch * T each), every token's loss weighted by dloss (1 /
-  // tokens of the global batch). Afterwards the gradients are reduced over every group. Returns
-  // the loss sum of this data-parallel rank's tokens (the same on every rank of its pipeline).
-  double forward_backward(const int32_t* tokens, const int32_t* targets, int num_micro, float dloss);
+  // Forward and backward of one optimizer step over `num_micro` micro-batches whose tokens,
+  // targets and positions lie back to back (micro_batch * T each, whole sequences: with context
+  // parallelism each cp rank takes its share), every token's loss weighted by dloss (1 / tokens
+  // of the global batch). positions: within each document when sequences are packed (a
+  // document starts where it is 0), nullptr otherwise. Afterwards the gradients are reduced over
+  // every group. Returns the loss sum of this rank's tokens: its cp share of its data-parallel
+  // rank's batch (the same on every rank of its pipeline and tensor group).
+  double forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int num_micro,
+                          float dloss);
   // The loss sum without gradients (validation), as above.
-  double forward_only(const int32_t* tokens, const int32_t* targets, int num_micro);
+  double forward_only(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int num_micro);
   // The global gradient norm: every parameter counted once over all ranks.
   double grad_norm();
   // AdamW on this rank's share, then the parameters go back to every rank that holds them.
@@ -50,8 +54,8 @@ class ModelRunner {
 
  private:
   class Stage;
-  double run(const std::vector<Action>& actions, const int32_t* tokens, const int32_t* targets, float dloss,
-             bool train, int num_micro);
+  double run(const std::vector<Action>& actions, const int32_t* tokens, const int32_t* targets,
+             const int32_t* positions, float dloss, bool train, int num_micro);
   void finish_grads();
   bool delayed(int param) const;  // gradient completed only after the tied-embedding sum
 
@@ -60,6 +64,7 @@ class ModelRunner {
   Ops& ops_;
   ModelPlacement placement_;
   TensorParallel tp_;
+  SequenceLayout seq_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<GradSync> sync_;
   std::unique_ptr<AdamW> opt_;

@@ -80,10 +80,13 @@ struct Batches {
   std::unique_ptr<GptDataset> train, valid;
   int T = 0, V = 0;
   uint64_t seed = 0;
-  // tokens/targets of global sample `index` of the train (or validation) split.
-  void get(bool is_train, int64_t index, int32_t* tokens, int32_t* targets) const {
+  // tokens/targets of global sample `index` of the train (or validation) split; with packed
+  // sequences (positions given) also the positions within documents, and no target crosses
+  // from one document into the next.
+  void get(bool is_train, int64_t index, int32_t* tokens, int32_t* targets, int32_t* positions) const {
     const GptDataset* ds = is_train ? train.get() : valid.get();
-    if (ds) return ds->get(index, tokens, targets);
+    if (ds) return ds->get(index, tokens, targets, positions);
+    for (int t = 0; positions && t < T; ++t) positions[t] = t;  // random tokens: one document per row
     for (int t = 0; t <= T; ++t) {  // synthetic: a random stream, targets shifted by one
       int32_t id = int32_t(bits_at(seed, is_train ? 1 : 2, uint64_t(index) * (T + 1) + t) % uint64_t(V));
       if (t < T) tokens[t] = id;
@@ -95,16 +98,19 @@ struct Batches {
 }  // namespace
 
 TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts) {
-  // Gradients, token counts and losses are summed over the data-parallel group.
+  // Losses are summed over the data- and context-parallel ranks (each cp rank holds a share of its
+  // rows' tokens); token counts over the data-parallel ranks alone (every cp rank of a data-parallel
+  // rank reads the same rows).
   const Comm& world = mesh.dp_cp();
+  const Comm& dp_only = mesh.dp();
   const TrainingConfig& tc = cfg.training;
   const ParallelConfig& pc = cfg.parallel;
   // The loss lives on the last pipeline stage; one rank there logs.
   const Coords& co = mesh.coords();
   const bool last_rank = co.pp == pc.pp - 1 && co.tp == 0 && co.cp == 0 && co.dp == 0;
-  if (pc.cp * pc.ep * pc.expert_tp != 1)
-    fail("parallel: cp={} ep={} expert_tp={}: context and expert parallelism are not in this build yet; set "
-         "parallel.cp, parallel.ep and parallel.expert_tp to 1", pc.cp, pc.ep, pc.expert_tp);
+  if (pc.ep * pc.expert_tp != 1)
+    fail("parallel: ep={} expert_tp={}: expert parallelism is not in this build yet; set parallel.ep and "
+         "parallel.expert_tp to 1", pc.ep, pc.expert_tp);
   if (cfg.engine.backend != "cpu")
     fail("engine.backend = '{}' is not available in this build; use engine.backend = cpu", cfg.engine.backend);
   if (tc.precision != "fp32")
@@ -144,7 +150,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   }
 
   // ---- model and optimizer ------------------------------------------------------------------
-  const int dp = world.size();
+  const int dp = dp_only.size();
   const int MB = tc.micro_batch, GB = tc.global_batch;
   const int per_rank = GB / dp, num_micro = per_rank / MB;
   auto ops = make_cpu_ops();
@@ -173,6 +179,9 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   // ---- loop -----------------------------------------------------------------------------------
   const size_t rows = size_t(std::max<int64_t>(per_rank, tc.eval_iters * MB));
   std::vector<int32_t> tokens(rows * d.T), targets(rows * d.T);
+  // Positions within documents, only when sequences are packed (else every row is one document).
+  std::vector<int32_t> positions(cfg.engine.sequence_packing ? rows * d.T : 0);
+  int32_t* pos = positions.empty() ? nullptr : positions.data();
   MetricsWriter metrics(last_rank ? tc.metrics_file : std::string());
   TrainResult result;
   result.flops_per_step = flops_per_step;
@@ -183,12 +192,14 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     const int64_t n = tc.eval_iters * MB;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = j / MB, b = j % MB;
-      data.get(false, (k * dp + world.rank()) * MB + b, tokens.data() + j * d.T, targets.data() + j * d.T);
+      data.get(false, (k * dp + dp_only.rank()) * MB + b, tokens.data() + j * d.T, targets.data() + j * d.T,
+               pos ? pos + j * d.T : nullptr);
     }
-    double sums[2] = {runner.forward_only(tokens.data(), targets.data(), int(tc.eval_iters)),
-                      double(count_targets(targets.data(), targets.data() + n * d.T))};
-    world.allreduce_sum(sums, 2);
-    return sums[0] / std::max(sums[1], 1.0);
+    double loss = runner.forward_only(tokens.data(), targets.data(), pos, int(tc.eval_iters));
+    double count = double(count_targets(targets.data(), targets.data() + n * d.T));
+    world.allreduce_sum(&loss, 1);
+    dp_only.allreduce_sum(&count, 1);
+    return loss / std::max(count, 1.0);
   };
 
   StepMetrics m;
@@ -197,7 +208,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   int interval_steps = 0;
   // The groups whose traffic the last step reports (the comm layer counts every call).
   const std::vector<std::pair<std::string, const Comm*>> groups = {
-      {"tp", &mesh.tp()}, {"pp", &mesh.pp()}, {"dp_cp", &mesh.dp_cp()}, {"embedding", &mesh.embedding()},
+      {"tp", &mesh.tp()}, {"pp", &mesh.pp()}, {"cp", &mesh.cp()}, {"dp_cp", &mesh.dp_cp()}, {"embedding", &mesh.embedding()},
       {"mp", &mesh.mp()}, {"world", &mesh.world()}};
   result.memory = runner.memory();
   result.bubble = simulate(runner.schedule(), pc.pp, pc.vpp, 1.0, 2.0).bubble;
@@ -238,13 +249,13 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     const auto t0 = Clock::now();
     // This rank's samples of the global batch: the global batch index alone decides them.
     for (int j = 0; j < per_rank; ++j)
-      data.get(true, (it - 1) * GB + int64_t(world.rank()) * per_rank + j, tokens.data() + size_t(j) * d.T,
-               targets.data() + size_t(j) * d.T);
+      data.get(true, (it - 1) * GB + int64_t(dp_only.rank()) * per_rank + j, tokens.data() + size_t(j) * d.T,
+               targets.data() + size_t(j) * d.T, pos ? pos + size_t(j) * d.T : nullptr);
     int64_t counts[1] = {count_targets(targets.data(), targets.data() + size_t(per_rank) * d.T)};
-    world.allreduce_sum(counts, 1);
+    dp_only.allreduce_sum(counts, 1);
     const float dloss = 1.0f / float(std::max<int64_t>(counts[0], 1));
 
-    double loss_sum = runner.forward_backward(tokens.data(), targets.data(), num_micro, dloss);
+    double loss_sum = runner.forward_backward(tokens.data(), targets.data(), pos, num_micro, dloss);
     world.allreduce_sum(&loss_sum, 1);
     const double loss = loss_sum / double(std::max<int64_t>(counts[0], 1));
     const double norm = runner.grad_norm();
