@@ -67,7 +67,9 @@ bench: deps build
 PAR_LAYOUTS := "1" "2" "2 --engine.distributed_optimizer true" "4" "4 --engine.distributed_optimizer true" \
   "2 --parallel.tp 2" "2 --parallel.tp 2 --parallel.sequence_parallel true" "2 --parallel.pp 2" \
   "4 --parallel.pp 4" "4 --parallel.pp 4 --parallel.vpp 2" \
-  "8 --parallel.tp 2 --parallel.pp 2 --engine.distributed_optimizer true --engine.overlap_grad_reduce true --engine.overlap_param_gather true"
+  "8 --parallel.tp 2 --parallel.pp 2 --engine.distributed_optimizer true --engine.overlap_grad_reduce true --engine.overlap_param_gather true" \
+  "2 --parallel.cp 2" "2 --parallel.cp 2 --parallel.cp_comm_type all_gather" "4 --parallel.cp 4" \
+  "4 --parallel.cp 4 --parallel.cp_comm_type all_gather" "4 --parallel.cp 2 --parallel.tp 2 --parallel.sequence_parallel true"
 bench-parallel: deps build
 	@for l in $(PAR_LAYOUTS); do set -- $$l; np=$$1; shift; echo "== np $$np $$*"; \
 	  $(MPIRUN) -np $$np -x OMP_NUM_THREADS=1 $(BUILD)/mpigpt bench --config inputs/gpt2_parallel_bench.ini \
