@@ -119,14 +119,21 @@ void ContextParallel::attention_forward(Tensor out, Tensor lse, Tensor qkv, Tens
     forward_ring(out, lse, qkv, kv, pos, seg, NH, NKV, HD);
 }
 
+// The first block writes out/lse; every later one is computed aside and merged in.
+void ContextParallel::attend(bool first, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
+                             Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
+  if (first) return ops_.attention_block_forward(out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
+  Tensor bo = scratch(blk_out_, out.shape), bl = scratch(blk_lse_, lse.shape);
+  ops_.attention_block_forward(bo, bl, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
+  ops_.attention_merge(out, lse, bo, bl);
+}
+
 void ContextParallel::forward_ring(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor pos, Tensor seg, int NH,
                                    int NKV, int HD) {
   const int64_t B = qkv.size(0), Tl = qkv.size(1);
   const Tensor qpos = block_of(pos, rank_, B, Tl), qseg = block_of(seg, rank_, B, Tl);
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   Tensor cur = kv, nxt = size_ > 1 ? scratch(kv_next_, kv.shape) : Tensor();
-  Tensor bo = size_ > 1 ? scratch(blk_out_, out.shape) : Tensor();
-  Tensor bl = size_ > 1 ? scratch(blk_lse_, lse.shape) : Tensor();
   for (int s = 0; s < size_; ++s) {
     const int j = (rank_ - s + size_) % size_;  // whose K/V block this is
     Request recv, send;
@@ -134,13 +141,7 @@ void ContextParallel::forward_ring(Tensor out, Tensor lse, Tensor qkv, Tensor kv
       recv = cp_->irecv(nxt, prev, kTagKvForward);
       send = cp_->isend(cur, next, kTagKvForward);
     }
-    const Tensor kpos = block_of(pos, j, B, Tl), kseg = block_of(seg, j, B, Tl);
-    if (s == 0) {
-      ops_.attention_block_forward(out, lse, qkv, cur, qpos, qseg, kpos, kseg, NH, NKV, HD);
-    } else {
-      ops_.attention_block_forward(bo, bl, qkv, cur, qpos, qseg, kpos, kseg, NH, NKV, HD);
-      ops_.attention_merge(out, lse, bo, bl);
-    }
+    attend(s == 0, out, lse, qkv, cur, qpos, qseg, block_of(pos, j, B, Tl), block_of(seg, j, B, Tl), NH, NKV, HD);
     recv.wait();
     send.wait();
     std::swap(cur, nxt);
@@ -153,17 +154,9 @@ void ContextParallel::forward_gathered(Tensor out, Tensor lse, Tensor qkv, Tenso
   const Tensor qpos = block_of(pos, rank_, B, Tl), qseg = block_of(seg, rank_, B, Tl);
   Tensor all = scratch(gathered_, {size_ * n});
   cp_->all_gather(all, kv.view({n}));
-  Tensor bo = scratch(blk_out_, out.shape), bl = scratch(blk_lse_, lse.shape);
-  for (int j = 0; j < size_; ++j) {
-    const Tensor kvj = all.flat_slice(j * n, n).view(kv.shape);
-    const Tensor kpos = block_of(pos, j, B, Tl), kseg = block_of(seg, j, B, Tl);
-    if (j == 0) {
-      ops_.attention_block_forward(out, lse, qkv, kvj, qpos, qseg, kpos, kseg, NH, NKV, HD);
-    } else {
-      ops_.attention_block_forward(bo, bl, qkv, kvj, qpos, qseg, kpos, kseg, NH, NKV, HD);
-      ops_.attention_merge(out, lse, bo, bl);
-    }
-  }
+  for (int j = 0; j < size_; ++j)
+    attend(j == 0, out, lse, qkv, all.flat_slice(j * n, n).view(kv.shape), qpos, qseg, block_of(pos, j, B, Tl),
+           block_of(seg, j, B, Tl), NH, NKV, HD);
 }
 
 void ContextParallel::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse, Tensor pos,

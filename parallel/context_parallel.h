@@ -89,6 +89,8 @@ class ContextParallel {
 
  private:
   Tensor scratch(Buffer& b, Shape s, DType t = DType::F32);
+  void attend(bool first, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg, Tensor kpos,
+              Tensor kseg, int NH, int NKV, int HD);
   void forward_ring(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor pos, Tensor seg, int NH, int NKV, int HD);
   void forward_gathered(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor pos, Tensor seg, int NH, int NKV,
                         int HD);
