@@ -50,21 +50,27 @@ std::vector<int32_t> cp_token_index(int B, int T, int cp, const int32_t* pos) {
   return index;
 }
 
+std::vector<int32_t> cu_seqlens_of(int B, int T, const int32_t* pos) {
+  std::vector<int32_t> cu;
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t)
+      if (t == 0 || (pos && pos[int64_t(b) * T + t] == 0)) cu.push_back(int32_t(int64_t(b) * T + t));
+  cu.push_back(int32_t(int64_t(B) * T));
+  return cu;
+}
+
 CpMicroBatch cp_split(int B, int T, int cp, int rank, const int32_t* tokens, const int32_t* targets,
                       const int32_t* pos) {
   const std::vector<int32_t> index = cp_token_index(B, T, cp, pos);
   const size_t n = size_t(B) * T, local = n / cp;
-  // Document ids and positions of the whole micro-batch, in sequence order.
+  // Document ids (from the cumulative sequence lengths) and positions, in sequence order.
+  const std::vector<int32_t> cu = cu_seqlens_of(B, T, pos);
   std::vector<int32_t> all_pos(n), all_seg(n);
-  for (int b = 0; b < B; ++b) {
-    int32_t doc = -1;
-    for (int t = 0; t < T; ++t) {
-      const size_t i = size_t(b) * T + t;
-      all_pos[i] = pos ? pos[i] : t;
-      if (t == 0 || all_pos[i] == 0) ++doc;
-      all_seg[i] = doc;
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int32_t i = cu[d]; i < cu[d + 1]; ++i) {
+      all_pos[i] = pos ? pos[i] : i % T;
+      all_seg[i] = int32_t(d);
     }
-  }
   CpMicroBatch m;
   m.tokens.resize(local);
   m.targets.resize(local);

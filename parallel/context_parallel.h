@@ -37,6 +37,11 @@ CpCommType parse_cp_comm_type(const std::string& s);
 // token in the micro-batch. Local tokens of a row keep the order of the row.
 std::vector<int32_t> cp_token_index(int B, int T, int cp, const int32_t* pos);
 
+// The documents of a packed micro-batch in the THD format a fused varlen attention consumes:
+// cumulative sequence lengths over the B*T tokens taken as one sequence, [0, ..., B*T]; a row
+// boundary is always a document boundary. pos as above (nullptr: one document per row).
+std::vector<int32_t> cu_seqlens_of(int B, int T, const int32_t* pos);
+
 // The per-token inputs of one micro-batch as this rank sees them, built from the whole
 // micro-batch (host arrays of B*T) and the index above: local tokens and targets, and the
 // positions and document ids of EVERY rank's tokens (attention needs the remote ones to mask
@@ -45,7 +50,7 @@ struct CpMicroBatch {
   std::vector<int32_t> tokens, targets;  // (B*T/cp) this rank's
   std::vector<int32_t> pos, seg;         // (cp, B, T/cp) every rank's, rank-major
 };
-// seg: document id, counted per row from 0 (a new document where pos == 0).
+// seg: document id, the index of the token's document in cu_seqlens_of (unique over the micro-batch).
 CpMicroBatch cp_split(int B, int T, int cp, int rank, const int32_t* tokens, const int32_t* targets,
                       const int32_t* pos);
 

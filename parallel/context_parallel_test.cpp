@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -141,4 +142,49 @@ TEST_CASE("ContextParallel on one rank: packed attention is the block op over th
     for (int d = 0; d < HD; ++d)  // v of its own kv head
       CHECK(out[size_t(5) * NH * HD + h * HD + d] ==
             doctest::Approx(qkv[size_t(5) * R + (NH + NKV + h / (NH / NKV)) * HD + d]).epsilon(1e-6));
+}
+
+TEST_CASE("cu_seqlens: packed rows as THD offsets; masking by them is the explicit block-diagonal mask") {
+  const int B = 2, T = 8;
+  std::vector<int32_t> pos = positions_of({3, 1, 4});
+  const auto row1 = positions_of({8});
+  pos.insert(pos.end(), row1.begin(), row1.end());
+  const std::vector<int32_t> cu = cu_seqlens_of(B, T, pos.data());
+  CHECK(cu == std::vector<int32_t>{0, 3, 4, 8, 16});
+  CHECK(cu_seqlens_of(B, T, nullptr) == std::vector<int32_t>{0, 8, 16});
+  // Attention over the documents of cu_seqlens against a softmax in double with an explicit
+  // block-diagonal causal mask: query i sees key j iff cu puts them in one document and j <= i.
+  auto ops = make_cpu_ops();
+  const int NH = 2, NKV = 1, HD = 4, R = (NH + 2 * NKV) * HD, KVD = 2 * NKV * HD;
+  auto qkv = testing::random_normal(size_t(B) * T * R, 5);
+  std::vector<float> kv(size_t(B) * T * KVD);
+  ops->copy_cols(testing::as_tensor(kv, {B * T, KVD}), 0, testing::as_tensor(qkv, {B * T, R}), NH * HD, KVD);
+  CpMicroBatch m = cp_split(B, T, 1, 0, pos.data(), pos.data(), pos.data());
+  CHECK(m.seg == std::vector<int32_t>{0, 0, 0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3});
+  std::vector<float> out(size_t(B) * T * NH * HD), lse(size_t(B) * NH * T);
+  const Tensor P = testing::as_tensor(m.pos, {B, T}), S = testing::as_tensor(m.seg, {B, T});
+  ops->attention_block_forward(testing::as_tensor(out, {B, T, NH * HD}), testing::as_tensor(lse, {B, NH, T}),
+                               testing::as_tensor(qkv, {B, T, R}), testing::as_tensor(kv, {B, T, KVD}), P, S, P, S,
+                               NH, NKV, HD);
+  auto doc_of = [&](int i) { return std::upper_bound(cu.begin(), cu.end(), i) - cu.begin(); };
+  auto at = [&](int token, int col) { return double(qkv[size_t(token) * R + col]); };
+  double worst = 0;
+  for (int g = 0; g < B * T; ++g)
+    for (int h = 0; h < NH; ++h) {
+      std::vector<double> w(B * T, 0.0);
+      double mx = -1e300, sum = 0;
+      for (int j = 0; j <= g; ++j)
+        if (doc_of(j) == doc_of(g)) {
+          for (int k = 0; k < HD; ++k) w[j] += at(g, h * HD + k) * at(j, NH * HD + k);
+          w[j] /= std::sqrt(double(HD));
+          mx = std::max(mx, w[j]);
+        }
+      for (int j = 0; j <= g; ++j) w[j] = doc_of(j) == doc_of(g) ? std::exp(w[j] - mx) : 0.0, sum += w[j];
+      for (int k = 0; k < HD; ++k) {
+        double o = 0;
+        for (int j = 0; j <= g; ++j) o += w[j] / sum * at(j, (NH + NKV) * HD + k);
+        worst = std::max(worst, std::abs(o - out[size_t(g) * NH * HD + h * HD + k]));
+      }
+    }
+  CHECK(worst < 1e-5);  // fp32 softmax over at most 8 keys of scores ~1
 }
