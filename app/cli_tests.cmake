@@ -92,3 +92,23 @@ cli_test(cp_comm_type fail "parallel.cp_comm_type = 'ring'"
   "${BIN} train ${TINY} --parallel.cp_comm_type ring")
 ckpt_test(cp_packed_resume_np2 ok "resumed from .*iter_0000004.*iter +6/6 .*loss [0-9]"
   "rm -rf ${CLI_DIR}/cpk && ${MPIRUN_STR} -np 2 ${BIN} train ${CK} --parallel.cp 2 --engine.sequence_packing true --training.train_iters 4 --training.eval_interval 2 --checkpoint.save ${CLI_DIR}/cpk >/dev/null && ${BIN} train ${CK} --engine.sequence_packing true --training.train_iters 6 --checkpoint.load ${CLI_DIR}/cpk > ${CLI_DIR}/cpk.out 2>&1 && tr '\\n' ' ' < ${CLI_DIR}/cpk.out")
+
+# Mixture of experts (ep = 1): bad MoE settings end every rank with the field named; a tp2-SP MoE
+# run saves its router and expert tensors (global shapes), resumes on one rank to the same loss
+# and aux loss as an uninterrupted run (decay_iters fixed: the schedule must not depend on
+# train_iters), and refuses a Hugging Face export clearly.
+set(MOE "--model.num_experts 4 --model.moe_top_k 2 --model.moe_layers every:2 --training.decay_iters 10")
+cli_test(moe_top_k_np2 fail "model.moe_top_k = 5 exceeds model.num_experts = 4"
+  "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --model.num_experts 4 --model.moe_top_k 5")
+cli_test(moe_tp_without_sp_np2 fail "model.num_experts = 4 with parallel.tp = 2 needs parallel.sequence_parallel = true"
+  "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --model.num_experts 4 --parallel.tp 2")
+cli_test(moe_layers_np2 fail "model.moe_layers = '0,2' names layer 2 but model.num_layers = 2"
+  "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --model.num_experts 4 --model.moe_layers 0,2")
+ckpt_test(moe_resume_np2 ok "experts.fc.weight +\\(4, 128, 32\\).*same: iter 6/6 .*loss [0-9.]+ \\| aux 0\\.[0-9]+"
+  "rm -rf ${CLI_DIR}/moe && ${MPIRUN_STR} -np 2 ${BIN} train ${CK} ${MOE} --parallel.tp 2 --parallel.sequence_parallel true --training.train_iters 4 --checkpoint.save ${CLI_DIR}/moe/s >/dev/null && ${BIN} checkpoint info ${CLI_DIR}/moe/s | grep 'layers.1.mlp.experts.fc.weight' | tr '\\n' ' ' && ${BIN} train ${CK} ${MOE} --training.train_iters 6 --checkpoint.load ${CLI_DIR}/moe/s > ${CLI_DIR}/moe/r.out 2>&1 && ${BIN} train ${CK} ${MOE} --training.train_iters 6 > ${CLI_DIR}/moe/f.out 2>&1 && a=$(grep -o 'iter 6/6 .*| aux [0-9.]*' ${CLI_DIR}/moe/r.out) && b=$(grep -o 'iter 6/6 .*| aux [0-9.]*' ${CLI_DIR}/moe/f.out) && test -n \"$a\" && test \"$a\" = \"$b\" && echo \"same: $a\"")
+ckpt_test(moe_convert_hf fail "model.num_experts = 4: mixture-of-experts models have no Hugging Face mapping"
+  "rm -rf ${CLI_DIR}/moecv && ${BIN} train ${CK} ${MOE} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/moecv/a >/dev/null && ${BIN} convert --to hf ${CLI_DIR}/moecv/a ${CLI_DIR}/moecv/hf")
+ckpt_test(moe_resume_other_experts fail "saved with model.num_experts = 4. this run has model.num_experts = 8"
+  "rm -rf ${CLI_DIR}/moe2 && ${BIN} train ${CK} ${MOE} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/moe2 >/dev/null && ${BIN} train ${CK} ${MOE} --model.num_experts 8 --training.train_iters 2 --checkpoint.load ${CLI_DIR}/moe2")
+ckpt_test(moe_resume_dense fail "saved with model.num_experts = 0. this run has model.num_experts = 4"
+  "rm -rf ${CLI_DIR}/moe3 && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/moe3 >/dev/null && ${BIN} train ${CK} ${MOE} --training.train_iters 2 --checkpoint.load ${CLI_DIR}/moe3")

@@ -20,6 +20,7 @@ struct ParallelConfig {
   int ep = 1;                           // expert-parallel size
   int expert_tp = 1;                    // tensor-parallel size inside the expert grid
   bool sequence_parallel = false;       // shard norms/residual over T within the tp group
+  std::string moe_dispatcher = "alltoall"; // MoE token dispatcher: alltoall | allgather
   std::string order = "tp-cp-ep-dp-pp"; // rank-grid order, leftmost axis varies fastest
 };
 
@@ -77,6 +78,17 @@ struct ModelConfig {
   double rope_theta = 10000.0;          // RoPE base (llama)
   double init_std = 0.02;               // std of the normal weight init
   bool tie_embeddings = true;           // share input and output embedding (gpt2 default true, llama false)
+  int num_experts = 0;                  // MoE experts E per MoE layer (0: dense MLP everywhere)
+  int moe_top_k = 2;                    // experts each token is routed to (K)
+  std::string moe_router = "softmax";   // router scores: softmax | sigmoid
+  std::string moe_layers = "all";       // MoE layers: all | every:N (index % N == N-1) | comma list of layer indices
+  int moe_ffn_hidden = 0;               // hidden size of each expert (0: = ffn_hidden)
+  double moe_aux_loss_coeff = 0.01;     // load-balancing (Switch) aux loss coefficient (0: off)
+  double moe_z_loss_coeff = 0.0;        // router z-loss coefficient (0: off)
+  double moe_capacity_factor = 0.0;     // expert capacity = ceil(factor * tokens * K / E) per micro-batch (0: dropless)
+  std::string moe_drop_policy = "probs"; // over capacity keep the highest gates (probs) or the earliest tokens (position)
+  int moe_shared_expert_ffn = 0;        // hidden size of a shared expert every token passes (0: none)
+  bool moe_norm_topk_prob = false;      // softmax router: renormalise the K gates to sum 1 (sigmoid always does)
 };
 
 // Where the tokens come from.
@@ -124,6 +136,11 @@ struct Config {
   // The resolved configuration as INI text (printed once at start, stored in checkpoints).
   std::string to_ini() const;
 };
+
+// Which of `num_layers` layers are mixture-of-experts layers under model.moe_layers ("all",
+// "every:N" = the layers l with l % N == N-1, or a comma list of layer indices); a flag per layer.
+// Throws naming model.moe_layers on bad syntax or a layer >= num_layers.
+std::vector<bool> parse_moe_layers(const std::string& spec, int num_layers);
 
 // Parse `args` (everything after the subcommand) into a Config: `--config FILE` (repeatable,
 // later files override earlier ones) and then `--section.key value` / `--key value` overrides.

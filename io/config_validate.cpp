@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
@@ -202,7 +203,73 @@ void check_layout(const Config& c, int world_size) {
   }
 }
 
+void check_moe(const Config& c) {
+  const ModelConfig& m = c.model;
+  const ParallelConfig& p = c.parallel;
+  one_of("parallel.moe_dispatcher", p.moe_dispatcher, {"alltoall", "allgather"});
+  at_least("model.num_experts", m.num_experts, 0);
+  if (m.num_experts == 0) return;
+  one_of("model.moe_router", m.moe_router, {"softmax", "sigmoid"});
+  one_of("model.moe_drop_policy", m.moe_drop_policy, {"probs", "position"});
+  at_least("model.moe_top_k", m.moe_top_k, 1);
+  if (m.moe_top_k > m.num_experts)
+    fail("model.moe_top_k = {} exceeds model.num_experts = {}; each token is routed to K distinct experts: set "
+         "moe_top_k <= {}", m.moe_top_k, m.num_experts, m.num_experts);
+  at_least("model.moe_ffn_hidden", m.moe_ffn_hidden, 0);
+  at_least("model.moe_shared_expert_ffn", m.moe_shared_expert_ffn, 0);
+  if (m.moe_aux_loss_coeff < 0)
+    fail("model.moe_aux_loss_coeff = {} must not be negative; the usual value is 0.01 (0: off)", m.moe_aux_loss_coeff);
+  if (m.moe_z_loss_coeff < 0)
+    fail("model.moe_z_loss_coeff = {} must not be negative; the usual value is 1e-3 (0: off)", m.moe_z_loss_coeff);
+  if (m.moe_capacity_factor < 0)
+    fail("model.moe_capacity_factor = {} must not be negative; set 0 for dropless routing or e.g. 1.25",
+         m.moe_capacity_factor);
+  if (c.user_set.count("model.moe_capacity_factor") && m.moe_capacity_factor <= 0 &&
+      c.user_set.count("model.moe_drop_policy"))
+    fail("model.moe_drop_policy = {} is set but model.moe_capacity_factor = {} means dropless routing (nothing is "
+         "dropped); set a capacity factor > 0 (e.g. 1.25) or leave moe_drop_policy out", m.moe_drop_policy,
+         m.moe_capacity_factor);
+  parse_moe_layers(m.moe_layers, m.num_layers);
+  if (m.num_experts % p.ep != 0)
+    fail("model.num_experts = {} is not divisible by parallel.ep = {}; each expert-parallel rank holds an equal "
+         "share of the experts: choose ep dividing num_experts", m.num_experts, p.ep);
+  if (p.tp > 1 && !p.sequence_parallel)
+    fail("model.num_experts = {} with parallel.tp = {} needs parallel.sequence_parallel = true: each tp rank must "
+         "route its own share of the tokens (as Megatron requires); turn sequence_parallel on", m.num_experts, p.tp);
+}
+
 }  // namespace
+
+std::vector<bool> parse_moe_layers(const std::string& spec, int num_layers) {
+  std::vector<bool> moe(static_cast<size_t>(std::max(num_layers, 0)), false);
+  const char* syntax = "write all, every:N (the layers whose index % N == N-1) or a comma list of layer indices "
+                       "such as 1,3";
+  auto number = [&](const std::string& t) {
+    int v = -1;
+    auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+    if (t.empty() || ec != std::errc() || end != t.data() + t.size() || v < 0)
+      fail("model.moe_layers = '{}': '{}' is not a non-negative integer; {}", spec, t, syntax);
+    return v;
+  };
+  if (spec == "all") {
+    moe.assign(moe.size(), true);
+  } else if (spec.rfind("every:", 0) == 0) {
+    const int n = number(spec.substr(6));
+    if (n < 1) fail("model.moe_layers = '{}': N must be at least 1; {}", spec, syntax);
+    for (int l = 0; l < num_layers; ++l) moe[l] = l % n == n - 1;
+  } else {
+    for (const std::string& t : split(spec, ',')) {
+      const int l = number(t);
+      if (l >= num_layers)
+        fail("model.moe_layers = '{}' names layer {} but model.num_layers = {} (layers 0..{}); name existing layers",
+             spec, l, num_layers, num_layers - 1);
+      moe[l] = true;
+    }
+  }
+  if (std::find(moe.begin(), moe.end(), true) == moe.end())
+    fail("model.moe_layers = '{}' selects no layer of model.num_layers = {}; {}", spec, num_layers, syntax);
+  return moe;
+}
 
 int Config::dp(int world_size) const {
   const ParallelConfig& p = parallel;
@@ -220,6 +287,7 @@ int Config::dp(int world_size) const {
 void Config::validate(int world_size) const {
   check_ranges(*this);
   check_layout(*this, world_size);
+  check_moe(*this);
 }
 
 }  // namespace mpigpt

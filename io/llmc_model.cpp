@@ -109,6 +109,9 @@ void write_llmc_model(const std::string& path, const TensorMap& ours, const Mode
   if (m.family != "gpt2")
     fail("llm.c model file {}: model.family = '{}'; llm.c's model file holds GPT-2 only (export llama models with "
          "`mpigpt convert --to hf`)", path, m.family);
+  if (m.num_experts > 0)
+    fail("llm.c model file {}: model.num_experts = {}; llm.c's model file holds dense GPT-2 models only", path,
+         m.num_experts);
   if (m.num_kv_heads == 0) m.num_kv_heads = m.num_heads;
   if (m.ffn_hidden == 0) m.ffn_hidden = 4 * m.hidden;
   if (m.max_position == 0) m.max_position = m.seq_len;

@@ -29,6 +29,7 @@ Mesh::Mesh(MPI_Comm world, const MeshSizes& sizes)
       pp_(split(dense_, "pp")),
       mp_(split(dense_, "tp-pp")),
       tp_dp_cp_(split(dense_, "tp-dp-cp")),
+      tp_cp_(split(dense_, "tp-cp")),
       embd_(MPI_COMM_NULL),
       etp_(split(expert_, "tp")),
       ep_(split(expert_, "ep")),

@@ -40,6 +40,7 @@ class Mesh {
   const Comm& pp() const { return pp_; }
   const Comm& mp() const { return mp_; }            // tensor x pipeline (model-parallel)
   const Comm& tp_dp_cp() const { return tp_dp_cp_; }
+  const Comm& tp_cp() const { return tp_cp_; }      // tensor x context (the tokens of one micro-batch)
   // First and last pipeline stage of this rank's pipeline (tied embeddings); only valid on
   // those stages (`in_embedding_group()`).
   const Comm& embedding() const { return embd_; }
@@ -58,7 +59,7 @@ class Mesh {
   RankGrid dense_, expert_;
   Coords coords_;
   std::vector<MPI_Comm> owned_;
-  Comm world_, tp_, cp_, dp_, dp_cp_, pp_, mp_, tp_dp_cp_, embd_, etp_, ep_, edp_;
+  Comm world_, tp_, cp_, dp_, dp_cp_, pp_, mp_, tp_dp_cp_, tp_cp_, embd_, etp_, ep_, edp_;
 };
 
 }  // namespace mpigpt

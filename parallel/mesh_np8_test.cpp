@@ -40,6 +40,7 @@ TEST_CASE("mesh communicators match the rank grid (tp2 pp2 dp2, two orders; ep2 
     CHECK(world_ranks(mesh.dp_cp()) == d.members(r, "dp-cp"));
     CHECK(world_ranks(mesh.mp()) == d.members(r, "tp-pp"));
     CHECK(world_ranks(mesh.tp_dp_cp()) == d.members(r, "tp-dp-cp"));
+    CHECK(world_ranks(mesh.tp_cp()) == d.members(r, "tp-cp"));
     CHECK(world_ranks(mesh.ep()) == mesh.expert().members(r, "ep"));
     CHECK(world_ranks(mesh.expert_dp()) == mesh.expert().members(r, "dp"));
     CHECK(mesh.expert_dp_size() == 2);

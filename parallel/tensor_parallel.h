@@ -17,6 +17,7 @@ class TensorParallel {
   int size() const { return size_; }
   int rank() const { return rank_; }
   bool sequence_parallel() const { return sp_; }
+  const Comm* group() const { return tp_; }  // the tp group (nullptr: one rank)
   // Rows a rank holds outside tensor-parallel regions: N, or N/tp with sequence parallelism.
   int64_t local_rows(int64_t N) const { return sp_ ? N / size_ : N; }
 

@@ -6,6 +6,8 @@ under each layout of layouts.json, all with the same build in the same run, and 
 |loss - loss_single| <= tol * loss_single at every step (fp32, tol = 1e-4). The single-rank
 curves are also compared with the stored curves in reference/<family>.json (same tolerance)
 so that numerical drift across commits is noticed; --update-reference rewrites them.
+For mixture-of-experts families the aux loss curve (metrics field aux_loss) must match too:
+|aux - aux_single| <= tol * max(aux_single, AUX_FLOOR) at every step.
 
 Writes results.json (every curve, the deviations, pass/fail) and curves.png into --out, prints
 a table and exits 1 when anything failed (2 when it could not run at all). See README.md.
@@ -32,6 +34,10 @@ ROOT = HERE.parent
 DEFAULT_MPIRUN = "mpirun --allow-run-as-root --oversubscribe --bind-to none"
 FORTUNES = "/usr/share/games/fortunes"
 EXACT_FLOOR = 1e-12  # where an exact match is drawn on the log-scale deviation panel
+# The MoE aux loss is a small number (coefficient 0.01 times a balance statistic near 1 per layer):
+# its deviation is taken relative to max(aux_single, AUX_FLOOR), so that an aux loss near 0 is
+# compared absolutely (to tol * 1e-3) instead of relatively to a vanishing value.
+AUX_FLOOR = 1e-3
 
 
 class SetupError(Exception):
@@ -131,8 +137,9 @@ def resolved_config(log: str) -> dict:
     return {f"{s}.{k}": v for s in parser.sections() for k, v in parser[s].items() if f"{s}.{k}" not in skip}
 
 
-def read_curve(path: Path) -> tuple[list[int], list[float]]:
-    iters, losses = [], []
+def read_curve(path: Path) -> tuple[list[int], list[float], list[float]]:
+    """iterations, losses and MoE aux losses (empty for dense models) of a metrics file."""
+    iters, losses, aux = [], [], []
     with open(path) as f:
         for line in f:
             if line.strip():
@@ -140,7 +147,9 @@ def read_curve(path: Path) -> tuple[list[int], list[float]]:
                 if "loss" in rec:
                     iters.append(int(rec["iter"]))
                     losses.append(float(rec["loss"]))
-    return iters, losses
+                    if "aux_loss" in rec:
+                        aux.append(float(rec["aux_loss"]))
+    return iters, losses, aux
 
 
 def train(ctx, family: str, name: str, ranks: int, args: list[str]) -> dict:
@@ -153,7 +162,7 @@ def train(ctx, family: str, name: str, ranks: int, args: list[str]) -> dict:
                         "--data.path", ctx.data, "--training.train_iters", str(ctx.steps),
                         "--training.log_interval", "1", "--training.metrics_file", str(metrics)] + args
     rec = {"family": family, "layout": name, "ranks": ranks, "args": args, "command": shlex.join(cmd),
-           "log": str(log_path), "iters": [], "losses": []}
+           "log": str(log_path), "iters": [], "losses": [], "aux_losses": []}
     print(f"[{tag}] {ranks} rank(s) {' '.join(args)}", flush=True)
     t0 = time.monotonic()
     # Its own session, so that a hang is ended with the whole launcher tree.
@@ -174,7 +183,7 @@ def train(ctx, family: str, name: str, ranks: int, args: list[str]) -> dict:
         rec["error"] = f"exit code {rc}: {first_error(output, rc)}"
     if metrics.exists():  # also after a failure: the steps before it help the diagnosis
         try:
-            rec["iters"], rec["losses"] = read_curve(metrics)
+            rec["iters"], rec["losses"], rec["aux_losses"] = read_curve(metrics)
         except (OSError, ValueError, KeyError, TypeError) as e:  # nlohmann writes a NaN as null
             rec.setdefault("error", f"unreadable metrics file {metrics}: {e}")
         else:
@@ -191,15 +200,17 @@ def train(ctx, family: str, name: str, ranks: int, args: list[str]) -> dict:
 
 # ---- comparison ----------------------------------------------------------------------------
 
-def compare(losses: list[float], ref: list[float], tol: float) -> dict:
-    """Relative deviation per step of `losses` from `ref`; passes when every step is within tol."""
+def compare(losses: list[float], ref: list[float], tol: float, floor: float = 0.0) -> dict:
+    """Relative deviation per step of `losses` from `ref` (relative to max(|ref|, floor)); passes
+    when every step is within tol."""
     if not losses or not ref:
         return {"rel_dev": [], "max_rel_dev": None, "worst_step": None, "pass": False,
                 "reason": "no curve" if not losses else "no reference curve"}
     n = min(len(losses), len(ref))
     dev = []
     for a, b in zip(losses[:n], ref[:n]):
-        d = abs(a - b) / abs(b) if b != 0 else abs(a - b)
+        scale = max(abs(b), floor)
+        d = abs(a - b) / scale if scale != 0 else abs(a - b)
         dev.append(d if math.isfinite(d) else math.inf)  # a NaN loss is the worst deviation there is
     worst = max(range(n), key=lambda i: dev[i])
     ok = all(d <= tol for d in dev)
@@ -229,6 +240,12 @@ def check_reference(ctx, family: str, single: dict) -> dict:
         rec.update({"pass": False, "reason": f"unreadable reference {path}: {e}; rewrite it with --update-reference"})
         return rec
     rec.update(compare(single["losses"], stored["losses"], ctx.tol))
+    if stored.get("aux_losses"):  # a MoE family: the stored aux curve too
+        ca = compare(single.get("aux_losses", []), [float(x) for x in stored["aux_losses"]], ctx.tol, AUX_FLOOR)
+        rec["aux_max_dev"] = ca["max_rel_dev"]
+        if not ca["pass"]:
+            rec["pass"] = False
+            rec["reason"] = f"aux loss: {ca.get('reason') or 'deviation ' + fmt_dev(ca['max_rel_dev'])}"
     if stored.get("config") and single.get("config"):
         # A changed value makes the reference stale even where the curve stays within the
         # tolerance (a small change of weight_decay does); a new or removed option with its
@@ -260,6 +277,8 @@ def write_reference(ctx, family: str, single: dict) -> None:
         "config": single.get("config", {}),
         "losses": single["losses"],
     }
+    if single.get("aux_losses"):
+        doc["aux_losses"] = single["aux_losses"]
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
 
@@ -301,14 +320,15 @@ def fmt_dev(x) -> str:
 
 
 def print_table(rows: list[dict], tol: float) -> None:
-    head = ("layout", "family", "ranks", "max rel dev", "worst step", "time", "result")
+    head = ("layout", "family", "ranks", "max rel dev", "worst step", "aux max dev", "time", "result")
     lines = [head] + [(r["layout"], r["family"], str(r["ranks"]), fmt_dev(r.get("max_rel_dev")),
-                       str(r.get("worst_step") or "-"), f"{r['seconds']:.1f}s" if r.get("seconds") else "-",
-                       r["result"]) for r in rows]
+                       str(r.get("worst_step") or "-"), fmt_dev(r.get("aux_max_dev")),
+                       f"{r['seconds']:.1f}s" if r.get("seconds") else "-", r["result"]) for r in rows]
     widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
-    print(f"\nloss-curve regression: |loss - loss_single| <= {tol:g} * loss_single at every step")
+    print(f"\nloss-curve regression: |loss - loss_single| <= {tol:g} * loss_single at every step; MoE aux loss: "
+          f"|aux - aux_single| <= {tol:g} * max(aux_single, {AUX_FLOOR:g})")
     for i, l in enumerate(lines):
-        print("  ".join(c.rjust(w) if 2 <= j <= 5 else c.ljust(w) for j, (c, w) in enumerate(zip(l, widths))))
+        print("  ".join(c.rjust(w) if 2 <= j <= 6 else c.ljust(w) for j, (c, w) in enumerate(zip(l, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
     for r in rows:
@@ -466,7 +486,7 @@ def main(argv=None) -> int:
             ref = check_reference(ctx, fam, s)
             references[fam] = ref
             row.update(max_rel_dev=ref.get("max_rel_dev"), worst_step=ref.get("worst_step"),
-                       result="PASS" if ref["pass"] else "FAIL")
+                       aux_max_dev=ref.get("aux_max_dev"), result="PASS" if ref["pass"] else "FAIL")
             for key in ("reason", "note"):
                 if ref.get(key):
                     row["notes"].append(ref[key])
@@ -487,8 +507,16 @@ def main(argv=None) -> int:
             else:
                 c = compare(r["losses"], singles[fam]["losses"], ctx.tol)
                 r.update(c)
-                row.update(max_rel_dev=c["max_rel_dev"], worst_step=c["worst_step"],
-                           result="PASS" if c["pass"] else "FAIL")
+                ok = c["pass"]
+                if singles[fam].get("aux_losses") or r.get("aux_losses"):  # a MoE family: its aux curve too
+                    ca = compare(r.get("aux_losses", []), singles[fam].get("aux_losses", []), ctx.tol, AUX_FLOOR)
+                    r["aux"] = ca
+                    row["aux_max_dev"] = ca["max_rel_dev"]
+                    if not ca["pass"]:
+                        ok = False
+                        row["notes"].append(f"aux loss: {ca.get('reason') or 'deviation ' + fmt_dev(ca['max_rel_dev'])}"
+                                            f" at step {ca.get('worst_step')}")
+                row.update(max_rel_dev=c["max_rel_dev"], worst_step=c["worst_step"], result="PASS" if ok else "FAIL")
             runs.append(r)
             rows.append(row)
     total = time.monotonic() - t_start

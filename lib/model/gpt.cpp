@@ -15,6 +15,8 @@ struct GPT::Slot {
   Tensor positions, pos_all, seg_all;  // masked attention: (N) own positions, (cp*N) every rank's
   std::vector<Tensor> resid;       // resid[i]: input of the chunk's i-th layer; resid.back(): output
   std::vector<BlockActs> a;
+  std::vector<std::unique_ptr<MoeActs>> moe;  // per layer of the chunk; null for dense layers
+  std::vector<int32_t> moe_index;             // (Nl) token index of each local row in the micro-batch
   Tensor xf, xf_mean, xf_rstd, xf_full, logits;  // head
   bool have_grad_logits = false;
 };
@@ -23,7 +25,7 @@ GPT::GPT(const GptDims& d, Ops& ops, int B)
     : GPT(d, ops, B, ModelPlacement{}, TensorParallel(nullptr, false), build_param_table(d), -1) {}
 
 GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const TensorParallel& tp,
-         std::vector<ParamInfo> table, int64_t buffer_numel, const SequenceLayout& seq)
+         std::vector<ParamInfo> table, int64_t buffer_numel, const SequenceLayout& seq, const MoeLayout& moe)
     : d_(d), ops_(ops), B_(B), tp_(tp), cp_(seq.cp, seq.cp_comm, ops), table_(std::move(table)), arena_(ops) {
   MPIGPT_CHECK(d.C % d.NH == 0 && d.NH % d.NKV == 0, "C={} NH={} NKV={}", d.C, d.NH, d.NKV);
   MPIGPT_CHECK(d.Vp >= d.V && d.T <= d.maxT, "V={} Vp={} T={} maxT={}", d.V, d.Vp, d.T, d.maxT);
@@ -44,6 +46,32 @@ GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const Tens
   }
   MPIGPT_CHECK(buffer_numel < 0 || buffer_numel >= buffer_numel_, "buffer of {} < {}", buffer_numel, buffer_numel_);
   if (buffer_numel > 0) buffer_numel_ = buffer_numel;
+  if (d.moe.E > 0) {
+    MoeConfig mc;
+    mc.num_experts = d.moe.E;
+    mc.top_k = d.moe.K;
+    mc.router = d.moe.sigmoid ? MoeConfig::Router::Sigmoid : MoeConfig::Router::Softmax;
+    mc.norm_topk_prob = d.moe.norm_topk;
+    mc.aux_loss_coeff = d.moe.aux_coeff;
+    mc.z_loss_coeff = d.moe.z_coeff;
+    mc.capacity_factor = d.moe.capacity_factor;
+    mc.drop_policy = d.moe.drop_position ? MoeConfig::DropPolicy::Position : MoeConfig::DropPolicy::Probs;
+    mc.activation = d.gpt2() ? MoeConfig::Activation::Gelu : MoeConfig::Activation::Swiglu;
+    mc.bias = d.gpt2();
+    mc.hidden = d.moe.F;
+    mc.shared_hidden = d.moe.shared_F;
+    if (moe.allgather)
+      dispatcher_ = std::make_unique<AllGatherDispatcher>(ops, nullptr, mc.num_experts);
+    else
+      dispatcher_ = std::make_unique<AllToAllDispatcher>(ops, nullptr, mc.num_experts);
+    // The ranks holding other tokens of the micro-batch: the tp shards of the sequence (SP) and
+    // the cp shards. Without SP every tp rank holds the same tokens and must not be counted twice.
+    const bool sp = tp_.sequence_parallel() && tp_.size() > 1, cp = cp_.size() > 1;
+    MPIGPT_CHECK(!(sp && cp) || (moe.tp_cp && moe.tp_cp->size() == tp_.size() * cp_.size()),
+                 "MoE under tp {} with sequence parallelism and cp {} needs the tp x cp group", tp_.size(), cp_.size());
+    const Comm* group = sp && cp ? moe.tp_cp : sp ? tp_.group() : cp ? seq.cp : nullptr;
+    moe_ = std::make_unique<MoeLayer>(mc, ops, d.C, dispatcher_.get(), group, nullptr);
+  }
   params_ = Buffer(ops, size_t(buffer_numel_) * 4);
   grads_ = Buffer(ops, size_t(buffer_numel_) * 4);
   setup(pl);
@@ -164,7 +192,11 @@ GPT::Slot& GPT::acquire(int c, int mb) {
   s->resid.resize(n + 1);
   for (auto& r : s->resid) A.plan(&r, {Nl_, C});
   s->a.resize(n);
-  for (auto& a : s->a) {
+  s->moe.resize(n);
+  for (int i = 0; i < n; ++i) {
+    BlockActs& a = s->a[i];
+    const bool moe = d_.is_moe(ch.first_layer + i);
+    if (moe) s->moe[i] = std::make_unique<MoeActs>();
     A.plan(&a.n1, {Nl_, C});
     if (g) A.plan(&a.n1_mean, {Nl_});
     A.plan(&a.n1_rstd, {Nl_});
@@ -177,6 +209,7 @@ GPT::Slot& GPT::acquire(int c, int mb) {
     A.plan(&a.n2, {Nl_, C});
     if (g) A.plan(&a.n2_mean, {Nl_});
     A.plan(&a.n2_rstd, {Nl_});
+    if (moe) continue;  // the MoE layer keeps its own activations (MoeActs)
     if (sp) A.plan(&a.n2_full, {N_, C});
     A.plan(&a.fc, {N_, g ? Fl : 2 * Fl});
     A.plan(&a.act, {N_, Fl});
@@ -227,9 +260,24 @@ Tensor GPT::view_of(const Buffer& buf, const std::string& name) const {
 GPT::Block GPT::weights(const Buffer& buf, int l) const {
   const std::string p = "layers." + std::to_string(l) + ".";
   auto v = [&](const char* n) { return view_of(buf, p + n); };
-  return Block{v("attn_norm.weight"), v("attn_norm.bias"), v("attn.qkv.weight"), v("attn.qkv.bias"),
-               v("attn.proj.weight"), v("attn.proj.bias"), v("mlp_norm.weight"), v("mlp_norm.bias"),
-               v("mlp.fc.weight"),    v("mlp.fc.bias"),    v("mlp.proj.weight"), v("mlp.proj.bias")};
+  Block b{v("attn_norm.weight"), v("attn_norm.bias"), v("attn.qkv.weight"), v("attn.qkv.bias"),
+          v("attn.proj.weight"), v("attn.proj.bias"), v("mlp_norm.weight"), v("mlp_norm.bias"),
+          v("mlp.fc.weight"),    v("mlp.fc.bias"),    v("mlp.proj.weight"), v("mlp.proj.bias")};
+  if (d_.is_moe(l)) {
+    b.is_moe = true;
+    MoeWeights& m = b.moe;
+    m.router = v("mlp.router.weight");
+    m.fc = v("mlp.experts.fc.weight");
+    m.fc_bias = v("mlp.experts.fc.bias");
+    m.proj = v("mlp.experts.proj.weight");
+    m.proj_bias = v("mlp.experts.proj.bias");
+    m.shared_fc = v("mlp.shared.fc.weight");
+    m.shared_fc_bias = v("mlp.shared.fc.bias");
+    m.shared_proj = v("mlp.shared.proj.weight");
+    m.shared_proj_bias = v("mlp.shared.proj.bias");
+    MPIGPT_CHECK(m.router.ptr && m.fc.ptr && m.proj.ptr, "layer {} is a MoE layer but its parameters are missing", l);
+  }
+  return b;
 }
 
 Tensor GPT::param(int i) const {
@@ -306,9 +354,14 @@ double GPT::forward_chunk(int c, int mb, const MicroBatchInput& in, float dloss)
                            int64_t(tp_.rank()) * wte_.size(0));
     tp_.row_output_forward(s.resid[0], x0);
   }
+  if (moe_) {  // the micro-batch index of each local row: the cp index (or 0..N-1), then the SP shard
+    s.moe_index.resize(size_t(Nl_));
+    const int64_t first = tp_.sequence_parallel() ? int64_t(tp_.rank()) * Nl_ : 0;
+    for (int64_t t = 0; t < Nl_; ++t) s.moe_index[t] = in.token_index ? in.token_index[first + t] : int32_t(first + t);
+  }
   for (int l = ch.first_layer; l < ch.end_layer; ++l) {
     const int i = l - ch.first_layer;
-    block_forward(l, s, s.a[i], s.resid[i], s.resid[i + 1]);
+    block_forward(l, s, s.a[i], s.moe[i].get(), s.resid[i], s.resid[i + 1]);
   }
   if (!ch.head) return 0.0;
   ops_.copy(s.targets, Tensor(const_cast<int32_t*>(in.targets), {N_}, DType::I32));
@@ -338,7 +391,7 @@ double GPT::head_forward(Slot& s, float dloss) {
   return ops_.sum(s.losses);
 }
 
-void GPT::block_forward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor x_out) {
+void GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor x_out) {
   const Block& w = w_[local_of_layer_[l]];
   auto as3 = [&](Tensor t) { return t.view({B_, Tl_, t.size(1)}); };
   const bool bias_here = tp_.rank() == 0;  // a row-parallel bias is added once, before the reduction
@@ -356,6 +409,12 @@ void GPT::block_forward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor 
   tp_.row_output_forward(a.mid, mid);
   ops_.add(a.mid, a.mid, x_in);
   norm_forward(a.n2, a.n2_mean, a.n2_rstd, a.mid, w.n2w, w.n2b);
+  if (w.is_moe) {  // on this rank's rows (the SP shard): experts are replicated over tp
+    const MoeLosses L = moe_->forward(*m, x_out, a.n2, s.moe_index.data(), w.moe);
+    aux_sum_ += L.aux + L.z;
+    ops_.add(x_out, x_out, a.mid);
+    return;
+  }
   Tensor n2 = tp_.column_input_forward(a.n2_full, a.n2);
   ops_.linear_forward(a.fc, n2, w.fcw, w.fcb);
   if (d_.gpt2())
@@ -379,7 +438,7 @@ void GPT::backward_chunk(int c, int mb, const GradsFinal& final) {
   // On entry dres_ = d(loss)/d(chunk output); on exit d(loss)/d(chunk input).
   for (int l = ch.end_layer - 1; l >= ch.first_layer; --l) {
     const int i = l - ch.first_layer;
-    block_backward(l, *s, s->a[i], s->resid[i], dres_);
+    block_backward(l, *s, s->a[i], s->moe[i].get(), s->resid[i], dres_);
     if (final) final(layer_params_[local_of_layer_[l]].first, layer_params_[local_of_layer_[l]].second);
   }
   if (ch.embed) {
@@ -401,19 +460,24 @@ void GPT::head_backward(Slot& s) {
 }
 
 // On entry dres = d(loss)/d(x_out); on exit d(loss)/d(x_in).
-void GPT::block_backward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor dres) {
+void GPT::block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor dres) {
   const Block& w = w_[local_of_layer_[l]];
   const Block& g = g_[local_of_layer_[l]];
   auto as3 = [&](Tensor t) { return t.view({B_, Tl_, t.size(1)}); };
-  // x_out = mid + proj(act(fc(norm2(mid))))
-  Tensor dout = tp_.row_output_backward(full_, dres);
-  ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
-  if (d_.gpt2())
-    ops_.gelu_backward(dfc_, dact_, a.fc);
-  else
-    ops_.swiglu_backward(dfc_, dact_, a.fc);
-  ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, a.n2_full, w.fcw);
-  Tensor dn2 = tp_.column_input_backward(dn_, full_);
+  Tensor dn2;
+  if (w.is_moe) {  // x_out = mid + moe(norm2(mid)), on this rank's rows
+    moe_->backward(dn_, *m, dres, w.moe, g.moe, aux_scale_);
+    dn2 = dn_;
+  } else {  // x_out = mid + proj(act(fc(norm2(mid))))
+    Tensor dout = tp_.row_output_backward(full_, dres);
+    ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
+    if (d_.gpt2())
+      ops_.gelu_backward(dfc_, dact_, a.fc);
+    else
+      ops_.swiglu_backward(dfc_, dact_, a.fc);
+    ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, a.n2_full, w.fcw);
+    dn2 = tp_.column_input_backward(dn_, full_);
+  }
   norm_backward(dres, g.n2w, g.n2b, dn2, a.mid, a.n2_mean, a.n2_rstd, w.n2w);  // dres = d(mid)
   // mid = x_in + proj(attention(qkv(norm1(x_in))))
   Tensor dmid = tp_.row_output_backward(full_, dres);

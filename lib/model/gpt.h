@@ -15,6 +15,7 @@
 #include "lib/kernels/buffer.h"
 #include "lib/kernels/ops.h"
 #include "lib/model/gpt_dims.h"
+#include "lib/model/moe.h"
 #include "lib/model/params.h"
 #include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
@@ -30,6 +31,15 @@ struct SequenceLayout {
   bool packed = false;       // documents packed into rows: positions restart, attention stays inside
 };
 
+// How the mixture-of-experts layers (d.moe) reach the other tokens of a micro-batch and route
+// them. The token group of a MoE layer is the set of ranks holding other tokens of the same
+// micro-batch: tp under sequence parallelism, cp, or both (tp_cp); experts are not split (ep = 1,
+// expert_tp = 1), so the dispatcher is local.
+struct MoeLayout {
+  const Comm* tp_cp = nullptr;  // the tp x cp group (needed when both split the tokens)
+  bool allgather = false;       // AllGatherDispatcher, else AllToAllDispatcher
+};
+
 // One micro-batch as a rank's model chunk sees it (host arrays).
 struct MicroBatchInput {
   const int32_t* tokens = nullptr;   // (B*Tl) this rank's tokens (read by the embedding's chunk)
@@ -38,6 +48,10 @@ struct MicroBatchInput {
   // ids of every cp rank's tokens, (cp, B, Tl) rank-major (CpMicroBatch); else nullptr.
   const int32_t* pos = nullptr;
   const int32_t* seg = nullptr;
+  // (B*Tl) the flat index b*T + t in the micro-batch of each of this rank's tokens (context
+  // parallelism: cp_token_index); nullptr: the tokens are 0..B*T-1 in order. MoE capacity
+  // decisions are taken by it, so they do not depend on the layout.
+  const int32_t* token_index = nullptr;
 };
 
 class GPT {
@@ -48,7 +62,7 @@ class GPT {
   // data-parallel buffer plan of `buffer_numel` elements.
   // Tokens per row on this rank: Tl = T / cp.
   GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const TensorParallel& tp,
-      std::vector<ParamInfo> table, int64_t buffer_numel, const SequenceLayout& seq = {});
+      std::vector<ParamInfo> table, int64_t buffer_numel, const SequenceLayout& seq = {}, const MoeLayout& moe = {});
   ~GPT();
 
   const GptDims& dims() const { return d_; }
@@ -97,6 +111,15 @@ class GPT {
   // Frees the activations of (c, mb) without a backward (evaluation).
   void release(int c, int mb);
 
+  // ---- mixture of experts -------------------------------------------------------------------
+  // Backward adds aux_scale * the gradient of every MoE layer's aux and z losses (the trainer:
+  // micro_batch / global_batch, the mean over the global batch's micro-batches). Default 1.
+  void set_moe_aux_scale(float s) { aux_scale_ = s; }
+  // Sum of the MoE aux + z losses (already times their coefficients) of every forward of this
+  // rank's MoE layers since the last reset; identical on the ranks of a token group.
+  double moe_loss_sum() const { return aux_sum_; }
+  void reset_moe_loss() { aux_sum_ = 0.0; }
+
   // ---- the whole model at once (one chunk; tests and single-stage use) ----------------------
   double forward(const int32_t* tokens, const int32_t* targets, float dloss) {
     return forward_chunk(0, 0, tokens, targets, dloss);
@@ -108,6 +131,8 @@ class GPT {
  private:
   struct Block {  // one layer's weights (views into the flat buffers) ...
     Tensor n1w, n1b, qkvw, qkvb, projw, projb, n2w, n2b, fcw, fcb, fpw, fpb;
+    bool is_moe = false;
+    MoeWeights moe;  // the MoE layer's weights in place of fc/fp
   };
   struct BlockActs {  // ... and the activations its backward needs
     Tensor n1, n1_mean, n1_rstd, n1_full, qkv, att_saved, att, mid, n2, n2_mean, n2_rstd, n2_full, fc, act;
@@ -127,8 +152,8 @@ class GPT {
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor w, Tensor b);
   void norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
                      Tensor w);
-  void block_forward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor x_out);
-  void block_backward(int l, const Slot& s, BlockActs& a, Tensor x_in, Tensor dres);
+  void block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor x_out);
+  void block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor dres);
   double head_forward(Slot& s, float dloss);
   void head_backward(Slot& s);
 
@@ -141,6 +166,10 @@ class GPT {
   int64_t Tl_ = 0;          // tokens per row on this rank (T / cp)
   int64_t N_ = 0, Nl_ = 0;  // rows of a micro-batch on this rank (B*Tl), and of its tp sequence shard
   int nh_ = 0, nkv_ = 0;    // heads this tp rank computes
+  std::unique_ptr<TokenDispatcher> dispatcher_;  // MoE (when d.moe.E > 0)
+  std::unique_ptr<MoeLayer> moe_;                // one layer object for every MoE layer (weights per call)
+  float aux_scale_ = 1.0f;
+  double aux_sum_ = 0.0;
   std::vector<ParamInfo> table_;
   int64_t num_params_ = 0, buffer_numel_ = 0;
   Buffer params_, grads_;

@@ -7,11 +7,14 @@ namespace mpigpt {
 
 double GptDims::train_flops_per_token() const {
   const double c = C, hd = HD(), f = F;
-  double per_layer = 2.0 * c * qkv_dim()          // QKV projection
-                     + 2.0 * NH * hd * c          // attention output projection
-                     + 2.0 * c * f * (gpt2() ? 1 : 2) + 2.0 * f * c  // MLP up (+gate), down
-                     + 2.0 * T * NH * hd;         // QK^T and PV, 2*2*T*NH*HD halved by the causal mask
-  double fwd = L * per_layer + 2.0 * c * Vp;      // + logits
+  const double glu = gpt2() ? 1 : 2;
+  const double attn = 2.0 * c * qkv_dim()         // QKV projection
+                      + 2.0 * NH * hd * c         // attention output projection
+                      + 2.0 * T * NH * hd;        // QK^T and PV, 2*2*T*NH*HD halved by the causal mask
+  auto mlp = [&](double hidden) { return 2.0 * c * hidden * glu + 2.0 * hidden * c; };  // up (+gate), down
+  double fwd = 2.0 * c * Vp;                      // logits
+  for (int l = 0; l < L; ++l)                     // a MoE layer: router, K experts per token, shared expert
+    fwd += attn + (is_moe(l) ? 2.0 * c * moe.E + moe.K * mlp(moe.F) + mlp(moe.shared_F) : mlp(f));
   return 3.0 * fwd;
 }
 

@@ -3,10 +3,26 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace mpigpt {
 
 enum class Family { GPT2, Llama };
+
+// The mixture-of-experts shape: which layers replace their dense MLP by a MoE layer (lib/model/moe.h).
+struct MoeDims {
+  int E = 0;                     // experts per MoE layer (0: every layer dense)
+  int K = 2;                     // experts per token
+  bool sigmoid = false;          // router scores: sigmoid (else softmax)
+  bool norm_topk = false;        // softmax: renormalise the K gates
+  float aux_coeff = 0.0f;        // load-balancing loss coefficient
+  float z_coeff = 0.0f;          // router z-loss coefficient
+  float capacity_factor = 0.0f;  // <= 0: dropless
+  bool drop_position = false;    // over capacity drop the latest tokens (else the lowest gates)
+  int F = 0;                     // hidden units per expert
+  int shared_F = 0;              // hidden units of the shared expert (0: none)
+  std::vector<bool> layers;      // per layer: a MoE layer
+};
 
 struct GptDims {
   Family family = Family::GPT2;
@@ -23,6 +39,9 @@ struct GptDims {
   float eps = 1e-5f;  // norm epsilon
   float rope_theta = 10000.f;
   float init_std = 0.02f;
+  MoeDims moe;
+
+  bool is_moe(int l) const { return moe.E > 0 && l >= 0 && size_t(l) < moe.layers.size() && moe.layers[l]; }
 
   int HD() const { return C / NH; }
   int qkv_dim() const { return (NH + 2 * NKV) * HD(); }

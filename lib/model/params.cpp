@@ -109,6 +109,23 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
       if (g) b.add_full(p + "attn.proj.bias", {d.C}, ParamKind::Bias);
       b.add_full(p + "mlp_norm.weight", {d.C}, ParamKind::Norm);
       if (g) b.add_full(p + "mlp_norm.bias", {d.C}, ParamKind::Bias);
+      if (d.is_moe(l)) {
+        // Routed experts as one (E, ...) tensor per projection, replicated over tp (expert_tp = 1).
+        // SwiGLU experts hold [gate; up] rows per expert, as the dense MLP does.
+        const int64_t E = d.moe.E, Fe = d.moe.F, Fs = d.moe.shared_F, H = g ? Fe : 2 * Fe, Hs = g ? Fs : 2 * Fs;
+        b.add_full(p + "mlp.router.weight", {E, d.C}, ParamKind::Weight, d.init_std);
+        b.add_full(p + "mlp.experts.fc.weight", {E, H, d.C}, ParamKind::Weight, d.init_std);
+        if (g) b.add_full(p + "mlp.experts.fc.bias", {E, H}, ParamKind::Bias);
+        b.add_full(p + "mlp.experts.proj.weight", {E, d.C, Fe}, ParamKind::Weight, out_std);
+        if (g) b.add_full(p + "mlp.experts.proj.bias", {E, d.C}, ParamKind::Bias);
+        if (Fs > 0) {
+          b.add_full(p + "mlp.shared.fc.weight", {Hs, d.C}, ParamKind::Weight, d.init_std);
+          if (g) b.add_full(p + "mlp.shared.fc.bias", {Hs}, ParamKind::Bias);
+          b.add_full(p + "mlp.shared.proj.weight", {d.C, Fs}, ParamKind::Weight, out_std);
+          if (g) b.add_full(p + "mlp.shared.proj.bias", {d.C}, ParamKind::Bias);
+        }
+        continue;
+      }
       // SwiGLU's gate and up projections are one [gate; up] matrix, split as two blocks.
       if (g)
         b.add_rows(p + "mlp.fc.weight", {F, d.C}, ParamKind::Weight, d.init_std, {F});

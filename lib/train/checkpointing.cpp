@@ -61,6 +61,18 @@ std::vector<std::pair<std::string, int64_t>> shape_attrs(const GptDims& d) {
           {"model.max_position", d.gpt2() ? d.maxT : 0}, {"model.tie_embeddings", d.tied ? 1 : 0}};
 }
 
+// The mixture-of-experts shape: stored by saves of MoE models, compared when the save has it (a
+// save without it is dense: num_experts 0).
+std::vector<std::pair<std::string, int64_t>> moe_shape_attrs(const GptDims& d) {
+  int64_t layers = 0;  // bit l: layer l is a MoE layer
+  for (int l = 0; l < d.L && l < 63; ++l)
+    if (d.is_moe(l)) layers |= int64_t{1} << l;
+  return {{"model.num_experts", d.moe.E},
+          {"model.moe_ffn_hidden", d.moe.E > 0 ? d.moe.F : 0},
+          {"model.moe_shared_expert_ffn", d.moe.E > 0 ? d.moe.shared_F : 0},
+          {"model.moe_layer_mask", layers}};
+}
+
 // Every rank has to name every dataset in the same order (collective HDF5), also those of
 // other pipeline stages: the whole model's table in this layout's vocabulary padding.
 std::vector<ParamInfo> global_table(const GptDims& d) { return build_param_table(d); }
@@ -161,6 +173,8 @@ void write_meta(CheckpointWriter& w, const CheckpointMeta& meta, const Config& c
   w.attr("data.sampler_position", meta.consumed_samples);
   w.attr("model.family", cfg.model.family);
   for (const auto& [k, v] : shape_attrs(d)) w.attr(k, v);
+  if (d.moe.E > 0)
+    for (const auto& [k, v] : moe_shape_attrs(d)) w.attr(k, v);
   w.attr("config", cfg.to_ini());
   w.attr("layout", layout);
 }
@@ -270,6 +284,12 @@ CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& r, const Co
     if (saved != v)
       fail("checkpoint {} was saved with {} = {}; this run has {} = {}: use the same model settings to load it",
            file, k, saved, k, v);
+  }
+  for (const auto& [k, v] : moe_shape_attrs(d)) {
+    const int64_t saved = in.has_attr(k) ? in.attr_int(k) : 0;
+    if (saved != v)
+      fail("checkpoint {} was saved with {} = {}; this run has {} = {}: use the same mixture-of-experts settings "
+           "to load it", file, k, saved, k, v);
   }
   const std::vector<ParamInfo> global = global_table(d);
   std::vector<Plan> plans = make_plans(r, global, true);

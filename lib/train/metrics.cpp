@@ -23,9 +23,10 @@ std::string format_duration(double s) {
 std::string format_step(const StepMetrics& m) {
   const int w = int(std::to_string(m.total_iters).size());
   return fmt::format(
-      "iter {:>{}}/{} | samples {} | lr {:.3e} | loss {:.4f} | grad norm {:.3f} | {:.1f} ms/iter | "
+      "iter {:>{}}/{} | samples {} | lr {:.3e} | loss {:.4f}{} | grad norm {:.3f} | {:.1f} ms/iter | "
       "{:.0f} tok/s | {:.3f} TFLOP/s | MFU {:.1f}% | mem {:.0f} MiB | eta {}",
-      m.iter, w, m.total_iters, m.consumed_samples, m.lr, m.loss, m.grad_norm, m.ms_per_iter, m.tokens_per_s,
+      m.iter, w, m.total_iters, m.consumed_samples, m.lr, m.loss,
+      m.has_aux ? fmt::format(" | aux {:.4f}", m.aux_loss) : std::string(), m.grad_norm, m.ms_per_iter, m.tokens_per_s,
       m.tflops, 100.0 * m.mfu, m.peak_mem_mib, format_duration(m.eta_s));
 }
 
@@ -49,6 +50,7 @@ void MetricsWriter::step(const StepMetrics& m) {
                       {"tflops", m.tflops},
                       {"mfu", m.mfu},
                       {"peak_mem_mib", m.peak_mem_mib}};
+  if (m.has_aux) j["aux_loss"] = m.aux_loss;
   out_ << j.dump() << '\n';
   out_.flush();
 }

@@ -49,6 +49,49 @@ TEST_CASE("metrics file holds one JSON object per line") {
   std::filesystem::remove_all(path.parent_path());
 }
 
+TEST_CASE("MoE runs report the aux loss in the log line and the metrics file; dense runs do not") {
+  StepMetrics m;
+  m.iter = 3;
+  m.total_iters = 10;
+  m.loss = 2.5;
+  CHECK(format_step(m).find("aux") == std::string::npos);
+  m.has_aux = true;
+  m.aux_loss = 0.0123;
+  CHECK(format_step(m).find("| loss 2.5000 | aux 0.0123 | grad norm") != std::string::npos);
+  const auto path = std::filesystem::temp_directory_path() / "mpigpt_metrics_aux_test" / "m.jsonl";
+  {
+    MetricsWriter w(path.string());
+    w.step(m);
+    m.has_aux = false;
+    w.step(m);
+  }
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  CHECK(nlohmann::json::parse(line)["aux_loss"] == 0.0123);
+  std::getline(in, line);
+  CHECK_FALSE(nlohmann::json::parse(line).contains("aux_loss"));
+  std::filesystem::remove_all(path.parent_path());
+}
+
+TEST_CASE("MoE FLOPs count the router, K experts per token and the shared expert") {
+  GptDims d;
+  d.L = 2;
+  d.C = 64;
+  d.NH = 4;
+  d.NKV = 4;
+  d.F = 256;
+  d.T = 32;
+  d.Vp = 256;
+  const double dense = d.train_flops_per_token();
+  d.moe.E = 4;
+  d.moe.K = 2;
+  d.moe.F = 256;
+  d.moe.layers = {false, true};
+  // One layer's MLP (2*2*C*F forward, times 3) doubled by K = 2, plus the router 2*C*E.
+  CHECK(d.train_flops_per_token() == doctest::Approx(dense + 3.0 * (4.0 * 64 * 256 + 2.0 * 64 * 4)));
+}
+
 TEST_CASE("model FLOPs per token follow Megatron's count for the GPT-2 124M shape") {
   GptDims d;
   d.L = 12;

@@ -20,9 +20,16 @@ class ModelRunner::Stage : public PipelineStage {
         num_micro_(num_micro), N_(int64_t(m_.batch()) * m_.dims().T) {
     const int cp = r.mesh_.cp().size();
     if (cp > 1 || r.seq_.packed)
-      for (int mb = 0; mb < num_micro; ++mb)
+      for (int mb = 0; mb < num_micro; ++mb) {
+        const int32_t* pos = positions ? positions + mb * N_ : nullptr;
         split_.push_back(cp_split(m_.batch(), m_.dims().T, cp, r.mesh_.cp().rank(), tokens + mb * N_,
-                                  targets + mb * N_, positions ? positions + mb * N_ : nullptr));
+                                  targets + mb * N_, pos));
+        if (cp > 1 && m_.dims().moe.E > 0) {  // MoE: where each local token sits in the micro-batch
+          const std::vector<int32_t> all = cp_token_index(m_.batch(), m_.dims().T, cp, pos);
+          const int64_t n = N_ / cp, first = int64_t(r.mesh_.cp().rank()) * n;
+          index_.emplace_back(all.begin() + first, all.begin() + first + n);
+        }
+      }
   }
   double loss_sum = 0;
 
@@ -34,6 +41,7 @@ class ModelRunner::Stage : public PipelineStage {
     if (!split_.empty()) {
       const CpMicroBatch& s = split_[mb];
       in = {s.tokens.data(), s.targets.data(), s.pos.data(), s.seg.data()};
+      if (!index_.empty()) in.token_index = index_[mb].data();
     }
     loss_sum += m_.forward_chunk(c, mb, in, train_ ? dloss_ : 0.0f);
   }
@@ -69,6 +77,7 @@ class ModelRunner::Stage : public PipelineStage {
   int num_micro_;
   int64_t N_;                         // tokens of a whole micro-batch (B*T)
   std::vector<CpMicroBatch> split_;   // per micro-batch, when the sequence is split or packed
+  std::vector<std::vector<int32_t>> index_;  // per micro-batch, MoE under cp: local token indices
 };
 
 ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, Ops& ops)
@@ -91,7 +100,10 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   const Comm& dp = mesh.dp_cp();
   BufferLayout layout = plan_buffer(numels, cfg.engine.bucket_size, dp.size());
   for (size_t i = 0; i < table.size(); ++i) table[i].offset = layout.offsets[i];
-  model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, layout.total, seq_);
+  MoeLayout moe{&mesh.tp_cp(), pc.moe_dispatcher == "allgather"};
+  model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, layout.total, seq_, moe);
+  // Each micro-batch's MoE aux loss counts with weight 1 / (micro-batches of the global batch).
+  model_->set_moe_aux_scale(float(tc.micro_batch) / float(tc.global_batch));
   model_->init_weights(tc.seed);
 
   // Tied embeddings over a pipeline: the last stage's replica starts as stage 0's copy.
@@ -100,10 +112,16 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
     MPIGPT_CHECK(model_->params()[tied_param_].name == "embedding.word.weight", "tied parameter not first");
     mesh.embedding().broadcast(model_->param(tied_param_), 0);
   }
+  // Under sequence parallelism norms and MoE layers (router, experts, shared expert: replicated
+  // over tp, expert_tp = 1) see only this rank's tokens.
+  auto token_local = [](const std::string& n) {
+    for (const char* k : {"norm.", ".mlp.router.", ".mlp.experts.", ".mlp.shared."})
+      if (n.find(k) != std::string::npos) return true;
+    return false;
+  };
   if (tp_.sequence_parallel())
     for (size_t i = 0; i < table.size(); ++i)
-      if (table[i].split == TpSplit::None && table[i].name.find("norm.") != std::string::npos)
-        sp_params_.push_back(int(i));
+      if (table[i].split == TpSplit::None && token_local(table[i].name)) sp_params_.push_back(int(i));
 
   GradSyncOptions so;
   so.distributed_optimizer = cfg.engine.distributed_optimizer;
@@ -141,7 +159,11 @@ bool ModelRunner::delayed(int param) const { return param == tied_param_; }
 double ModelRunner::run(const std::vector<Action>& actions, const int32_t* tokens, const int32_t* targets,
                         const int32_t* positions, float dloss, bool train, int num_micro) {
   Stage stage(*this, tokens, targets, positions, dloss, train, num_micro);
+  model_->reset_moe_loss();
   run_schedule(actions, stage, mesh_.pp());
+  // The MoE losses of this pipeline's layers: every stage holds some of them.
+  moe_loss_ = model_->moe_loss_sum();
+  mesh_.pp().allreduce_sum(&moe_loss_, 1);
   if (!train)
     for (int c = 0; c < model_->num_chunks(); ++c) model_->release(c, num_micro - 1);
   // Only the last stage has losses; every rank of the pipeline gets their sum.

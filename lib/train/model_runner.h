@@ -36,6 +36,9 @@ class ModelRunner {
                           float dloss);
   // The loss sum without gradients (validation), as above.
   double forward_only(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int num_micro);
+  // The MoE aux + z losses of the last forward_backward / forward_only: summed over the MoE layers
+  // and this data-parallel rank's micro-batches (the same on every rank of its tp, cp and pp groups).
+  double moe_loss_sum() const { return moe_loss_; }
   // The global gradient norm: every parameter counted once over all ranks.
   double grad_norm();
   // AdamW on this rank's share, then the parameters go back to every rank that holds them.
@@ -70,6 +73,7 @@ class ModelRunner {
   std::unique_ptr<AdamW> opt_;
   Schedule schedule_;  // for the configured number of micro-batches
   int pp_rank_ = 0, num_micro_ = 1;
+  double moe_loss_ = 0.0;
   int tied_param_ = -1;          // this rank's word embedding (or replica) when pp > 1 ties it
   std::vector<int> sp_params_;   // replicated parameters whose gradients are partial over tp (SP)
   std::vector<Range> norm_ranges_;  // owned elements that count in the gradient norm

@@ -53,6 +53,19 @@ GptDims make_dims(const Config& cfg, int vocab_size) {
   d.eps = float(m.norm_eps);
   d.rope_theta = float(m.rope_theta);
   d.init_std = float(m.init_std);
+  if (m.num_experts > 0) {
+    d.moe.E = m.num_experts;
+    d.moe.K = m.moe_top_k;
+    d.moe.sigmoid = m.moe_router == "sigmoid";
+    d.moe.norm_topk = m.moe_norm_topk_prob;
+    d.moe.aux_coeff = float(m.moe_aux_loss_coeff);
+    d.moe.z_coeff = float(m.moe_z_loss_coeff);
+    d.moe.capacity_factor = float(m.moe_capacity_factor);
+    d.moe.drop_position = m.moe_drop_policy == "position";
+    d.moe.F = m.moe_ffn_hidden > 0 ? m.moe_ffn_hidden : m.ffn_hidden;
+    d.moe.shared_F = m.moe_shared_expert_ffn;
+    d.moe.layers = parse_moe_layers(m.moe_layers, m.num_layers);
+  }
   return d;
 }
 
@@ -165,6 +178,18 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     log_line("model: {} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
              "parameters", d.gpt2() ? "gpt2" : "llama", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
              d.num_params() / 1e6);
+    if (d.moe.E > 0) {
+      std::string layers;
+      for (int l = 0; l < d.L; ++l)
+        if (d.is_moe(l)) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+      log_line("moe: {} experts, top-{} ({} router), expert ffn {}{}, layers {}, aux {} z {}, {}", d.moe.E, d.moe.K,
+               d.moe.sigmoid ? "sigmoid" : "softmax", d.moe.F,
+               d.moe.shared_F > 0 ? fmt::format(", shared expert ffn {}", d.moe.shared_F) : std::string(), layers,
+               d.moe.aux_coeff, d.moe.z_coeff,
+               d.moe.capacity_factor > 0 ? fmt::format("capacity factor {} ({} drop)", d.moe.capacity_factor,
+                                                       d.moe.drop_position ? "position" : "probs")
+                                         : std::string("dropless"));
+    }
     log_line("batch: global {} = {} data-parallel ranks x {} micro-batches x {} sequences of {} tokens", GB, dp,
              num_micro, MB, d.T);
     if (data.train)
@@ -204,7 +229,8 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
 
   StepMetrics m;
   m.total_iters = tc.train_iters;
-  double interval_loss = 0, interval_ms = 0, total_ms = 0;
+  double interval_loss = 0, interval_ms = 0, total_ms = 0, interval_aux = 0;
+  const bool moe = d.moe.E > 0;
   int interval_steps = 0;
   // The groups whose traffic the last step reports (the comm layer counts every call).
   const std::vector<std::pair<std::string, const Comm*>> groups = {
@@ -257,6 +283,11 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
 
     double loss_sum = runner.forward_backward(tokens.data(), targets.data(), pos, num_micro, dloss);
     world.allreduce_sum(&loss_sum, 1);
+    // MoE: the aux + z losses of all MoE layers, averaged over the global batch's micro-batches
+    // (every cp and tp rank of a data-parallel rank holds the same figure: sum over dp only).
+    double aux = runner.moe_loss_sum();
+    if (moe) dp_only.allreduce_sum(&aux, 1);
+    aux /= double(GB / MB);
     const double loss = loss_sum / double(std::max<int64_t>(counts[0], 1));
     const double norm = runner.grad_norm();
     if (!std::isfinite(loss) || !std::isfinite(norm))
@@ -269,6 +300,8 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       for (const auto& g : groups) result.comm_bytes.emplace_back(g.first, g.second->stats().total());
 
     result.losses.push_back(loss);
+    if (moe) result.aux_losses.push_back(aux);
+    interval_aux += aux;
     result.grad_norms.push_back(norm);
     result.step_ms.push_back(ms);
     interval_loss += loss;
@@ -280,6 +313,8 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       m.consumed_samples = it * GB;
       m.lr = lr;
       m.loss = interval_loss / interval_steps;
+      m.has_aux = moe;
+      m.aux_loss = interval_aux / interval_steps;
       m.grad_norm = norm;
       m.ms_per_iter = interval_ms / interval_steps;
       m.tokens_per_s = double(GB) * d.T / (m.ms_per_iter / 1e3);
@@ -289,7 +324,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       m.eta_s = double(tc.train_iters - it) * total_ms / double(it - first_it + 1) / 1e3;
       if (last_rank && !opts.quiet) log_line("{}", format_step(m));
       metrics.step(m);
-      interval_loss = interval_ms = 0;
+      interval_loss = interval_ms = interval_aux = 0;
       interval_steps = 0;
     }
     if (data.valid && tc.eval_interval > 0 && (it % tc.eval_interval == 0 || it == tc.train_iters)) {
