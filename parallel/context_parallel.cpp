@@ -72,6 +72,7 @@ CpMicroBatch cp_split(int B, int T, int cp, int rank, const int32_t* tokens, con
       all_seg[i] = int32_t(d);
     }
   CpMicroBatch m;
+  m.index.assign(index.begin() + rank * local, index.begin() + (rank + 1) * local);
   m.tokens.resize(local);
   m.targets.resize(local);
   m.pos.resize(n);
@@ -81,7 +82,7 @@ CpMicroBatch cp_split(int B, int T, int cp, int rank, const int32_t* tokens, con
     m.seg[k] = all_seg[index[k]];
   }
   for (size_t k = 0; k < local; ++k) {
-    const int32_t i = index[size_t(rank) * local + k];
+    const int32_t i = m.index[k];
     m.tokens[k] = tokens[i];
     m.targets[k] = targets[i];
   }

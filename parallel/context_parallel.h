@@ -48,6 +48,7 @@ std::vector<int32_t> cu_seqlens_of(int B, int T, const int32_t* pos);
 // the K/V blocks it receives).
 struct CpMicroBatch {
   std::vector<int32_t> tokens, targets;  // (B*T/cp) this rank's
+  std::vector<int32_t> index;            // (B*T/cp) flat index b*T + t of each in the micro-batch
   std::vector<int32_t> pos, seg;         // (cp, B, T/cp) every rank's, rank-major
 };
 // seg: document id, the index of the token's document in cu_seqlens_of (unique over the micro-batch).

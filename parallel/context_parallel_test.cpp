@@ -107,6 +107,7 @@ TEST_CASE("cp_split: local tokens and targets, every rank's positions and docume
   // [0] and [3] + [6,7]; rank 1 chunks 1 and 2: [1], [2] and [4], [5].
   const std::vector<int32_t> idx = cp_token_index(B, T, cp, pos.data());
   CHECK(idx == std::vector<int32_t>{0, 3, 6, 7, 1, 2, 4, 5});
+  CHECK(m.index == std::vector<int32_t>{1, 2, 4, 5});
   CHECK(m.tokens == std::vector<int32_t>{101, 102, 104, 105});
   CHECK(m.targets == std::vector<int32_t>{201, 202, 204, 205});
   CHECK(m.pos == std::vector<int32_t>{0, 0, 3, 4, 1, 2, 1, 2});

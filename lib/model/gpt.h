@@ -49,7 +49,7 @@ struct MicroBatchInput {
   const int32_t* pos = nullptr;
   const int32_t* seg = nullptr;
   // (B*Tl) the flat index b*T + t in the micro-batch of each of this rank's tokens (context
-  // parallelism: cp_token_index); nullptr: the tokens are 0..B*T-1 in order. MoE capacity
+  // parallelism: CpMicroBatch::index); nullptr: the tokens are 0..B*T-1 in order. MoE capacity
   // decisions are taken by it, so they do not depend on the layout.
   const int32_t* token_index = nullptr;
 };

@@ -20,16 +20,9 @@ class ModelRunner::Stage : public PipelineStage {
         num_micro_(num_micro), N_(int64_t(m_.batch()) * m_.dims().T) {
     const int cp = r.mesh_.cp().size();
     if (cp > 1 || r.seq_.packed)
-      for (int mb = 0; mb < num_micro; ++mb) {
-        const int32_t* pos = positions ? positions + mb * N_ : nullptr;
+      for (int mb = 0; mb < num_micro; ++mb)
         split_.push_back(cp_split(m_.batch(), m_.dims().T, cp, r.mesh_.cp().rank(), tokens + mb * N_,
-                                  targets + mb * N_, pos));
-        if (cp > 1 && m_.dims().moe.E > 0) {  // MoE: where each local token sits in the micro-batch
-          const std::vector<int32_t> all = cp_token_index(m_.batch(), m_.dims().T, cp, pos);
-          const int64_t n = N_ / cp, first = int64_t(r.mesh_.cp().rank()) * n;
-          index_.emplace_back(all.begin() + first, all.begin() + first + n);
-        }
-      }
+                                  targets + mb * N_, positions ? positions + mb * N_ : nullptr));
   }
   double loss_sum = 0;
 
@@ -40,8 +33,7 @@ class ModelRunner::Stage : public PipelineStage {
     MicroBatchInput in{tokens_ + mb * N_, targets_ + mb * N_};
     if (!split_.empty()) {
       const CpMicroBatch& s = split_[mb];
-      in = {s.tokens.data(), s.targets.data(), s.pos.data(), s.seg.data()};
-      if (!index_.empty()) in.token_index = index_[mb].data();
+      in = {s.tokens.data(), s.targets.data(), s.pos.data(), s.seg.data(), s.index.data()};
     }
     loss_sum += m_.forward_chunk(c, mb, in, train_ ? dloss_ : 0.0f);
   }
@@ -77,7 +69,6 @@ class ModelRunner::Stage : public PipelineStage {
   int num_micro_;
   int64_t N_;                         // tokens of a whole micro-batch (B*T)
   std::vector<CpMicroBatch> split_;   // per micro-batch, when the sequence is split or packed
-  std::vector<std::vector<int32_t>> index_;  // per micro-batch, MoE under cp: local token indices
 };
 
 ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, Ops& ops)
