@@ -63,29 +63,7 @@ void check_moe_gradients(Family fam, bool shared) {
     const double l = model.forward(b.tokens.data(), b.targets.data(), 0.0f);
     return l + model.moe_loss_sum();
   };
-  const double eps = 1e-2;
-  for (const auto& info : model.params()) {
-    CAPTURE(info.name);
-    double err2 = 0, ref2 = 0;
-    const int probes = 8;
-    for (int k = 0; k < probes; ++k) {
-      int64_t i = int64_t(bits_at(11, stream_of(info.name), k) % uint64_t(info.numel()));
-      if (info.valid_rows >= 0) i %= info.valid_rows * info.shape[1];
-      float* w = p + info.offset + i;
-      const float saved = *w;
-      *w = saved + float(eps);
-      const double lp = loss();
-      *w = saved - float(eps);
-      const double lm = loss();
-      *w = saved;
-      const double fd = (lp - lm) / (2 * eps);
-      const double an = grad[info.offset + i];
-      err2 += (fd - an) * (fd - an);
-      ref2 += fd * fd;
-      CHECK(std::abs(fd - an) <= 2e-2 * std::abs(fd) + 2e-3);
-    }
-    CHECK(std::sqrt(err2) <= 1e-2 * std::sqrt(ref2) + 1e-3);
-  }
+  testing::check_gradients_fd(model, grad, loss);
 }
 
 }  // namespace
