@@ -366,6 +366,17 @@ void Config::adopt_model(const ModelConfig& m, const std::string& source) {
   take("norm_eps", model.norm_eps, m.norm_eps);
   take("rope_theta", model.rope_theta, m.rope_theta);
   take("tie_embeddings", model.tie_embeddings, m.tie_embeddings);
+  take("num_experts", model.num_experts, m.num_experts);
+  if (m.num_experts > 0) {  // the mixture-of-experts shape (a Mixtral import, a MoE checkpoint)
+    take("moe_top_k", model.moe_top_k, m.moe_top_k);
+    take("moe_router", model.moe_router, m.moe_router);
+    take("moe_layers", model.moe_layers, m.moe_layers);
+    take("moe_ffn_hidden", model.moe_ffn_hidden, m.moe_ffn_hidden);
+    take("moe_shared_expert_ffn", model.moe_shared_expert_ffn, m.moe_shared_expert_ffn);
+    take("moe_norm_topk_prob", model.moe_norm_topk_prob, m.moe_norm_topk_prob);
+    // A training setting: the model's value unless the user chose one.
+    if (!user_set.count("model.moe_aux_loss_coeff")) model.moe_aux_loss_coeff = m.moe_aux_loss_coeff;
+  }
 }
 
 void Config::resolve_defaults() {

@@ -16,19 +16,15 @@ using nlohmann::json;
 
 namespace {
 
-// `m` with the derived defaults filled in and checked for what the mapping relies on.
+// `m` with the derived defaults filled in and checked for what the parameter table relies on.
 ModelConfig resolved(const ModelConfig& in) {
   Config c;
   c.model = in;
   c.user_set.insert("model.tie_embeddings");  // keep the caller's tying
   c.resolve_defaults();
-  const ModelConfig& m = c.model;
+  ModelConfig& m = c.model;
   if (m.family != "gpt2" && m.family != "llama")
     fail("model.family = '{}' has no Hugging Face mapping; use gpt2 or llama", m.family);
-  if (m.num_experts > 0)
-    fail("model.num_experts = {}: mixture-of-experts models have no Hugging Face mapping in this build yet (a "
-         "MixtralForCausalLM export is planned); keep the mpigpt checkpoint, or train a dense model "
-         "(model.num_experts = 0) to export", m.num_experts);
   if (m.num_layers <= 0 || m.hidden <= 0 || m.num_heads <= 0 || m.ffn_hidden <= 0)
     fail("model: num_layers {}, hidden {}, num_heads {}, ffn_hidden {} must all be positive", m.num_layers, m.hidden,
          m.num_heads, m.ffn_hidden);
@@ -39,10 +35,55 @@ ModelConfig resolved(const ModelConfig& in) {
   if (m.family == "gpt2" && m.num_kv_heads != m.num_heads)
     fail("model.num_kv_heads = {} differs from num_heads = {}: GPT2LMHeadModel has no grouped-query attention; "
          "use family llama or num_kv_heads = num_heads", m.num_kv_heads, m.num_heads);
+  if (m.num_experts < 0) fail("model.num_experts = {} must be 0 (dense) or positive", m.num_experts);
+  if (m.num_experts > 0) {
+    if (m.moe_ffn_hidden == 0) m.moe_ffn_hidden = m.ffn_hidden;  // as make_dims resolves it
+    if (m.moe_ffn_hidden < 0) fail("model.moe_ffn_hidden = {} must be positive (or 0: = ffn_hidden)", m.moe_ffn_hidden);
+    if (m.moe_shared_expert_ffn < 0)
+      fail("model.moe_shared_expert_ffn = {} must be 0 (none) or positive", m.moe_shared_expert_ffn);
+    if (m.moe_top_k < 1 || m.moe_top_k > m.num_experts)
+      fail("model.moe_top_k = {} must be between 1 and model.num_experts = {}", m.moe_top_k, m.num_experts);
+  }
   return c.model;
 }
 
+// Whether layer l of the resolved `m` is a mixture-of-experts layer (lib/model's GptDims::is_moe).
+std::vector<bool> moe_layer_flags(const ModelConfig& m) {
+  if (m.num_experts <= 0) return std::vector<bool>(size_t(m.num_layers), false);
+  return parse_moe_layers(m.moe_layers, m.num_layers);
+}
+
+// resolved(in), refusing what the Hugging Face classes cannot represent. Dense models map to
+// GPT2LMHeadModel / LlamaForCausalLM; llama-family MoE models to MixtralForCausalLM, whose every
+// layer is a softmax-routed MoE with renormalised top-k weights and no shared expert. Capacity
+// and the aux/z-loss coefficients change training only, not the function the weights compute.
+ModelConfig resolved_for_hf(const ModelConfig& in) {
+  const ModelConfig m = resolved(in);
+  if (m.num_experts == 0) return m;
+  const char* not_mixtral = "MixtralForCausalLM (the Hugging Face mixture-of-experts model mpigpt writes)";
+  if (m.family != "llama")
+    fail("model.num_experts = {} with model.family = {}: Hugging Face has no GPT-2 mixture-of-experts model (mpigpt "
+         "writes MoE models as the llama-family MixtralForCausalLM); keep the mpigpt checkpoint, or train with "
+         "model.family = llama to export", m.num_experts, m.family);
+  if (m.moe_router != "softmax")
+    fail("model.moe_router = '{}': {} routes with a softmax over all experts; train with model.moe_router = softmax "
+         "to export", m.moe_router, not_mixtral);
+  if (!m.moe_norm_topk_prob)
+    fail("model.moe_norm_topk_prob = false: {} renormalises the top-k router weights to sum 1 (also for top-1, where "
+         "the weight becomes 1); train with model.moe_norm_topk_prob = true to export", not_mixtral);
+  const std::vector<bool> moe = moe_layer_flags(m);
+  if (const auto dense = std::find(moe.begin(), moe.end(), false); dense != moe.end())
+    fail("model.moe_layers = '{}' leaves layer {} dense: every layer of {} is a mixture of experts; train with "
+         "model.moe_layers = all to export", m.moe_layers, dense - moe.begin(), not_mixtral);
+  if (m.moe_shared_expert_ffn > 0)
+    fail("model.moe_shared_expert_ffn = {}: {} has no shared expert; train with model.moe_shared_expert_ffn = 0 to "
+         "export", m.moe_shared_expert_ffn, not_mixtral);
+  return m;
+}
+
 // One HF tensor: rows [row0, row0 + rows) of our tensor `ours`, transposed for GPT-2's Conv1D.
+// A 3-D expert tensor (E, rows, cols) is seen as its (E * rows, cols) row view, so expert e's
+// block of it is rows [e * rows + r0, ...).
 struct Link {
   std::string hf, ours;
   int64_t row0 = 0, rows = 0;
@@ -50,9 +91,12 @@ struct Link {
   bool vocab = false;  // rows = the vocabulary; our tensor has padded rows beyond
 };
 
+// Columns of our tensor's row view: the last dimension (1 for a vector).
+int64_t row_cols(const Shape& s) { return s.ndim >= 2 ? s[-1] : 1; }
+
 Shape hf_shape(const Link& l, const Shape& ours) {
   if (ours.ndim == 1) return Shape{l.rows};
-  return l.transpose ? Shape{ours[1], l.rows} : Shape{l.rows, ours[1]};
+  return l.transpose ? Shape{row_cols(ours), l.rows} : Shape{l.rows, row_cols(ours)};
 }
 
 std::vector<Link> links(const ModelConfig& m, int vocab) {
@@ -93,6 +137,18 @@ std::vector<Link> links(const ModelConfig& m, int vocab) {
       add(h + "self_attn.v_proj.weight", p + "attn.qkv.weight", q + kv, kv);
       add(h + "self_attn.o_proj.weight", p + "attn.proj.weight", 0, C);
       add(h + "post_attention_layernorm.weight", p + "mlp_norm.weight", 0, C);
+      if (m.num_experts > 0) {  // Mixtral: every layer MoE (resolved_for_hf)
+        const int64_t Fe = m.moe_ffn_hidden;
+        const std::string b = h + "block_sparse_moe.";
+        add(b + "gate.weight", p + "mlp.router.weight", 0, m.num_experts);
+        for (int64_t e = 0; e < m.num_experts; ++e) {
+          const std::string x = b + "experts." + std::to_string(e) + ".";
+          add(x + "w1.weight", p + "mlp.experts.fc.weight", e * 2 * Fe, Fe);       // gate rows of [gate; up]
+          add(x + "w3.weight", p + "mlp.experts.fc.weight", e * 2 * Fe + Fe, Fe);  // up rows
+          add(x + "w2.weight", p + "mlp.experts.proj.weight", e * C, C);           // (C, Fe) down
+        }
+        continue;
+      }
       add(h + "mlp.gate_proj.weight", p + "mlp.fc.weight", 0, F);
       add(h + "mlp.up_proj.weight", p + "mlp.fc.weight", F, F);
       add(h + "mlp.down_proj.weight", p + "mlp.proj.weight", 0, C);
@@ -107,6 +163,11 @@ std::vector<Link> links(const ModelConfig& m, int vocab) {
 bool ignorable_buffer(const std::string& name) {
   return name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") ||
          name.ends_with(".self_attn.rotary_emb.inv_freq");
+}
+
+// The model_type of `m` (resolved) in Hugging Face terms, for messages.
+const char* hf_type(const ModelConfig& m) {
+  return m.family == "gpt2" ? "gpt2" : m.num_experts > 0 ? "mixtral" : "llama";
 }
 
 // The tied head is the embedding's first `vocab` rows, bit for bit.
@@ -133,6 +194,7 @@ std::vector<std::pair<std::string, Shape>> param_shapes(const ModelConfig& in, i
   const bool g = m.family == "gpt2";
   const int64_t C = m.hidden, HD = C / m.num_heads, q = m.num_heads * HD, kv = m.num_kv_heads * HD;
   const int64_t F = m.ffn_hidden, Vp = padded_vocab, maxT = m.max_position;
+  const std::vector<bool> moe = moe_layer_flags(m);
   std::vector<std::pair<std::string, Shape>> t;
   t.push_back({"embedding.word.weight", {Vp, C}});
   if (g) t.push_back({"embedding.position.weight", {maxT, C}});
@@ -146,6 +208,21 @@ std::vector<std::pair<std::string, Shape>> param_shapes(const ModelConfig& in, i
     if (g) t.push_back({p + "attn.proj.bias", {C}});
     t.push_back({p + "mlp_norm.weight", {C}});
     if (g) t.push_back({p + "mlp_norm.bias", {C}});
+    if (moe[size_t(l)]) {  // experts as one (E, ...) tensor per projection; SwiGLU: [gate; up] rows per expert
+      const int64_t E = m.num_experts, Fe = m.moe_ffn_hidden, Fs = m.moe_shared_expert_ffn;
+      t.push_back({p + "mlp.router.weight", {E, C}});
+      t.push_back({p + "mlp.experts.fc.weight", {E, g ? Fe : 2 * Fe, C}});
+      if (g) t.push_back({p + "mlp.experts.fc.bias", {E, Fe}});
+      t.push_back({p + "mlp.experts.proj.weight", {E, C, Fe}});
+      if (g) t.push_back({p + "mlp.experts.proj.bias", {E, C}});
+      if (Fs > 0) {
+        t.push_back({p + "mlp.shared.fc.weight", {g ? Fs : 2 * Fs, C}});
+        if (g) t.push_back({p + "mlp.shared.fc.bias", {Fs}});
+        t.push_back({p + "mlp.shared.proj.weight", {C, Fs}});
+        if (g) t.push_back({p + "mlp.shared.proj.bias", {C}});
+      }
+      continue;
+    }
     t.push_back({p + "mlp.fc.weight", {g ? F : 2 * F, C}});
     if (g) t.push_back({p + "mlp.fc.bias", {F}});
     t.push_back({p + "mlp.proj.weight", {C, F}});
@@ -158,7 +235,7 @@ std::vector<std::pair<std::string, Shape>> param_shapes(const ModelConfig& in, i
 }
 
 TensorMap to_hf(const TensorMap& ours, const ModelConfig& in, int vocab) {
-  const ModelConfig m = resolved(in);
+  const ModelConfig m = resolved_for_hf(in);
   check_vocab(vocab, vocab, "to_hf");
   // Our shapes with the vocabulary rows as the tensors have them (any padding >= vocab).
   auto it_wte = ours.find("embedding.word.weight");
@@ -182,14 +259,14 @@ TensorMap to_hf(const TensorMap& ours, const ModelConfig& in, int vocab) {
     std::vector<std::string> extra;
     for (const auto& [name, t] : ours)
       if (std::none_of(shapes.begin(), shapes.end(), [&](const auto& s) { return s.first == name; })) extra.push_back(name);
-    fail("to_hf: tensors that are not parameters of this {} model: {}", m.family, first_few(extra));
+    fail("to_hf: tensors that are not parameters of this {} model: {}", hf_type(m), first_few(extra));
   }
   TensorMap out;
   for (const Link& l : links(m, vocab)) {
     const HostTensor& src = ours.at(l.ours);
     HostTensor t;
     t.shape = hf_shape(l, src.shape);
-    const int64_t cols = src.shape.ndim == 2 ? src.shape[1] : 1;
+    const int64_t cols = row_cols(src.shape);
     const float* from = src.data.data() + l.row0 * cols;
     if (!l.transpose) {
       t.data.assign(from, from + l.rows * cols);
@@ -204,7 +281,7 @@ TensorMap to_hf(const TensorMap& ours, const ModelConfig& in, int vocab) {
 }
 
 TensorMap from_hf(const TensorMap& hf_in, const ModelConfig& in, int vocab, int padded_vocab) {
-  const ModelConfig m = resolved(in);
+  const ModelConfig m = resolved_for_hf(in);
   check_vocab(vocab, padded_vocab, "from_hf");
   // GPT-2 checkpoints saved from GPT2Model (the hub's openai-community/gpt2) lack "transformer.".
   TensorMap renamed;
@@ -229,15 +306,17 @@ TensorMap from_hf(const TensorMap& hf_in, const ModelConfig& in, int vocab, int 
     const Shape want = hf_shape(l, dst.shape);
     if (it == hf->end())
       fail("from_hf: tensor {} (shape {}) is missing from the Hugging Face checkpoint; is it a {} model with the "
-           "config's {} layers?", l.hf, want.str(), m.family, m.num_layers);
+           "config's {} layers{}?", l.hf, want.str(), hf_type(m), m.num_layers,
+           m.num_experts > 0 ? fmt::format(" and {} experts", m.num_experts) : std::string());
     const HostTensor& src = it->second;
     if (!(src.shape == want))
-      fail("from_hf: tensor {} has shape {}, expected {} from the config (hidden {}, heads {}/{} kv, ffn {}, vocab {}); "
-           "the config.json does not match the weights", l.hf, src.shape.str(), want.str(), m.hidden, m.num_heads,
-           m.num_kv_heads, m.ffn_hidden, vocab);
+      fail("from_hf: tensor {} has shape {}, expected {} from the config (hidden {}, heads {}/{} kv, ffn {}{}, vocab "
+           "{}); the config.json does not match the weights", l.hf, src.shape.str(), want.str(), m.hidden, m.num_heads,
+           m.num_kv_heads, m.num_experts > 0 ? m.moe_ffn_hidden : m.ffn_hidden,
+           m.num_experts > 0 ? fmt::format(", experts {}", m.num_experts) : std::string(), vocab);
     if (int64_t(src.data.size()) != want.numel())
       fail("from_hf: tensor {} holds {} values, its shape {} needs {}", l.hf, src.data.size(), want.str(), want.numel());
-    const int64_t cols = dst.shape.ndim == 2 ? dst.shape[1] : 1;
+    const int64_t cols = row_cols(dst.shape);
     float* to = dst.data.data() + l.row0 * cols;
     if (!l.transpose) {
       std::copy(src.data.begin(), src.data.end(), to);
@@ -261,12 +340,12 @@ TensorMap from_hf(const TensorMap& hf_in, const ModelConfig& in, int vocab, int 
   }
   if (!extra.empty())
     fail("from_hf: tensors that a {} model with this config does not have: {}; check model_type and the layer count "
-         "in config.json", m.family, first_few(extra));
+         "in config.json", hf_type(m), first_few(extra));
   return out;
 }
 
 json hf_config(const ModelConfig& in, int vocab) {
-  const ModelConfig m = resolved(in);
+  const ModelConfig m = resolved_for_hf(in);
   check_vocab(vocab, vocab, "hf_config");
   const int maxT = m.max_position;
   if (m.family == "gpt2") {
@@ -292,6 +371,31 @@ json hf_config(const ModelConfig& in, int vocab) {
     if (vocab == 50257) j["bos_token_id"] = j["eos_token_id"] = 50256;  // GPT-2's <|endoftext|>
     return j;
   }
+  if (m.num_experts > 0)
+    return {{"architectures", {"MixtralForCausalLM"}},
+            {"model_type", "mixtral"},
+            {"vocab_size", vocab},
+            {"hidden_size", m.hidden},
+            {"intermediate_size", m.moe_ffn_hidden},  // per expert
+            {"num_hidden_layers", m.num_layers},
+            {"num_attention_heads", m.num_heads},
+            {"num_key_value_heads", m.num_kv_heads},
+            {"head_dim", m.hidden / m.num_heads},
+            {"num_local_experts", m.num_experts},
+            {"num_experts_per_tok", m.moe_top_k},
+            {"router_aux_loss_coef", m.moe_aux_loss_coeff},
+            {"output_router_logits", false},
+            {"router_jitter_noise", 0.0},
+            {"max_position_embeddings", maxT},
+            {"rms_norm_eps", m.norm_eps},
+            {"rope_theta", m.rope_theta},
+            {"sliding_window", nullptr},
+            {"hidden_act", "silu"},
+            {"attention_dropout", 0.0},
+            {"initializer_range", m.init_std},
+            {"tie_word_embeddings", m.tie_embeddings},
+            {"use_cache", true},
+            {"torch_dtype", "float32"}};
   return {{"architectures", {"LlamaForCausalLM"}},
           {"model_type", "llama"},
           {"vocab_size", vocab},
@@ -331,6 +435,12 @@ struct Fields {
   double number(const char* k, double def) const {
     if (!has(k)) return def;
     if (!j[k].is_number() || j[k].get<double>() <= 0) fail("{}: field \"{}\" = {} is not a positive number", where, k, j[k].dump());
+    return j[k].get<double>();
+  }
+  double nonnegative(const char* k, double def) const {
+    if (!has(k)) return def;
+    if (!j[k].is_number() || j[k].get<double>() < 0)
+      fail("{}: field \"{}\" = {} is not a number >= 0", where, k, j[k].dump());
     return j[k].get<double>();
   }
   bool boolean(const char* k, bool def) const {
@@ -373,17 +483,20 @@ ModelConfig model_config_from_hf(const json& j, int* vocab, const std::string& w
     f.require("scale_attn_by_inverse_layer_idx", !f.boolean("scale_attn_by_inverse_layer_idx", false), "true",
               "attention is not scaled by the layer index");
     f.require("add_cross_attention", !f.boolean("add_cross_attention", false), "true", "decoder-only models only");
-  } else if (type == "llama") {
+  } else if (type == "llama" || type == "mixtral") {
+    // MixtralForCausalLM is Llama with every MLP a mixture of experts (modeling_mixtral.py).
+    const bool mixtral = type == "mixtral";
     m.family = "llama";
     m.hidden = f.integer("hidden_size");
     m.num_layers = f.integer("num_hidden_layers");
     m.num_heads = f.integer("num_attention_heads");
     m.num_kv_heads = f.integer("num_key_value_heads", m.num_heads);
     m.ffn_hidden = f.integer("intermediate_size");
-    m.max_position = f.integer("max_position_embeddings", 2048);
+    // transformers' defaults: LlamaConfig 2048 / 1e-6 / 1e4, MixtralConfig 4096 * 32 / 1e-5 / 1e6.
+    m.max_position = f.integer("max_position_embeddings", mixtral ? 4096 * 32 : 2048);
     m.seq_len = std::min(m.max_position, 2048);
-    m.norm_eps = f.number("rms_norm_eps", 1e-6);
-    m.rope_theta = f.number("rope_theta", 10000.0);
+    m.norm_eps = f.number("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
+    m.rope_theta = f.number("rope_theta", mixtral ? 1e6 : 10000.0);
     m.tie_embeddings = f.boolean("tie_word_embeddings", false);
     const std::string act = f.text("hidden_act", "silu");
     f.require("hidden_act", act == "silu", "\"" + act + "\"", "the MLP is SwiGLU (silu)");
@@ -402,11 +515,29 @@ ModelConfig model_config_from_hf(const json& j, int* vocab, const std::string& w
                 "only plain RoPE (no scaling: linear, dynamic, yarn, llama3) is implemented");
       if (r.contains("rope_theta")) m.rope_theta = Fields{r, where}.number("rope_theta", m.rope_theta);
     }
-  } else if (type == "mixtral" || type == "qwen2_moe" || type == "deepseek_v2") {
-    fail("{}: model_type \"{}\" is a mixture-of-experts model; importing MoE checkpoints is future work", where, type);
+    if (mixtral) {
+      f.require("sliding_window", !f.has("sliding_window"), j.value("sliding_window", json()).dump(),
+                "mpigpt's attention is full causal, without a sliding window (a window at least as long as "
+                "every sequence you run changes nothing: then set it to null)");
+      m.num_experts = f.integer("num_local_experts", 8);
+      m.moe_top_k = f.integer("num_experts_per_tok", 2);
+      if (m.moe_top_k > m.num_experts)
+        fail("{}: num_experts_per_tok = {} exceeds num_local_experts = {}", where, m.moe_top_k, m.num_experts);
+      m.moe_ffn_hidden = m.ffn_hidden;  // intermediate_size is per expert; no layer is dense
+      m.moe_router = "softmax";
+      m.moe_norm_topk_prob = true;
+      m.moe_layers = "all";
+      m.moe_shared_expert_ffn = 0;
+      m.moe_capacity_factor = 0.0;  // dropless, as Mixtral routes
+      m.moe_z_loss_coeff = 0.0;
+      m.moe_aux_loss_coeff = f.nonnegative("router_aux_loss_coef", 0.001);
+    }
+  } else if (type == "qwen2_moe" || type == "deepseek_v2") {
+    fail("{}: model_type \"{}\" is a mixture-of-experts model mpigpt does not read (shared experts, its own "
+         "routing); mpigpt reads mixture-of-experts checkpoints as mixtral (MixtralForCausalLM)", where, type);
   } else {
-    fail("{}: model_type \"{}\" is not supported; mpigpt reads gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM)",
-         where, type);
+    fail("{}: model_type \"{}\" is not supported; mpigpt reads gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) "
+         "and mixtral (MixtralForCausalLM)", where, type);
   }
   m.vocab_size = f.integer("vocab_size");
   if (f.has("initializer_range")) m.init_std = f.number("initializer_range", m.init_std);

@@ -2,18 +2,25 @@
 """Independent oracle for io/hf_format_test.cpp: tiny Hugging Face models and their logits, with
 nothing but numpy (no torch, no transformers).
 
-  make_hf_tiny.py make {gpt2,llama} OUTDIR [--dtype F32|BF16|F16] [--shards N] [--hub-style]
+  make_hf_tiny.py make {gpt2,llama,mixtral} OUTDIR [--dtype F32|BF16|F16] [--shards N] [--hub-style]
       writes OUTDIR/config.json, the weights (model.safetensors, or N shards + index) under
       transformers' names and layouts (GPT-2 Conv1D weights stored (in, out)), OUTDIR/tokens.i32
       (T int32) and OUTDIR/logits.f64 (T x V float64) of a float64 forward pass over those tokens.
       --hub-style writes GPT-2 the way the hub's openai-community/gpt2 file is: no "transformer."
-      prefix and the attn.bias / attn.masked_bias buffers.
-  make_hf_tiny.py logits MODELDIR TOKENS OUT
+      prefix and the attn.bias / attn.masked_bias buffers. mixtral weights are drawn again until
+      every token's top-k choice is clear (router margin below > 1e-3).
+  make_hf_tiny.py logits MODELDIR TOKENS OUT [MARGIN_OUT]
       reads an HF model directory (config.json + safetensors), runs the same forward pass over the
-      int32 tokens in TOKENS and writes the float64 logits (T x V) to OUT.
+      int32 tokens in TOKENS and writes the float64 logits (T x V) to OUT; MARGIN_OUT receives the
+      router margin as text (inf for a dense model).
 
 The forward passes follow transformers' modeling_gpt2.py (LayerNorm, gelu_new, causal attention,
-tied head) and modeling_llama.py (RMSNorm, rotate_half RoPE, repeat_kv GQA, SwiGLU, lm_head)."""
+tied head), modeling_llama.py (RMSNorm, rotate_half RoPE, repeat_kv GQA, SwiGLU, lm_head) and
+modeling_mixtral.py (Llama attention; every MLP a mixture of experts: router logits = h @ gate^T,
+softmax over all E experts, top-k, the k weights renormalised to sum 1, out = sum_k w_k *
+w2(silu(w1 h) * w3 h)). The router margin is the smallest gap, over every token and layer,
+between the k-th and (k+1)-th largest router logit: a top-k choice that float32 rounding
+could flip shows as a margin near 0."""
 import json
 import os
 import struct
@@ -154,7 +161,28 @@ def gpt2_logits(cfg, w, tokens):
     return ln(x, "transformer.ln_f") @ head.T
 
 
-def llama_logits(cfg, w, tokens):
+def mixtral_moe(cfg, w, p, h, margins):
+    """One block_sparse_moe of modeling_mixtral.py; appends each token's router margin."""
+    E, K = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    logits = h @ w[p + "gate.weight"].T  # (T, E)
+    probs = softmax(logits)
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    top = order[:, :K]
+    if K < E:
+        srt = np.take_along_axis(logits, order, axis=-1)
+        margins.extend(srt[:, K - 1] - srt[:, K])
+    weights = np.take_along_axis(probs, top, axis=-1)
+    weights = weights / weights.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        for k in range(K):
+            x = f"{p}experts.{top[t, k]}."
+            g, u = h[t] @ w[x + "w1.weight"].T, h[t] @ w[x + "w3.weight"].T
+            out[t] += weights[t, k] * ((g / (1.0 + np.exp(-g)) * u) @ w[x + "w2.weight"].T)
+    return out
+
+
+def llama_logits(cfg, w, tokens, margins):
     C, NH = cfg["hidden_size"], cfg["num_attention_heads"]
     NKV, eps = cfg.get("num_key_value_heads", NH), cfg.get("rms_norm_eps", 1e-6)
     HD, T, theta = C // NH, len(tokens), cfg.get("rope_theta", 10000.0)
@@ -180,6 +208,9 @@ def llama_logits(cfg, w, tokens):
         k, v = np.repeat(k, NH // NKV, axis=0), np.repeat(v, NH // NKV, axis=0)  # repeat_kv
         x = x + causal_attention(q, k, v) @ w[p + "self_attn.o_proj.weight"].T
         h = rms(x, p + "post_attention_layernorm.weight")
+        if cfg["model_type"] == "mixtral":
+            x = x + mixtral_moe(cfg, w, p + "block_sparse_moe.", h, margins)
+            continue
         g, u = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
         x = x + (g / (1.0 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
     head = w["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings", False) else w["lm_head.weight"]
@@ -187,14 +218,38 @@ def llama_logits(cfg, w, tokens):
 
 
 def logits_of(cfg, w, tokens):
-    return (gpt2_logits if cfg["model_type"] == "gpt2" else llama_logits)(cfg, w, np.asarray(tokens))
+    """(logits (T, V), router margin: inf without experts)."""
+    if cfg["model_type"] == "gpt2":
+        return gpt2_logits(cfg, w, np.asarray(tokens)), np.inf
+    margins = []
+    logits = llama_logits(cfg, w, np.asarray(tokens), margins)
+    return logits, min(margins, default=np.inf)
 
 
 # ---- tiny random models ----------------------------------------------------------------------
 
 
 def make(family, outdir, dtype, shards, hub_style):
-    rng = np.random.default_rng(1234 if family == "gpt2" else 4321)
+    for attempt in range(100):
+        cfg, w, tokens, dtypes = draw(family, dtype, hub_style, attempt)
+        # The reference sees exactly the stored values (bf16/f16 rounding included).
+        stored = {n: decode(encode(a, dtypes[n]), dtypes[n], a.shape) for n, a in w.items()}
+        logits, margin = logits_of(cfg, stored, tokens)
+        if margin > 1e-3:
+            break
+    else:
+        raise SystemExit("no draw with a clear top-k routing in 100 attempts")
+    os.makedirs(outdir, exist_ok=True)
+    save_model(outdir, w, dtypes, shards)
+    with open(os.path.join(outdir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    tokens.tofile(os.path.join(outdir, "tokens.i32"))
+    logits.astype("<f8").tofile(os.path.join(outdir, "logits.f64"))
+
+
+def draw(family, dtype, hub_style, attempt):
+    """config.json, the weights, the tokens and the stored dtypes of one random tiny model."""
+    rng = np.random.default_rng({"gpt2": 1234, "llama": 4321, "mixtral": 8765}[family] + 1000 * attempt)
     V, C, L, T = 37, 16, 2, 8
     rnd = lambda *s, std=0.2: (rng.standard_normal(s) * std).astype(np.float32)
     w = {}
@@ -219,7 +274,7 @@ def make(family, outdir, dtype, shards, hub_style):
                 w[h + "attn.masked_bias"] = np.array(-1e4, dtype=np.float32)
         w[pre + "ln_f.weight"] = 1 + rnd(C, std=0.1)
         w[pre + "ln_f.bias"] = rnd(C, std=0.1)
-    else:
+    elif family == "llama":
         NH, NKV, F = 4, 2, 24
         HD = C // NH
         cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": C,
@@ -237,16 +292,32 @@ def make(family, outdir, dtype, shards, hub_style):
                 w[h + "mlp." + n + ".weight"] = rnd(o, i, std=0.3)
         w["model.norm.weight"] = 1 + rnd(C, std=0.1)
         w["lm_head.weight"] = rnd(V, C, std=0.5)
-    os.makedirs(outdir, exist_ok=True)
+    else:  # mixtral: 4 experts of width 12, top-2, GQA
+        NH, NKV, F, E, K = 4, 2, 12, 4, 2
+        HD = C // NH
+        cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": V, "hidden_size": C,
+               "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": NH, "num_key_value_heads": NKV,
+               "num_local_experts": E, "num_experts_per_tok": K, "router_aux_loss_coef": 0.02,
+               "output_router_logits": False, "router_jitter_noise": 0.0, "max_position_embeddings": 64,
+               "rms_norm_eps": 1e-5, "rope_theta": 1000.0, "sliding_window": None, "hidden_act": "silu",
+               "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "float32"}
+        w["model.embed_tokens.weight"] = rnd(V, C, std=0.5)
+        for l in range(L):
+            h = f"model.layers.{l}."
+            w[h + "input_layernorm.weight"] = 1 + rnd(C, std=0.1)
+            w[h + "post_attention_layernorm.weight"] = 1 + rnd(C, std=0.1)
+            for n, o, i in (("q_proj", NH * HD, C), ("k_proj", NKV * HD, C), ("v_proj", NKV * HD, C), ("o_proj", C, C)):
+                w[h + "self_attn." + n + ".weight"] = rnd(o, i, std=0.4)
+            b = h + "block_sparse_moe."
+            w[b + "gate.weight"] = rnd(E, C, std=0.5)  # the router, no bias
+            for e in range(E):
+                for n, o, i in (("w1", F, C), ("w3", F, C), ("w2", C, F)):  # gate, up, down
+                    w[f"{b}experts.{e}.{n}.weight"] = rnd(o, i, std=0.3)
+        w["model.norm.weight"] = 1 + rnd(C, std=0.1)
+        w["lm_head.weight"] = rnd(V, C, std=0.5)
     dtypes = {n: ("F32" if n.endswith("attn.bias") or n.endswith("masked_bias") else dtype) for n in w}
-    save_model(outdir, w, dtypes, shards)
-    with open(os.path.join(outdir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
     tokens = rng.integers(0, V, T).astype("<i4")
-    tokens.tofile(os.path.join(outdir, "tokens.i32"))
-    # The reference sees exactly the stored values (bf16/f16 rounding included).
-    stored = {n: decode(encode(a, dtypes[n]), dtypes[n], a.shape) for n, a in w.items()}
-    logits_of(cfg, stored, tokens).astype("<f8").tofile(os.path.join(outdir, "logits.f64"))
+    return cfg, w, tokens, dtypes
 
 
 def main(argv):
@@ -263,11 +334,15 @@ def main(argv):
             else:
                 raise SystemExit(f"unknown option {rest[0]}")
         make(argv[1], argv[2], **opts)
-    elif len(argv) == 4 and argv[0] == "logits":
+    elif len(argv) in (4, 5) and argv[0] == "logits":
         with open(os.path.join(argv[1], "config.json")) as f:
             cfg = json.load(f)
         tokens = np.fromfile(argv[2], dtype="<i4")
-        logits_of(cfg, load_model(argv[1]), tokens).astype("<f8").tofile(argv[3])
+        logits, margin = logits_of(cfg, load_model(argv[1]), tokens)
+        logits.astype("<f8").tofile(argv[3])
+        if len(argv) == 5:
+            with open(argv[4], "w") as f:
+                f.write(f"{margin!r}\n")
     else:
         raise SystemExit(__doc__)
 
