@@ -323,7 +323,10 @@ TEST_CASE("config: valid layouts pass") {
   CHECK_NOTHROW(parsed({"--sequence_parallel"}).validate(1));                     // a no-op at tp = 1
   CHECK_NOTHROW(parsed({"--precision=bf16", "--backend=cuda"}).validate(1));
   CHECK_NOTHROW(parsed({"--family=llama", "--max_position=16"}).validate(1));     // RoPE needs no table
-  CHECK_NOTHROW(parsed({"--ep=2", "--tp=2", "--sequence_parallel", "--global_batch=8"}).validate(4));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=2", "--tp=2", "--sequence_parallel", "--global_batch=8"}).validate(4));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=2", "--expert_tp=2", "--tp=2", "--sequence_parallel", "--global_batch=8"})
+                    .validate(4));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--seq_len=8", "--global_batch=8"}).validate(4));
 }
 
 TEST_CASE("config: validate names the field, the value and the fix") {
@@ -458,6 +461,23 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_FAILS(parsed({"--num_experts=-1"}).validate(1), "model.num_experts = -1 must be at least 0");
     CHECK_FAILS(parsed({"--num_experts=3", "--ep=2", "--global_batch=8"}).validate(2),
                 "model.num_experts = 3 is not divisible by parallel.ep = 2");
+    CHECK_FAILS(parsed({"--ep=2", "--global_batch=8"}).validate(2),
+                "parallel.ep = 2 and parallel.expert_tp = 1 split the experts of a mixture-of-experts model, but "
+                "model.num_experts = 0 (dense)");
+    CHECK_FAILS(parsed({"--num_experts=4", "--expert_tp=2", "--ffn_hidden=6", "--moe_ffn_hidden=5",
+                        "--global_batch=8"}).validate(2),
+                "model.moe_ffn_hidden = 5 is not divisible by parallel.expert_tp = 2");
+    // EP with CP where the expert grid cannot re-divide a pipeline stage: ep 4 over cp 2 x dp 2
+    // works with pp last, but with pp between cp and the rest an expert group would span stages.
+    CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--pp=2", "--num_layers=2", "--seq_len=8",
+                          "--global_batch=8"}).validate(8));
+    CHECK_FAILS(parsed({"--num_experts=4", "--ep=2", "--cp=2", "--pp=2", "--num_layers=2", "--seq_len=8",
+                        "--order=cp-pp-tp-ep-dp", "--global_batch=8"}).validate(8),
+                "parallel.order = cp-pp-tp-ep-dp cannot hold expert parallelism here: the axes before pp (cp) span 2 "
+                "ranks of the dense grid (tp 1, cp 2, dp 2) but 1 of the expert grid (expert_tp 1, ep 2, expert-dp 2)");
+    CHECK_FAILS(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--global_batch=8", "--seq_len=8"}).validate(2),
+                "parallel.expert_tp * parallel.ep = 1*4 = 4 does not divide the 2 ranks of a pipeline stage "
+                "(world size 2 / parallel.pp 1 = tp 1 x cp 2 x dp 1)");
     CHECK_FAILS(parsed({"--num_experts=4", "--moe_capacity_factor=-1"}).validate(1),
                 "model.moe_capacity_factor = -1 must not be negative; set 0 for dropless routing");
     CHECK_FAILS(parsed({"--num_experts=4", "--moe_capacity_factor=0", "--moe_drop_policy=position"}).validate(1),

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "io/config.h"
 #include "parallel/rank_grid.h"
@@ -131,8 +133,28 @@ void check_layout(const Config& c, int world_size) {
   const int dense = world_size / p.pp;  // the expert grid re-divides each pipeline stage's ranks
   if (dense % (p.expert_tp * p.ep) != 0)
     fail("parallel.expert_tp * parallel.ep = {}*{} = {} does not divide the {} ranks of a pipeline stage "
-         "(world size {} / parallel.pp {}); choose expert_tp and ep whose product divides {}",
-         p.expert_tp, p.ep, p.expert_tp * p.ep, dense, world_size, p.pp, dense);
+         "(world size {} / parallel.pp {} = tp {} x cp {} x dp {}); choose expert_tp and ep whose product divides {}",
+         p.expert_tp, p.ep, p.expert_tp * p.ep, dense, world_size, p.pp, p.tp, p.cp, dp, dense);
+  if (p.ep * p.expert_tp > 1) {
+    // The expert grid (expert_tp, ep, expert-dp) must re-divide the same ranks of each pipeline
+    // stage as the dense grid (tp, cp, dp): both grids must give every rank the same pp coordinate,
+    // so the axes before pp in parallel.order must hold the same number of ranks in both.
+    int dense_stride = 1, expert_stride = 1;
+    std::vector<std::string> before;
+    for (const std::string& a : parse_order(p.order)) {
+      if (a == "pp") break;
+      before.push_back(a);
+      dense_stride *= a == "tp" ? p.tp : a == "cp" ? p.cp : a == "dp" ? dp : 1;
+      expert_stride *= a == "tp" ? p.expert_tp : a == "ep" ? p.ep : a == "dp" ? dense / (p.expert_tp * p.ep) : 1;
+    }
+    if (dense_stride != expert_stride)
+      fail("parallel.order = {} cannot hold expert parallelism here: the axes before pp ({}) span {} ranks of the "
+           "dense grid (tp {}, cp {}, dp {}) but {} of the expert grid (expert_tp {}, ep {}, expert-dp {}), so an "
+           "expert group would straddle pipeline stages{}; put pp last in parallel.order (e.g. tp-cp-ep-dp-pp)",
+           p.order, before.empty() ? std::string("none") : fmt::format("{}", fmt::join(before, "-")), dense_stride,
+           p.tp, p.cp, dp, expert_stride, p.expert_tp, p.ep, dense / (p.expert_tp * p.ep),
+           p.cp > 1 ? " (the expert grid has no cp axis: ep takes the place of cp and dp)" : "");
+  }
 
   if (e.overlap_param_gather && !(e.distributed_optimizer && e.overlap_grad_reduce))
     fail("engine.overlap_param_gather = true needs engine.distributed_optimizer = true and "
@@ -208,7 +230,12 @@ void check_moe(const Config& c) {
   const ParallelConfig& p = c.parallel;
   one_of("parallel.moe_dispatcher", p.moe_dispatcher, {"alltoall", "allgather"});
   at_least("model.num_experts", m.num_experts, 0);
-  if (m.num_experts == 0) return;
+  if (m.num_experts == 0) {
+    if (p.ep > 1 || p.expert_tp > 1)
+      fail("parallel.ep = {} and parallel.expert_tp = {} split the experts of a mixture-of-experts model, but "
+           "model.num_experts = 0 (dense); set num_experts > 0 or ep = expert_tp = 1", p.ep, p.expert_tp);
+    return;
+  }
   one_of("model.moe_router", m.moe_router, {"softmax", "sigmoid"});
   one_of("model.moe_drop_policy", m.moe_drop_policy, {"probs", "position"});
   at_least("model.moe_top_k", m.moe_top_k, 1);
@@ -233,6 +260,11 @@ void check_moe(const Config& c) {
   if (m.num_experts % p.ep != 0)
     fail("model.num_experts = {} is not divisible by parallel.ep = {}; each expert-parallel rank holds an equal "
          "share of the experts: choose ep dividing num_experts", m.num_experts, p.ep);
+  const int expert_ffn = m.moe_ffn_hidden > 0 ? m.moe_ffn_hidden : m.ffn_hidden;
+  if (p.expert_tp > 1 && expert_ffn % p.expert_tp != 0)
+    fail("model.moe_ffn_hidden = {} is not divisible by parallel.expert_tp = {}; each expert-tp rank holds an equal "
+         "share of every expert's hidden units: choose moe_ffn_hidden as a multiple of {}", expert_ffn, p.expert_tp,
+         p.expert_tp);
   if (p.tp > 1 && !p.sequence_parallel)
     fail("model.num_experts = {} with parallel.tp = {} needs parallel.sequence_parallel = true: each tp rank must "
          "route its own share of the tokens (as Megatron requires); turn sequence_parallel on", m.num_experts, p.tp);

@@ -21,14 +21,25 @@ std::vector<int64_t> times(const std::vector<int64_t>& rows, int64_t C) {
 
 }  // namespace
 
-TokenDispatcher::TokenDispatcher(Ops& ops, const Comm* ep, int num_experts) : ops_(ops), ep_(ep), E_(num_experts) {
+TokenDispatcher::TokenDispatcher(Ops& ops, const Comm* ep, int num_experts, std::vector<int> member_ep)
+    : ops_(ops), ep_(ep), E_(num_experts) {
   if (ep_ && ep_->size() > 1) {
     P_ = ep_->size();
     rank_ = ep_->rank();
   }
-  MPIGPT_CHECK(E_ >= 1 && E_ % P_ == 0, "expert parallelism: {} experts cannot be split evenly over {} ranks", E_, P_);
-  El_ = E_ / P_;
-  first_ = rank_ * El_;
+  int owner = rank_;
+  owners_ = P_;
+  if (!member_ep.empty()) {
+    MPIGPT_CHECK(int(member_ep.size()) == P_, "expert parallelism: member_ep names {} ranks, the group has {}",
+                 member_ep.size(), P_);
+    owners_ = *std::max_element(member_ep.begin(), member_ep.end()) + 1;
+    MPIGPT_CHECK(P_ % owners_ == 0, "expert parallelism: {} ep ranks over a group of {}", owners_, P_);
+    owner = member_ep[rank_];
+  }
+  MPIGPT_CHECK(E_ >= 1 && E_ % owners_ == 0, "expert parallelism: {} experts cannot be split evenly over {} ranks", E_,
+               owners_);
+  El_ = E_ / owners_;
+  first_ = owner * El_;
 }
 
 // ---- all-to-all -----------------------------------------------------------------------------
@@ -36,6 +47,7 @@ TokenDispatcher::TokenDispatcher(Ops& ops, const Comm* ep, int num_experts) : op
 void AllToAllDispatcher::plan(DispatchState& s, const std::vector<int32_t>& expert, int64_t N, int K,
                               Tensor gates) const {
   MPIGPT_CHECK(int64_t(expert.size()) == N * K, "dispatch plan: {} assignments for N={} K={}", expert.size(), N, K);
+  MPIGPT_CHECK(owners_ == P_, "the alltoall dispatcher's group must be the ep group (one expert set per rank)");
   s.N = N, s.K = K, s.gates = gates;
   // Send order: by expert (= by destination rank, then its local expert), tokens in order.
   std::vector<int32_t> count(static_cast<size_t>(E_), 0);

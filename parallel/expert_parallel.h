@@ -14,12 +14,15 @@
 // AllGatherDispatcher (Megatron's "allgather"): every rank of the group all-gathers the tokens and
 // routing of the whole group, runs its local experts on the assignments that hit them, and a
 // reduce-scatter returns each rank's share of the weighted sum (backward: all-gather of dy,
-// reduce-scatter of dx and of dgates). Its group is the ep group (experts split over all of it).
+// reduce-scatter of dx and of dgates). Its group is the ep group (experts split over all of it),
+// or expert_tp x ep, where each expert's hidden units are split over expert_tp: every member
+// computes its partial outputs for all the group's tokens and the reduce-scatter sums them.
 // Either with a null comm, or one rank, is a local permutation. Index maps and counts live on the
 // host; rows move only through ops (gather_rows, scatter_add_rows, moe_combine) and Comm.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "lib/kernels/buffer.h"
@@ -59,12 +62,19 @@ struct DispatchState {
 class TokenDispatcher {
  public:
   // ep: the expert-parallel group (nullptr = one rank); E experts in total, divisible by ep.
-  TokenDispatcher(Ops& ops, const Comm* ep, int num_experts);
+  // member_ep (allgather only): the group is expert_tp x ep, member i holds the experts of ep
+  // rank member_ep[i]; the members sharing an ep rank hold different hidden units of the same
+  // experts (expert_tp), so their partial outputs add up in the combine's reduce-scatter.
+  // Empty: member i is ep rank i.
+  TokenDispatcher(Ops& ops, const Comm* ep, int num_experts, std::vector<int> member_ep = {});
   virtual ~TokenDispatcher() = default;
   int num_experts() const { return E_; }
   int num_local_experts() const { return El_; }
   int first_expert() const { return first_; }
   int ep_size() const { return P_; }
+  // The group also spans expert_tp (member_ep repeats ep ranks): the layer must not gather its
+  // expert rows over expert_tp itself.
+  bool spans_expert_tp() const { return owners_ < P_; }
 
   // Plan one micro-batch from this rank's routing: expert (N*K, host) is the expert of each
   // assignment t*K + k, -1 where it was dropped; gates (N,K) the layer's gate tensor (kept by
@@ -84,6 +94,7 @@ class TokenDispatcher {
   Ops& ops_;
   const Comm* ep_;
   int P_ = 1, rank_ = 0, E_ = 0, El_ = 0, first_ = 0;
+  int owners_ = 1;  // distinct expert sets over the group (ep)
 };
 
 class AllToAllDispatcher final : public TokenDispatcher {
@@ -99,7 +110,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
 // Every rank of the group must hold the same number of tokens N.
 class AllGatherDispatcher final : public TokenDispatcher {
  public:
-  AllGatherDispatcher(Ops& ops, const Comm* group, int num_experts) : TokenDispatcher(ops, group, num_experts) {}
+  AllGatherDispatcher(Ops& ops, const Comm* group, int num_experts, std::vector<int> member_ep = {})
+      : TokenDispatcher(ops, group, num_experts, std::move(member_ep)) {}
   void plan(DispatchState& s, const std::vector<int32_t>& expert, int64_t N, int K, Tensor gates) const override;
   void dispatch_forward(Tensor xe, Tensor x, DispatchState& s) const override;
   void combine_forward(Tensor y, Tensor ye, DispatchState& s) const override;

@@ -217,21 +217,31 @@ TEST_CASE("moe layer with expert tensor parallelism (etp 2 x ep 2) equals the si
   const int r = world.rank();
   auto ops = make_cpu_ops();
   const int64_t N = 6, C = 6;
-  // etp pairs {0,1}, {2,3} hold the same tokens (those of "token rank" r / 2); ep and token_group
-  // are {0,2}, {1,3}: one micro-batch of 2N tokens, experts split in two, F split in two.
+  // Every rank holds its own N tokens of one micro-batch of 4N (token_group = world), as under
+  // sequence parallelism. etp pairs {0,1}, {2,3}; ep groups {0,2}, {1,3}: experts split in two
+  // (ep rank r / 2), each expert's F in two (etp rank r % 2). alltoall: over ep, the layer
+  // gathers over etp; allgather: over the whole etp x ep group.
   Split etp(r / 2, r % 2), ep(r % 2, r / 2);
-  const int er = r % 2, vr = r / 2;
+  const int er = r % 2;
+  for (Kind kind : {Kind::AllToAll, Kind::AllGather})
   for (auto act : {MoeConfig::Activation::Gelu, MoeConfig::Activation::Swiglu}) {
     MoeConfig cfg;
     cfg.num_experts = 4, cfg.top_k = 2, cfg.hidden = 6, cfg.activation = act;
     cfg.bias = act == MoeConfig::Activation::Gelu, cfg.capacity_factor = 1.0f;
     cfg.aux_loss_coeff = 0.1f, cfg.z_loss_coeff = 0.05f, cfg.shared_hidden = 3;
     CAPTURE(int(act));
+    CAPTURE(int(kind));
+    std::unique_ptr<TokenDispatcher> disp;
+    if (kind == Kind::AllToAll)
+      disp = std::make_unique<AllToAllDispatcher>(*ops, ep.comm.get(), cfg.num_experts);
+    else
+      disp = std::make_unique<AllGatherDispatcher>(*ops, &world, cfg.num_experts, std::vector<int>{0, 0, 1, 1});
+    CHECK(disp->spans_expert_tp() == (kind == Kind::AllGather));
+    MoeLayer layer(cfg, *ops, C, disp.get(), &world, etp.comm.get());
     const bool glu = act == MoeConfig::Activation::Swiglu;
     MoeHostWeights w(cfg, C, 101), g(cfg, C, 0), gref(cfg, C, 0);
-    AllToAllDispatcher disp(*ops, ep.comm.get(), cfg.num_experts);
-    MoeLayer layer(cfg, *ops, C, &disp, ep.comm.get(), etp.comm.get());
-    const int64_t El = disp.num_local_experts(), first = disp.first_expert(), F = cfg.hidden, Fl = layer.local_hidden();
+    const int64_t El = disp->num_local_experts(), first = disp->first_expert(), F = cfg.hidden, Fl = layer.local_hidden();
+    REQUIRE(first == (r / 2) * El);
     const int64_t H = w.H, Hl = glu ? 2 * Fl : Fl;
     REQUIRE(Fl == F / 2);
     // fc row j of the shard = global row rowmap(j); proj column j = global column er * Fl + j.
@@ -255,12 +265,13 @@ TEST_CASE("moe layer with expert tensor parallelism (etp 2 x ep 2) equals the si
     lg.fc_bias = cfg.bias ? as_tensor(dfcb, {El, Hl}) : Tensor();
 
     auto tokens = [&](int v, uint64_t seed) { return random_normal(static_cast<size_t>(N * C), seed, uint64_t(v)); };
-    auto x = tokens(vr, 102), dy = tokens(vr, 103);
+    auto x = tokens(r, 102), dy = tokens(r, 103);
     std::vector<float> y(x.size()), dx(x.size());
     MoeActs acts;
     const MoeLosses loss = layer.forward(acts, as_tensor(y, {N, C}), as_tensor(x, {N, C}), nullptr, lw);
     layer.backward(as_tensor(dx, {N, C}), acts, as_tensor(dy, {N, C}), lw, lg, 1.0f);
-    // Back into global layout; replicated gradients (router, shared, proj bias) counted once (etp rank 0).
+    // Back into global layout. Expert slices are each on one rank; the proj bias gradient is the
+    // same on both etp ranks (counted once); router and shared expert saw only this rank's tokens.
     for (int64_t e = 0; e < El; ++e) {
       for (int64_t j = 0; j < Hl; ++j) {
         for (int64_t c = 0; c < C; ++c) g.fc[((first + e) * H + fc_row(j)) * C + c] = dfc[(e * Hl + j) * C + c];
@@ -269,14 +280,13 @@ TEST_CASE("moe layer with expert tensor parallelism (etp 2 x ep 2) equals the si
       for (int64_t c = 0; c < C; ++c)
         for (int64_t j = 0; j < Fl; ++j) g.proj[((first + e) * C + c) * F + er * Fl + j] = dproj[(e * C + c) * Fl + j];
     }
-    if (er != 0)
-      for (auto* v : {&g.router, &g.projb, &g.sfc, &g.sfcb, &g.sproj, &g.sprojb}) std::fill(v->begin(), v->end(), 0.0f);
+    if (er != 0) std::fill(g.projb.begin(), g.projb.end(), 0.0f);
     for (auto [name, v] : g.all())
       if (!v->empty()) world.allreduce_sum(Tensor(v->data(), {int64_t(v->size())}));
 
-    const int64_t T = 2 * N;
+    const int64_t T = 4 * N;
     std::vector<float> xs(static_cast<size_t>(T * C)), dys(xs.size()), ys(xs.size()), dxs(xs.size());
-    for (int v = 0; v < 2; ++v) {
+    for (int v = 0; v < 4; ++v) {
       auto xv = tokens(v, 102), dyv = tokens(v, 103);
       std::copy(xv.begin(), xv.end(), xs.begin() + v * N * C);
       std::copy(dyv.begin(), dyv.end(), dys.begin() + v * N * C);
@@ -286,8 +296,8 @@ TEST_CASE("moe layer with expert tensor parallelism (etp 2 x ep 2) equals the si
     const MoeLosses rl = ref.forward(ra, as_tensor(ys, {T, C}), as_tensor(xs, {T, C}), nullptr, w.views());
     MoeWeights rg = gref.views();
     ref.backward(as_tensor(dxs, {T, C}), ra, as_tensor(dys, {T, C}), w.views(), rg, 1.0f);
-    std::vector<float> yw(ys.begin() + vr * N * C, ys.begin() + (vr + 1) * N * C);
-    std::vector<float> dxw(dxs.begin() + vr * N * C, dxs.begin() + (vr + 1) * N * C);
+    std::vector<float> yw(ys.begin() + r * N * C, ys.begin() + (r + 1) * N * C);
+    std::vector<float> dxw(dxs.begin() + r * N * C, dxs.begin() + (r + 1) * N * C);
     auto rep = allclose(y, yw, 1e-5, 1e-5);
     CHECK_MESSAGE(rep.ok, "y: ", rep.str());
     rep = allclose(dx, dxw, 1e-5, 1e-5);

@@ -33,7 +33,8 @@ Mesh::Mesh(MPI_Comm world, const MeshSizes& sizes)
       embd_(MPI_COMM_NULL),
       etp_(split(expert_, "tp")),
       ep_(split(expert_, "ep")),
-      edp_(split(expert_, "dp")) {
+      edp_(split(expert_, "dp")),
+      etp_ep_(split(expert_, "tp-ep")) {
   coords_ = {dense_.coord(rank_, "tp"), dense_.coord(rank_, "cp"), expert_.coord(rank_, "ep"),
              dense_.coord(rank_, "dp"), dense_.coord(rank_, "pp"), expert_.coord(rank_, "tp"),
              expert_.coord(rank_, "dp")};
@@ -59,6 +60,12 @@ MPI_Comm Mesh::split(const RankGrid& g, const std::string& group) {
   MPIGPT_MPI(MPI_Comm_split(world_.mpi(), g.group_index(rank_, group), g.group_rank(rank_, group), &c));
   owned_.push_back(c);
   return c;
+}
+
+std::vector<int> Mesh::ep_of_member() const {
+  std::vector<int> out;
+  for (int r : expert_.members(rank_, "tp-ep")) out.push_back(expert_.coord(r, "ep"));
+  return out;
 }
 
 std::string Mesh::describe() const { return describe_rank(sizes_, world_size_, rank_); }

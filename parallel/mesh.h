@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <string>
+#include <vector>
 
 #include "parallel/comm.h"
 #include "parallel/rank_grid.h"
@@ -48,6 +49,10 @@ class Mesh {
   const Comm& expert_tp() const { return etp_; }
   const Comm& ep() const { return ep_; }
   const Comm& expert_dp() const { return edp_; }
+  // expert_tp x ep: the ranks that hold one copy of every expert between them (the allgather
+  // dispatcher's group); ep_of_member()[i] is the ep rank of its member i.
+  const Comm& expert_tp_ep() const { return etp_ep_; }
+  std::vector<int> ep_of_member() const;
 
   // "TP2-CP1-EP1-DP2-PP2 rank 5 = (tp 1, cp 0, ep 0, dp 0, pp 1)"
   std::string describe() const;
@@ -59,7 +64,7 @@ class Mesh {
   RankGrid dense_, expert_;
   Coords coords_;
   std::vector<MPI_Comm> owned_;
-  Comm world_, tp_, cp_, dp_, dp_cp_, pp_, mp_, tp_dp_cp_, tp_cp_, embd_, etp_, ep_, edp_;
+  Comm world_, tp_, cp_, dp_, dp_cp_, pp_, mp_, tp_dp_cp_, tp_cp_, embd_, etp_, ep_, edp_, etp_ep_;
 };
 
 }  // namespace mpigpt

@@ -60,17 +60,28 @@ GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const Tens
     mc.bias = d.gpt2();
     mc.hidden = d.moe.F;
     mc.shared_hidden = d.moe.shared_F;
-    if (moe.allgather)
+    const int ep = moe.ep ? moe.ep->size() : 1, etp = moe.expert_tp ? moe.expert_tp->size() : 1;
+    MPIGPT_CHECK(ep == pl.ep && etp == pl.etp, "MoE groups ep {} expert_tp {} vs placement ep {} expert_tp {}", ep, etp,
+                 pl.ep, pl.etp);
+    if (moe.allgather && ep * etp > 1) {
+      MPIGPT_CHECK(moe.expert_tp_ep && moe.expert_tp_ep->size() == ep * etp, "MoE allgather needs the expert_tp x ep group");
+      dispatcher_ = std::make_unique<AllGatherDispatcher>(ops, moe.expert_tp_ep, mc.num_experts, moe.ep_of_member);
+    } else if (moe.allgather) {
       dispatcher_ = std::make_unique<AllGatherDispatcher>(ops, nullptr, mc.num_experts);
-    else
-      dispatcher_ = std::make_unique<AllToAllDispatcher>(ops, nullptr, mc.num_experts);
+    } else {
+      dispatcher_ = std::make_unique<AllToAllDispatcher>(ops, moe.ep, mc.num_experts);
+    }
+    MPIGPT_CHECK(dispatcher_->first_expert() == pl.ep_rank * dispatcher_->num_local_experts(),
+                 "MoE: the dispatcher's experts start at {}, the placement's ep rank {} holds {} from {}",
+                 dispatcher_->first_expert(), pl.ep_rank, dispatcher_->num_local_experts(),
+                 pl.ep_rank * dispatcher_->num_local_experts());
     // The ranks holding other tokens of the micro-batch: the tp shards of the sequence (SP) and
     // the cp shards. Without SP every tp rank holds the same tokens and must not be counted twice.
     const bool sp = tp_.sequence_parallel() && tp_.size() > 1, cp = cp_.size() > 1;
     MPIGPT_CHECK(!(sp && cp) || (moe.tp_cp && moe.tp_cp->size() == tp_.size() * cp_.size()),
                  "MoE under tp {} with sequence parallelism and cp {} needs the tp x cp group", tp_.size(), cp_.size());
     const Comm* group = sp && cp ? moe.tp_cp : sp ? tp_.group() : cp ? seq.cp : nullptr;
-    moe_ = std::make_unique<MoeLayer>(mc, ops, d.C, dispatcher_.get(), group, nullptr);
+    moe_ = std::make_unique<MoeLayer>(mc, ops, d.C, dispatcher_.get(), group, etp > 1 ? moe.expert_tp : nullptr);
   }
   params_ = Buffer(ops, size_t(buffer_numel_) * 4);
   grads_ = Buffer(ops, size_t(buffer_numel_) * 4);
@@ -409,7 +420,7 @@ void GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x
   tp_.row_output_forward(a.mid, mid);
   ops_.add(a.mid, a.mid, x_in);
   norm_forward(a.n2, a.n2_mean, a.n2_rstd, a.mid, w.n2w, w.n2b);
-  if (w.is_moe) {  // on this rank's rows (the SP shard): experts are replicated over tp
+  if (w.is_moe) {  // on this rank's rows (the SP shard); the dispatcher reaches the experts
     const MoeLosses L = moe_->forward(*m, x_out, a.n2, s.moe_index.data(), w.moe);
     aux_sum_ += L.aux + L.z;
     ops_.add(x_out, x_out, a.mid);

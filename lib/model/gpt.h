@@ -31,13 +31,18 @@ struct SequenceLayout {
   bool packed = false;       // documents packed into rows: positions restart, attention stays inside
 };
 
-// How the mixture-of-experts layers (d.moe) reach the other tokens of a micro-batch and route
-// them. The token group of a MoE layer is the set of ranks holding other tokens of the same
-// micro-batch: tp under sequence parallelism, cp, or both (tp_cp); experts are not split (ep = 1,
-// expert_tp = 1), so the dispatcher is local.
+// How the mixture-of-experts layers (d.moe) reach the other tokens of a micro-batch and the
+// experts. The token group of a MoE layer is the set of ranks holding other tokens of the same
+// micro-batch: tp under sequence parallelism, cp, or both (tp_cp). Experts are split over the
+// ep group (whole experts) and expert_tp (hidden units), as the placement's table says; null
+// groups mean size 1.
 struct MoeLayout {
-  const Comm* tp_cp = nullptr;  // the tp x cp group (needed when both split the tokens)
-  bool allgather = false;       // AllGatherDispatcher, else AllToAllDispatcher
+  const Comm* tp_cp = nullptr;      // the tp x cp group (needed when both split the tokens)
+  bool allgather = false;           // AllGatherDispatcher (over expert_tp x ep), else AllToAllDispatcher (over ep)
+  const Comm* ep = nullptr;         // expert-parallel group
+  const Comm* expert_tp = nullptr;  // expert-tensor-parallel group
+  const Comm* expert_tp_ep = nullptr;
+  std::vector<int> ep_of_member;    // of expert_tp_ep's members (Mesh::ep_of_member)
 };
 
 // One micro-batch as a rank's model chunk sees it (host arrays).

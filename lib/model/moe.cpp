@@ -8,6 +8,8 @@
 namespace mpigpt {
 
 namespace {
+// The first m rows of a (rows, C) tensor.
+Tensor rows_of(Tensor t, int64_t m) { return Tensor(t.ptr, {m, t.size(-1)}, t.dtype, t.device); }
 template <class T>
 Tensor host(std::vector<T>& v, DType dt) {
   return Tensor(v.data(), {int64_t(v.size())}, dt, Device::CPU);
@@ -100,6 +102,49 @@ void MoeLayer::mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, 
     ops_.linear_forward(out, a, proj, projb);
 }
 
+void MoeLayer::plan_etp_gather(MoeActs& A) {
+  const DispatchState& D = A.dispatch;
+  const int El = num_local_experts(), P = etp_size_;
+  std::vector<int32_t> mine(static_cast<size_t>(El)), all(static_cast<size_t>(P * El));
+  for (int l = 0; l < El; ++l) mine[l] = int32_t(D.rows_per_expert[l]);
+  etp_->all_gather(host(all, DType::I32), host(mine, DType::I32));
+  std::vector<int64_t> rows(static_cast<size_t>(P), 0);
+  A.etp_groups.assign(static_cast<size_t>(El), 0);
+  for (int p = 0; p < P; ++p)
+    for (int l = 0; l < El; ++l) rows[p] += all[p * El + l], A.etp_groups[l] += all[p * El + l];
+  A.etp_pad = *std::max_element(rows.begin(), rows.end());
+  A.etp_rows = std::accumulate(rows.begin(), rows.end(), int64_t{0});
+  std::vector<int32_t> index(static_cast<size_t>(A.etp_rows));
+  int64_t j = 0;
+  for (int l = 0; l < El; ++l)
+    for (int p = 0; p < P; ++p) {
+      int64_t first = p * A.etp_pad;
+      for (int m = 0; m < l; ++m) first += all[p * El + m];
+      for (int64_t r = 0; r < all[p * El + l]; ++r) index[j++] = int32_t(first + r);
+    }
+  A.etp_index_t = A.etp_index.get(ops_, {A.etp_rows}, DType::I32);
+  if (A.etp_rows) ops_.copy(A.etp_index_t, host(index, DType::I32));
+}
+
+void MoeLayer::etp_gather(Tensor all, Tensor rows, MoeActs& A) {
+  if (A.etp_pad == 0) return;
+  const int64_t C = C_;
+  Tensor full = etp_full_.get(ops_, {etp_size_ * A.etp_pad, C});
+  etp_->all_gather(full, rows);
+  ops_.gather_rows(all, full, A.etp_index_t);
+}
+
+void MoeLayer::etp_reduce_scatter(Tensor rows, Tensor all, MoeActs& A) {
+  if (A.etp_pad == 0) return;
+  const int64_t C = C_, M = rows.size(0);
+  Tensor full = etp_full_.get(ops_, {etp_size_ * A.etp_pad, C});
+  Tensor part = etp_pad_.get(ops_, {A.etp_pad, C});
+  ops_.fill(full, 0.0f);
+  ops_.scatter_add_rows(full, all, A.etp_index_t);
+  etp_->reduce_scatter_sum(part, full);
+  if (M) ops_.copy(rows, rows_of(part, M));
+}
+
 MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token_index, const MoeWeights& w) {
   const int64_t N = x.size(0), E = cfg_.num_experts, C = C_;
   const int K = cfg_.top_k;
@@ -176,18 +221,32 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
     A.z_grad = 2.0 * double(cfg_.z_loss_coeff) / double(T);
   }
 
-  // Experts: dispatch, one grouped GEMM per projection, all-reduce of expert_tp partial sums.
+  // Experts: dispatch, one grouped GEMM per projection (over expert_tp's rows too when it gathers).
   DispatchState& D = A.dispatch;
   disp_->plan(D, expert, N, K, A.gates_t);
   const int64_t M = D.expert_rows, H = glu ? 2 * Fl_ : Fl_;
-  A.xe_t = A.xe.get(ops_, {M, C});
-  A.h_t = A.h.get(ops_, {M, H});
-  A.a_t = A.a.get(ops_, {M, Fl_});
-  A.ye_t = A.ye.get(ops_, {M, C});
-  disp_->dispatch_forward(A.xe_t, x, D);
-  mlp_forward(A.ye_t, A.h_t, A.a_t, A.xe_t, w.fc, w.fc_bias, w.proj, etp_rank_ == 0 ? w.proj_bias : Tensor(),
-              D.rows_per_expert.data());
-  if (etp_size_ > 1) etp_->allreduce_sum(A.ye_t);
+  Tensor projb = etp_rank_ == 0 ? w.proj_bias : Tensor();
+  if (gathers_etp()) {
+    plan_etp_gather(A);
+    const int64_t Mt = A.etp_rows;
+    A.xe_t = A.xe.get(ops_, {Mt, C});
+    A.h_t = A.h.get(ops_, {Mt, H});
+    A.a_t = A.a.get(ops_, {Mt, Fl_});
+    Tensor xe_mine = rows_of(etp_pad_.get(ops_, {std::max<int64_t>(A.etp_pad, 1), C}), A.etp_pad);
+    Tensor ye_all = dye_all_.get(ops_, {Mt, C});
+    disp_->dispatch_forward(rows_of(xe_mine, M), x, D);
+    etp_gather(A.xe_t, xe_mine, A);
+    mlp_forward(ye_all, A.h_t, A.a_t, A.xe_t, w.fc, w.fc_bias, w.proj, projb, A.etp_groups.data());
+    A.ye_t = A.ye.get(ops_, {M, C});
+    etp_reduce_scatter(A.ye_t, ye_all, A);
+  } else {
+    A.xe_t = A.xe.get(ops_, {M, C});
+    A.h_t = A.h.get(ops_, {M, H});
+    A.a_t = A.a.get(ops_, {M, Fl_});
+    A.ye_t = A.ye.get(ops_, {M, C});
+    disp_->dispatch_forward(A.xe_t, x, D);
+    mlp_forward(A.ye_t, A.h_t, A.a_t, A.xe_t, w.fc, w.fc_bias, w.proj, projb, D.rows_per_expert.data());
+  }
 
   if (cfg_.shared_hidden > 0) {
     const int64_t Fs = cfg_.shared_hidden;
@@ -208,13 +267,20 @@ void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, c
   MPIGPT_CHECK(dx.numel() == N * C && dy.numel() == N * C, "moe backward: dx {} and dy {} must be (N = {}, C = {})",
                dx.shape.str(), dy.shape.str(), N, C);
   DispatchState& D = A.dispatch;
-  const int64_t M = D.expert_rows, H = glu ? 2 * Fl_ : Fl_;
-  const int64_t* groups = D.rows_per_expert.data();
+  const bool gather = gathers_etp();
+  const int64_t M = D.expert_rows, Mt = gather ? A.etp_rows : M, H = glu ? 2 * Fl_ : Fl_;
+  const int64_t* groups = gather ? A.etp_groups.data() : D.rows_per_expert.data();
 
   // Combine: d(gates) and d(expert outputs); then the experts, back to front.
-  Tensor dgates = dgates_.get(ops_, {N, K}), dye = dye_.get(ops_, {M, C});
+  Tensor dgates = dgates_.get(ops_, {N, K});
+  Tensor dye = gather ? rows_of(etp_pad_.get(ops_, {std::max<int64_t>(A.etp_pad, 1), C}), M) : dye_.get(ops_, {M, C});
   disp_->combine_backward(dye, dgates, dy, A.ye_t, D);
-  Tensor da = da_.get(ops_, {M, Fl_}), dh = dh_.get(ops_, {M, H});
+  if (gather) {
+    Tensor all = dye_.get(ops_, {Mt, C});
+    etp_gather(all, rows_of(dye, A.etp_pad), A);
+    dye = all;
+  }
+  Tensor da = da_.get(ops_, {Mt, Fl_}), dh = dh_.get(ops_, {Mt, H});
   ops_.grouped_linear_backward(da, g.proj, g.proj_bias, dye, A.a_t, w.proj, groups);
   if (glu)
     ops_.swiglu_backward(dh, da, A.h_t);
@@ -222,7 +288,11 @@ void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, c
     ops_.gelu_backward(dh, da, A.h_t);
   Tensor dxe = dye;  // dye is spent: its buffer takes d(expert inputs)
   ops_.grouped_linear_backward(dxe, g.fc, g.fc_bias, dh, A.xe_t, w.fc, groups);
-  if (etp_size_ > 1) etp_->allreduce_sum(dxe);
+  if (gather) {
+    Tensor mine = rows_of(dye_all_.get(ops_, {std::max<int64_t>(M, 1), C}), M);
+    etp_reduce_scatter(mine, dxe, A);
+    dxe = mine;
+  }
 
   // dx = shared expert's + dispatched experts' + router's.
   if (cfg_.shared_hidden > 0) {

@@ -27,10 +27,15 @@
 // holding the same experts with other tokens (the expert-data-parallel group).
 //
 // Expert tensor parallelism (expert_tp, size T > 1): the F hidden units of every routed expert are
-// split over the group (fc rows, proj columns); partial expert outputs are all-reduced, as are
-// the expert input gradients. Every rank of expert_tp must hold the SAME tokens (tensor
-// parallelism without sequence parallelism), hence identical routing and dispatch. The shared
-// expert is not split (each rank computes all of it). Proj biases are added by expert_tp rank 0.
+// split over the group (fc rows, proj columns), as Megatron-Core does. The ranks of expert_tp may
+// hold different tokens. With a dispatcher that spans expert_tp (allgather over expert_tp x ep)
+// every rank already sees the whole group's rows and its reduce-scatter sums the partial
+// outputs. Otherwise (alltoall over ep) the layer all-gathers the dispatched expert rows over
+// expert_tp, runs its hidden units on all of them and reduce-scatters the partial outputs back
+// (backward: all-gather of d(expert outputs), reduce-scatter of d(expert inputs)). Either way
+// every expert_tp rank computes the same proj-bias gradient (its rows are the whole group's),
+// each its own fc/proj slices' gradients; the shared expert is not split. Proj biases are added
+// by expert_tp rank 0.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -90,6 +95,13 @@ struct MoeActs {
   GrowBuffer logits, probs, topk, gates, lse, xe, h, a, ye, sh, sa;
   Tensor logits_t, probs_t, topk_t, gates_t, lse_t, xe_t, h_t, a_t, ye_t, sh_t, sa_t;
   DispatchState dispatch;
+  // expert_tp gather (alltoall dispatcher): expert rows of every expert_tp rank, padded to
+  // etp_pad rows each; etp_index (etp_rows) maps the gathered rows, grouped by local expert, to
+  // their place in the padded rank-major buffer; etp_groups their rows per local expert.
+  int64_t etp_pad = 0, etp_rows = 0;
+  std::vector<int64_t> etp_groups;
+  GrowBuffer etp_index;
+  Tensor etp_index_t;
 };
 
 // Capacity per expert for T tokens (0 = dropless).
@@ -125,6 +137,12 @@ class MoeLayer {
  private:
   void mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, Tensor fcb, Tensor proj, Tensor projb,
                    const int64_t* groups);
+  bool gathers_etp() const { return etp_size_ > 1 && !disp_->spans_expert_tp(); }
+  void plan_etp_gather(MoeActs& A);
+  // rows (M, C) of every expert_tp rank (padded) -> all (etp_rows, C) grouped by local expert.
+  void etp_gather(Tensor all, Tensor rows, MoeActs& A);
+  // Partial sums all (etp_rows, C) -> this rank's rows (M, C) summed over expert_tp.
+  void etp_reduce_scatter(Tensor rows, Tensor all, MoeActs& A);
   MoeConfig cfg_;
   Ops& ops_;
   int64_t C_, Fl_;
@@ -134,7 +152,7 @@ class MoeLayer {
   const Comm* etp_;
   int etp_size_ = 1, etp_rank_ = 0;
   // Scratch shared by all calls (one forward or backward of this layer runs at a time).
-  GrowBuffer ones_, psum_, dgates_, dye_, da_, dh_, drow_, dprobs_, dlse_, dlogits_, dxr_;
+  GrowBuffer ones_, psum_, dgates_, dye_, da_, dh_, drow_, dprobs_, dlse_, dlogits_, dxr_, etp_full_, etp_pad_, dye_all_;
 };
 
 }  // namespace mpigpt

@@ -20,9 +20,9 @@ const char* param_kind_name(ParamKind k) {
 }
 
 int64_t ParamInfo::global_index(int64_t i) const {
-  const int64_t cols = shape.ndim > 1 ? shape[1] : 1, gcols = global.ndim > 1 ? global[1] : 1;
-  int64_t row = i / cols;
-  const int64_t col = col_begin + i % cols;
+  const int64_t c = cols(), gcols = global_cols();
+  int64_t row = i / c;
+  const int64_t col = col_begin + i % c;
   if (row_blocks.empty()) return row * gcols + col;
   for (const auto& [first, count] : row_blocks) {
     if (row < count) return (first + row) * gcols + col;
@@ -81,6 +81,36 @@ struct TableBuilder {
   void add_full(std::string name, Shape g, ParamKind k, float std = 0) {
     t.push_back(make(std::move(name), g, k, std, -1));
   }
+  // A routed-expert tensor of global shape (E, ...): this ep rank's El = E/ep experts, and of
+  // each the expert_tp share of its hidden units. hidden_parts > 0: the hidden units are the
+  // last-but-one dimension (fc: (E, H, C); the bias (E, H), whose matrix view has them as
+  // columns) in that many equal parts ([gate; up]); -1: they are the columns (proj (E, C, F));
+  // 0: no hidden dimension, replicated over expert_tp (proj bias).
+  void add_expert(std::string name, Shape g, ParamKind k, float std, int hidden_parts) {
+    ParamInfo p = make(std::move(name), g, k, std, -1);
+    p.expert = true;
+    const int64_t E = g[0], El = E / pl.ep, gcols = p.global_cols(), per_expert = g.numel() / E / gcols;
+    MPIGPT_CHECK(E % pl.ep == 0, "{}: {} experts do not split over ep {}", p.name, E, pl.ep);
+    const int64_t e0 = pl.ep_rank * El;
+    p.shape.d[0] = El;
+    if (pl.etp > 1 && hidden_parts > 0 && g.ndim == 3) {  // rows of every local expert: `hidden_parts` blocks each
+      const int64_t part = per_expert / hidden_parts;
+      MPIGPT_CHECK(part % pl.etp == 0, "{}: {} rows do not split over expert_tp {}", p.name, part, pl.etp);
+      for (int64_t e = e0; e < e0 + El; ++e)
+        for (int h = 0; h < hidden_parts; ++h)
+          p.row_blocks.push_back({e * per_expert + h * part + pl.etp_rank * (part / pl.etp), part / pl.etp});
+      p.shape.d[1] = per_expert / pl.etp;
+      p.split = TpSplit::Rows;
+    } else if (pl.etp > 1 && hidden_parts != 0) {  // the hidden units are the columns (proj; fc bias)
+      MPIGPT_CHECK(hidden_parts <= 1, "{}: a bias with [gate; up] halves cannot split over expert_tp", p.name);
+      MPIGPT_CHECK(gcols % pl.etp == 0, "{}: {} columns do not split over expert_tp {}", p.name, gcols, pl.etp);
+      p.col_begin = pl.etp_rank * (gcols / pl.etp);
+      p.shape.d[g.ndim - 1] = gcols / pl.etp;
+      p.split = TpSplit::Cols;
+    }
+    if (p.row_blocks.empty() && pl.ep > 1) p.row_blocks.push_back({e0 * per_expert, El * per_expert});
+    t.push_back(std::move(p));
+  }
 };
 
 }  // namespace
@@ -110,14 +140,15 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
       b.add_full(p + "mlp_norm.weight", {d.C}, ParamKind::Norm);
       if (g) b.add_full(p + "mlp_norm.bias", {d.C}, ParamKind::Bias);
       if (d.is_moe(l)) {
-        // Routed experts as one (E, ...) tensor per projection, replicated over tp (expert_tp = 1).
-        // SwiGLU experts hold [gate; up] rows per expert, as the dense MLP does.
+        // Routed experts as one (E, ...) tensor per projection: ep rank j holds experts
+        // [j*El, (j+1)*El), expert_tp splits each one's hidden units. SwiGLU experts hold
+        // [gate; up] rows per expert, as the dense MLP does.
         const int64_t E = d.moe.E, Fe = d.moe.F, Fs = d.moe.shared_F, H = g ? Fe : 2 * Fe, Hs = g ? Fs : 2 * Fs;
         b.add_full(p + "mlp.router.weight", {E, d.C}, ParamKind::Weight, d.init_std);
-        b.add_full(p + "mlp.experts.fc.weight", {E, H, d.C}, ParamKind::Weight, d.init_std);
-        if (g) b.add_full(p + "mlp.experts.fc.bias", {E, H}, ParamKind::Bias);
-        b.add_full(p + "mlp.experts.proj.weight", {E, d.C, Fe}, ParamKind::Weight, out_std);
-        if (g) b.add_full(p + "mlp.experts.proj.bias", {E, d.C}, ParamKind::Bias);
+        b.add_expert(p + "mlp.experts.fc.weight", {E, H, d.C}, ParamKind::Weight, d.init_std, g ? 1 : 2);
+        if (g) b.add_expert(p + "mlp.experts.fc.bias", {E, H}, ParamKind::Bias, 0, 1);
+        b.add_expert(p + "mlp.experts.proj.weight", {E, d.C, Fe}, ParamKind::Weight, out_std, -1);
+        if (g) b.add_expert(p + "mlp.experts.proj.bias", {E, d.C}, ParamKind::Bias, 0, 0);
         if (Fs > 0) {
           b.add_full(p + "mlp.shared.fc.weight", {Hs, d.C}, ParamKind::Weight, d.init_std);
           if (g) b.add_full(p + "mlp.shared.fc.bias", {Hs}, ParamKind::Bias);
@@ -162,7 +193,7 @@ void init_param(const ParamInfo& p, uint64_t seed, float* dst) {
     return;
   }
   const uint64_t stream = stream_of(p.name);
-  const int64_t gcols = p.global.ndim > 1 ? p.global[1] : 1;
+  const int64_t gcols = p.global_cols();
   const int64_t limit = p.valid_rows < 0 ? p.global.numel() : p.valid_rows * gcols;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {

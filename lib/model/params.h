@@ -17,12 +17,16 @@ enum class ParamKind { Weight, Bias, Norm, Embedding };
 const char* param_kind_name(ParamKind k);
 
 // How a parameter is split over the tensor-parallel ranks.
+// For an expert parameter (ParamInfo::expert) the split is over the expert-tensor-parallel group.
 enum class TpSplit {
   None,  // replicated on every tp rank
   Rows,  // output rows split: column-parallel linears (heads, MLP up), vocab-parallel embedding/head
   Cols,  // input columns split: row-parallel linears (attention out, MLP down)
 };
 
+// Row blocks and columns refer to the tensor's matrix view: cols = its last dimension, rows = the
+// product of the others (a 1-D tensor is n rows of 1 column). For 2-D tensors that is the tensor
+// itself; an expert tensor (E, H, C) is (E*H, C), so expert e's hidden rows are a row block.
 struct ParamInfo {
   std::string name;    // stable, layout-independent (global layer numbers), e.g. "layers.3.attn.qkv.weight"
   Shape shape;         // shape of the part this rank holds
@@ -37,11 +41,17 @@ struct ParamInfo {
   // and V, and its columns of gate and up.
   std::vector<std::pair<int64_t, int64_t>> row_blocks;
   int64_t col_begin = 0;  // the local columns are global columns [col_begin, col_begin + local cols)
+  // A routed expert's weight: split over the expert grid (ep: whole experts; expert_tp: `split`)
+  // and replicated over the expert-data-parallel group, whose ranks sum its gradient.
+  bool expert = false;
   // The tied output embedding on the last pipeline stage: a copy of embedding.word.weight that
   // is kept equal to stage 0's (synchronised at init, gradient summed over the embedding
   // group). Not a parameter of its own: not counted in the gradient norm, not saved.
   bool replica = false;
   int64_t numel() const { return shape.numel(); }
+  // Columns of the matrix view (the last dimension; 1 for a 1-D tensor), local and global.
+  int64_t cols() const { return shape.ndim > 1 ? shape[shape.ndim - 1] : 1; }
+  int64_t global_cols() const { return global.ndim > 1 ? global[global.ndim - 1] : 1; }
   // Global flat index of local element i.
   int64_t global_index(int64_t i) const;
 };
@@ -49,6 +59,9 @@ struct ParamInfo {
 // Which part of the model a rank holds.
 struct ModelPlacement {
   int tp = 1, tp_rank = 0;
+  // Routed experts: ep rank j holds experts [j*E/ep, (j+1)*E/ep); expert_tp splits each expert's
+  // hidden units (fc rows, proj columns) as tp splits a dense MLP.
+  int ep = 1, ep_rank = 0, etp = 1, etp_rank = 0;
   // Layer ranges [first, end) of this rank's model chunks (virtual pipeline stages) in order;
   // empty: one chunk with every layer.
   std::vector<std::pair<int, int>> chunks;

@@ -22,22 +22,34 @@ namespace mpigpt {
 namespace fs = std::filesystem;
 
 std::vector<LocalBox> global_boxes(const ParamInfo& p, int64_t begin, int64_t end) {
-  const int64_t cols = p.shape.ndim > 1 ? p.shape.numel() / p.shape[0] : 1;
-  const int64_t rows = p.numel() / cols;
+  // Local boxes of the parameter's matrix view (rows x last dimension), mapped to global boxes of
+  // the global matrix view, then to the checkpoint API's view (first dimension x the rest), which
+  // differs only for tensors of three or more dimensions.
+  const int64_t cols = p.cols(), rows = p.numel() / cols;
+  const int64_t gcols = p.global_cols(), inner = p.global.ndim > 1 ? p.global.numel() / p.global[0] : 1;
+  const int64_t mrows_per_row = inner / gcols;  // matrix-view rows per first-dimension index
   std::vector<LocalBox> out;
+  auto emit = [&](int64_t grow, int64_t nrows, int64_t gcol, int64_t ncols, int64_t local) {
+    if (mrows_per_row == 1) return out.push_back({Box{grow, nrows, gcol, ncols}, local});
+    if (ncols == gcols) {  // whole rows: one flat range of the global tensor
+      for (const Box& b : flat_range_boxes(p.global[0], inner, grow * gcols, (grow + nrows) * gcols))
+        out.push_back({b, local}), local += b.numel();
+      return;
+    }
+    for (int64_t r = grow; r < grow + nrows; ++r, local += ncols)  // a column range: one box per row
+      out.push_back({Box{r / mrows_per_row, 1, (r % mrows_per_row) * gcols + gcol, ncols}, local});
+  };
   for (const Box& b : flat_range_boxes(rows, cols, begin, end)) {
     // A local box is contiguous (whole local rows, or part of one); its rows may straddle
     // the row blocks that map local rows to global ones.
     if (p.row_blocks.empty()) {
-      out.push_back({Box{b.row0, b.rows, b.col0 + p.col_begin, b.cols}, b.row0 * cols + b.col0});
+      emit(b.row0, b.rows, b.col0 + p.col_begin, b.cols, b.row0 * cols + b.col0);
       continue;
     }
     int64_t local_first = 0;
     for (const auto& [global_first, count] : p.row_blocks) {
       const int64_t lo = std::max(b.row0, local_first), hi = std::min(b.row0 + b.rows, local_first + count);
-      if (lo < hi)
-        out.push_back({Box{global_first + (lo - local_first), hi - lo, b.col0 + p.col_begin, b.cols},
-                       lo * cols + b.col0});
+      if (lo < hi) emit(global_first + (lo - local_first), hi - lo, b.col0 + p.col_begin, b.cols, lo * cols + b.col0);
       local_first += count;
     }
   }
@@ -91,7 +103,6 @@ struct Plan {
 std::vector<Plan> make_plans(ModelRunner& r, const std::vector<ParamInfo>& global, bool reading) {
   GPT& m = r.model();
   const auto& table = m.params();
-  const bool tp0 = r.mesh().coords().tp == 0, dp0 = r.mesh().dp_cp().rank() == 0;
   std::vector<Plan> plans(global.size());
   auto index_of = [&](const std::string& name) {
     for (size_t g = 0; g < global.size(); ++g)
@@ -111,7 +122,7 @@ std::vector<Plan> make_plans(ModelRunner& r, const std::vector<ParamInfo>& globa
     const ParamInfo& p = table[i];
     // Replicated data is written once; every holder reads it. The tied replica is stage 0's
     // word embedding: it is read like it but never written.
-    if (!reading && (p.replica || !dp0 || (p.split == TpSplit::None && !tp0))) continue;
+    if (!reading && !r.writes_param(p)) continue;
     float* w = m.param(int(i)).f32();
     for (const LocalBox& lb : global_boxes(p, 0, p.numel())) {
       const LocalBox c = clip(p, lb);
@@ -120,10 +131,9 @@ std::vector<Plan> make_plans(ModelRunner& r, const std::vector<ParamInfo>& globa
   }
   AdamW& opt = r.optimizer();
   Tensor moments[2] = {opt.m(), opt.v()};
-  const bool state_writer = r.distributed_optimizer() || dp0;
   for (const auto& piece : opt.pieces()) {
     const ParamInfo& p = table[piece.param];
-    if (!reading && (p.replica || !state_writer || (p.split == TpSplit::None && !tp0))) continue;
+    if (!reading && !r.writes_state(p)) continue;
     const int64_t begin = piece.begin - p.offset;
     for (const LocalBox& lb : global_boxes(p, begin, begin + piece.count)) {
       const LocalBox c = clip(p, lb);

@@ -1,6 +1,8 @@
 // One rank's share of the model: pipeline stage, gradient reductions, norm and optimizer step.
 #include "lib/train/model_runner.h"
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "lib/train/layout.h"
@@ -43,23 +45,16 @@ class ModelRunner::Stage : public PipelineStage {
     if (mb + 1 < num_micro_) return m_.backward_chunk(c, mb);
     m_.backward_chunk(c, mb, [this](int first, int end) {
       for (int i = first; i < end; ++i)
-        if (!r_.delayed(i)) {
-          const Range g = r_.sync_->layout().param_range(i);
-          r_.sync_->grads_ready(g.begin, g.end);
-        }
+        if (!r_.delayed(i)) r_.grads_ready(i);
     });
   }
   Tensor backward_output(int, int c) override { return m_.chunk_grad(c); }
 
  private:
   void wait_params(int c) {
-    const BufferLayout& l = r_.sync_->layout();
     auto [first, end] = m_.chunk_params(c);
-    if (first < end) r_.sync_->wait_params(l.offsets[first], l.param_range(end - 1).end);
-    if (m_.has_head(c) && r_.tied_param_ >= 0) {  // the head reads the tied replica
-      const Range g = l.param_range(r_.tied_param_);
-      r_.sync_->wait_params(g.begin, g.end);
-    }
+    r_.wait_params(first, end);
+    if (m_.has_head(c) && r_.tied_param_ >= 0) r_.wait_params(r_.tied_param_, r_.tied_param_ + 1);  // the head reads the tied replica
   }
   ModelRunner& r_;
   GPT& m_;
@@ -84,15 +79,32 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   placement_.first_stage = pp_rank_ == 0;
   placement_.last_stage = pp_rank_ == pc.pp - 1;
 
-  // The flat buffers follow the data-parallel bucket plan.
+  placement_.ep = pc.ep;
+  placement_.ep_rank = mesh.coords().ep;
+  placement_.etp = pc.expert_tp;
+  placement_.etp_rank = mesh.coords().etp;
+
+  // The flat buffers follow the data-parallel bucket plans: dense parameters first, planned over
+  // dp x cp, then the routed experts, planned over the expert-data-parallel group.
   std::vector<ParamInfo> table = build_param_table(d, placement_);
-  std::vector<int64_t> numels;
-  for (const auto& p : table) numels.push_back(p.numel());
+  std::vector<int64_t> numels[2];
+  for (const auto& p : table) {
+    const int k = p.expert ? 1 : 0;
+    region_.push_back({k, int(numels[k].size())});
+    numels[k].push_back(p.numel());
+  }
   const Comm& dp = mesh.dp_cp();
-  BufferLayout layout = plan_buffer(numels, cfg.engine.bucket_size, dp.size());
-  for (size_t i = 0; i < table.size(); ++i) table[i].offset = layout.offsets[i];
-  MoeLayout moe{&mesh.tp_cp(), pc.moe_dispatcher == "allgather"};
-  model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, layout.total, seq_, moe);
+  BufferLayout layout = plan_buffer(numels[0], cfg.engine.bucket_size, dp.size());
+  BufferLayout elayout = plan_buffer(numels[1], cfg.engine.bucket_size, mesh.expert_dp().size());
+  expert_base_ = layout.total;
+  for (size_t i = 0; i < table.size(); ++i) {
+    const auto [k, j] = region_[i];
+    table[i].offset = k == 0 ? layout.offsets[j] : expert_base_ + elayout.offsets[j];
+  }
+  const int64_t total = layout.total + (numels[1].empty() ? 0 : elayout.total);
+  MoeLayout moe{&mesh.tp_cp(), pc.moe_dispatcher == "allgather", &mesh.ep(), &mesh.expert_tp(), &mesh.expert_tp_ep(),
+                mesh.ep_of_member()};
+  model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, total, seq_, moe);
   // Each micro-batch's MoE aux loss counts with weight 1 / (micro-batches of the global batch).
   model_->set_moe_aux_scale(float(tc.micro_batch) / float(tc.global_batch));
   model_->init_weights(tc.seed);
@@ -103,22 +115,31 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
     MPIGPT_CHECK(model_->params()[tied_param_].name == "embedding.word.weight", "tied parameter not first");
     mesh.embedding().broadcast(model_->param(tied_param_), 0);
   }
-  // Under sequence parallelism norms and MoE layers (router, experts, shared expert: replicated
-  // over tp, expert_tp = 1) see only this rank's tokens.
+  // Under sequence parallelism norms and the MoE router and shared expert (replicated over tp)
+  // see only this rank's tokens. (Routed experts sum over the expert-data-parallel group.)
   auto token_local = [](const std::string& n) {
-    for (const char* k : {"norm.", ".mlp.router.", ".mlp.experts.", ".mlp.shared."})
+    for (const char* k : {"norm.", ".mlp.router.", ".mlp.shared."})
       if (n.find(k) != std::string::npos) return true;
     return false;
   };
   if (tp_.sequence_parallel())
     for (size_t i = 0; i < table.size(); ++i)
-      if (table[i].split == TpSplit::None && token_local(table[i].name)) sp_params_.push_back(int(i));
+      if (!table[i].expert && table[i].split == TpSplit::None && token_local(table[i].name)) sp_params_.push_back(int(i));
 
   GradSyncOptions so;
   so.distributed_optimizer = cfg.engine.distributed_optimizer;
   so.overlap_grad_reduce = cfg.engine.overlap_grad_reduce;
   so.overlap_param_gather = cfg.engine.overlap_param_gather;
-  sync_ = std::make_unique<GradSync>(dp, layout, model_->params_flat(), model_->grads_flat(), so);
+  const Tensor params = model_->params_flat(), grads = model_->grads_flat();
+  sync_ = std::make_unique<GradSync>(dp, layout, params.flat_slice(0, layout.total), grads.flat_slice(0, layout.total),
+                                     so);
+  std::vector<Range> owned = sync_->owned_ranges();
+  if (!numels[1].empty()) {
+    esync_ = std::make_unique<GradSync>(mesh.expert_dp(), elayout, params.flat_slice(expert_base_, elayout.total),
+                                        grads.flat_slice(expert_base_, elayout.total), so);
+    for (const Range& r : esync_->owned_ranges()) owned.push_back({expert_base_ + r.begin, expert_base_ + r.end});
+  }
+  owned = normalize_ranges(owned);
 
   AdamWConfig ac;
   ac.beta1 = float(tc.beta1);
@@ -126,16 +147,20 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   ac.eps = float(tc.eps);
   ac.weight_decay = float(tc.weight_decay);
   ac.no_decay = parse_no_decay(tc.no_decay);
-  opt_ = std::make_unique<AdamW>(ops, model_->params(), model_->params_flat(), model_->grads_flat(), ac,
-                                 sync_->owned_ranges());
+  opt_ = std::make_unique<AdamW>(ops, model_->params(), params, grads, ac, owned);
 
-  // The gradient norm counts each parameter once: a replicated one on tp rank 0 only, the tied
-  // replica never; each owner counts its own elements.
+  // The gradient norm counts each parameter once over the world: a replicated one on tp (or
+  // expert_tp) rank 0 only, the tied replica never; of the data-parallel copies the owner of
+  // each slice (distributed optimizer) or data-parallel rank 0.
   std::vector<Range> counted;
-  for (size_t i = 0; i < table.size(); ++i)
-    if (!table[i].replica && (table[i].split != TpSplit::None || tp_.rank() == 0))
-      counted.push_back(layout.param_range(int(i)));
-  norm_ranges_ = intersect_ranges(counted, sync_->owned_ranges());
+  const bool distopt = cfg.engine.distributed_optimizer;
+  for (size_t i = 0; i < table.size(); ++i) {
+    const ParamInfo& p = table[i];
+    const bool split_rank0 = p.split != TpSplit::None || (p.expert ? mesh.coords().etp : tp_.rank()) == 0;
+    const bool dp_rank0 = (p.expert ? mesh.expert_dp() : dp).rank() == 0;
+    if (!p.replica && split_rank0 && (distopt || dp_rank0)) counted.push_back({p.offset, p.offset + p.numel()});
+  }
+  norm_ranges_ = intersect_ranges(counted, owned);
 
   num_micro_ = tc.global_batch / (mesh.dp().size() * tc.micro_batch);  // cp ranks share their rows
   schedule_ = make_schedule(pc.pp, pc.vpp, num_micro_);
@@ -143,7 +168,43 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
 
 ModelRunner::~ModelRunner() = default;
 
-bool ModelRunner::writes_replicated() const { return tp_.rank() == 0 && mesh_.dp_cp().rank() == 0; }
+bool ModelRunner::writes_param(const ParamInfo& p) const {
+  if (p.replica) return false;
+  const bool split_rank0 = p.split != TpSplit::None || (p.expert ? mesh_.coords().etp : tp_.rank()) == 0;
+  return split_rank0 && (p.expert ? mesh_.expert_dp() : mesh_.dp_cp()).rank() == 0;
+}
+
+bool ModelRunner::writes_state(const ParamInfo& p) const {
+  if (!distributed_optimizer()) return writes_param(p);
+  return !p.replica && (p.split != TpSplit::None || (p.expert ? mesh_.coords().etp : tp_.rank()) == 0);
+}
+
+DpMemory ModelRunner::memory() const {
+  DpMemory m = sync_->memory();
+  if (esync_) {
+    const DpMemory e = esync_->memory();
+    m.params += e.params, m.grads += e.grads, m.optimizer += e.optimizer;
+  }
+  return m;
+}
+
+void ModelRunner::grads_ready(int i) {
+  const auto [k, j] = region_[i];
+  GradSync& s = k == 0 ? *sync_ : *esync_;
+  const Range g = s.layout().param_range(j);
+  s.grads_ready(g.begin, g.end);
+}
+
+void ModelRunner::wait_params(int first, int end) {
+  int64_t lo[2] = {INT64_MAX, INT64_MAX}, hi[2] = {0, 0};
+  for (int i = first; i < end; ++i) {
+    const auto [k, j] = region_[i];
+    const Range g = (k == 0 ? *sync_ : *esync_).layout().param_range(j);
+    lo[k] = std::min(lo[k], g.begin), hi[k] = std::max(hi[k], g.end);
+  }
+  if (lo[0] < hi[0]) sync_->wait_params(lo[0], hi[0]);
+  if (lo[1] < hi[1]) esync_->wait_params(lo[1], hi[1]);
+}
 
 bool ModelRunner::delayed(int param) const { return param == tied_param_; }
 
@@ -193,22 +254,21 @@ void ModelRunner::finish_grads() {
   // gradients (before the data-parallel reduction, which is linear, so the order is free).
   if (tied_param_ >= 0) mesh_.embedding().allreduce_sum(model_->grad(tied_param_));
   sync_->finish_grad_sync();
+  if (esync_) esync_->finish_grad_sync();
   // Sequence parallelism: norm weights saw only this rank's tokens.
   for (int i : sp_params_) tp_.sum_replicated_grad(model_->grad(i));
 }
 
 double ModelRunner::grad_norm() {
   double sq = sum_squares_of(ops_, model_->grads_flat(), norm_ranges_);
-  // Without the distributed optimizer every data-parallel rank holds the same reduced
-  // gradients, so only the model-parallel ranks hold different parts; with it the owners of
-  // the slices are spread over the whole world.
-  (cfg_.engine.distributed_optimizer ? mesh_.world() : mesh_.mp()).allreduce_sum(&sq, 1);
+  mesh_.world().allreduce_sum(&sq, 1);  // every element is counted on exactly one rank
   return std::sqrt(sq);
 }
 
 void ModelRunner::optimizer_step(float lr, float grad_scale) {
   opt_->step(lr, grad_scale);
   sync_->gather_params();
+  if (esync_) esync_->gather_params();
 }
 
 }  // namespace mpigpt

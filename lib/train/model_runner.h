@@ -48,11 +48,14 @@ class ModelRunner {
   GPT& model() { return *model_; }
   AdamW& optimizer() { return *opt_; }
   const Mesh& mesh() const { return mesh_; }
-  // Rank that writes replicated data: tp rank 0 of data-parallel rank 0.
-  bool writes_replicated() const;
+  // Whether this rank writes parameter p's data (of replicated data one replica writes: dense
+  // parameters tp rank 0 of data-parallel rank 0, experts expert_tp rank 0 of expert-dp rank 0)
+  // and its optimizer state (the same, or with the distributed optimizer every owner its part).
+  bool writes_param(const ParamInfo& p) const;
+  bool writes_state(const ParamInfo& p) const;
   bool distributed_optimizer() const { return cfg_.engine.distributed_optimizer; }
   const Schedule& schedule() const { return schedule_; }
-  DpMemory memory() const { return sync_->memory(); }
+  DpMemory memory() const;
   size_t activation_bytes() const { return model_->activation_bytes(); }
 
  private:
@@ -61,6 +64,10 @@ class ModelRunner {
              const int32_t* positions, float dloss, bool train, int num_micro);
   void finish_grads();
   bool delayed(int param) const;  // gradient completed only after the tied-embedding sum
+  // Parameter i's gradient is final (last micro-batch): its data-parallel bucket may start.
+  void grads_ready(int i);
+  // Before parameters [first, end) are read: their gathers (distributed optimizer) are done.
+  void wait_params(int first, int end);
 
   const Config& cfg_;
   const Mesh& mesh_;
@@ -69,7 +76,12 @@ class ModelRunner {
   TensorParallel tp_;
   SequenceLayout seq_;
   std::unique_ptr<GPT> model_;
-  std::unique_ptr<GradSync> sync_;
+  // Dense parameters live in the first region of the flat buffers, reduced over dp x cp (sync_);
+  // routed experts in the second, reduced over the expert-data-parallel group (esync_, absent
+  // without experts). region_[i]: parameter i's region (0/1) and index in that region's layout.
+  std::unique_ptr<GradSync> sync_, esync_;
+  std::vector<std::pair<int, int>> region_;
+  int64_t expert_base_ = 0;  // first element of the expert region
   std::unique_ptr<AdamW> opt_;
   Schedule schedule_;  // for the configured number of micro-batches
   int pp_rank_ = 0, num_micro_ = 1;

@@ -121,9 +121,6 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   // The loss lives on the last pipeline stage; one rank there logs.
   const Coords& co = mesh.coords();
   const bool last_rank = co.pp == pc.pp - 1 && co.tp == 0 && co.cp == 0 && co.dp == 0;
-  if (pc.ep * pc.expert_tp != 1)
-    fail("parallel: ep={} expert_tp={}: expert parallelism is not in this build yet; set parallel.ep and "
-         "parallel.expert_tp to 1", pc.ep, pc.expert_tp);
   if (cfg.engine.backend != "cpu")
     fail("engine.backend = '{}' is not available in this build; use engine.backend = cpu", cfg.engine.backend);
   if (tc.precision != "fp32")
@@ -235,7 +232,8 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   // The groups whose traffic the last step reports (the comm layer counts every call).
   const std::vector<std::pair<std::string, const Comm*>> groups = {
       {"tp", &mesh.tp()}, {"pp", &mesh.pp()}, {"cp", &mesh.cp()}, {"dp_cp", &mesh.dp_cp()}, {"embedding", &mesh.embedding()},
-      {"mp", &mesh.mp()}, {"world", &mesh.world()}};
+      {"mp", &mesh.mp()}, {"world", &mesh.world()}, {"ep", &mesh.ep()}, {"expert_tp", &mesh.expert_tp()},
+      {"expert_tp_ep", &mesh.expert_tp_ep()}, {"expert_dp", &mesh.expert_dp()}, {"tp_cp", &mesh.tp_cp()}};
   result.memory = runner.memory();
   result.bubble = simulate(runner.schedule(), pc.pp, pc.vpp, 1.0, 2.0).bubble;
   // Resume: the weights, Adam state and step count from the save; the data order and the
