@@ -20,7 +20,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
 FORTUNES := $(filter-out %.dat %.u8,$(wildcard /usr/share/games/fortunes/*))
 RUN_NP   ?= 1
 
-.PHONY: all build deps run test bench bench-parallel bench-checkpoint clean
+.PHONY: all build deps run test bench bench-parallel bench-moe bench-checkpoint clean
 
 all: build
 
@@ -74,6 +74,24 @@ bench-parallel: deps build
 	@for l in $(PAR_LAYOUTS); do set -- $$l; np=$$1; shift; echo "== np $$np $$*"; \
 	  $(MPIRUN) -np $$np -x OMP_NUM_THREADS=1 $(BUILD)/mpigpt bench --config inputs/gpt2_parallel_bench.ini \
 	    --bench-steps 2 --bench-warmup 1 "$$@" | grep -E "bench: (per rank|communication|pipeline)"; done
+
+# Mixture of experts: the communication volume per group of expert-parallel layouts (synthetic
+# tokens), then the expert load imbalance (max/mean top-k assignments per expert) of the `make run`
+# model with 8 experts on the default data, trained with and without the load-balancing loss.
+MOE_LAYOUTS := "1" "2 --parallel.ep 2" "2 --parallel.ep 2 --parallel.moe_dispatcher allgather" "4 --parallel.ep 4" \
+  "4 --parallel.ep 4 --parallel.moe_dispatcher allgather" "4 --parallel.tp 2 --parallel.sequence_parallel true --parallel.ep 2" \
+  "4 --parallel.tp 2 --parallel.sequence_parallel true --parallel.ep 2 --parallel.expert_tp 2" \
+  "4 --parallel.tp 2 --parallel.sequence_parallel true --parallel.ep 2 --parallel.expert_tp 2 --parallel.moe_dispatcher allgather" \
+  "8 --parallel.ep 4"
+MOE_LOAD_STEPS ?= 200
+bench-moe: deps build $(BUILD)/data/fortunes.idx
+	@for l in $(MOE_LAYOUTS); do set -- $$l; np=$$1; shift; echo "== np $$np $$*"; \
+	  $(MPIRUN) -np $$np -x OMP_NUM_THREADS=1 $(BUILD)/mpigpt bench --config inputs/gpt2_moe_bench.ini \
+	    --bench-steps 2 --bench-warmup 1 "$$@" | grep -E "bench: (per rank|communication)"; done
+	@for aux in 0 0.01; do echo "== load: make run model, 8 experts top-2 in every layer, moe_aux_loss_coeff $$aux"; \
+	  OMP_NUM_THREADS=$(JOBS) $(BUILD)/mpigpt train --config inputs/tiny.ini --data.path $(BUILD)/data/fortunes \
+	    --model.num_experts 8 --model.moe_top_k 2 --model.moe_ffn_hidden 256 --model.moe_aux_loss_coeff $$aux \
+	    --training.train_iters $(MOE_LOAD_STEPS) --training.log_interval 50 --training.eval_interval 0 | grep -E "^iter"; done
 
 # Checkpoint save/load bandwidth of GPT-2 124M with Adam state (distributed optimizer) at 1-8
 # ranks, next to the disk's raw sequential write bandwidth (dd with fsync) in the same place.

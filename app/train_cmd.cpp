@@ -93,6 +93,14 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
                "{:.1f} MiB = {:.1f} MiB", v[0] / MiB, v[1] / MiB, v[2] / MiB, (v[0] + v[1] + v[2]) / MiB);
       log_line("bench: communication of one step per rank and group (max over ranks): {}", comm);
       log_line("bench: pipeline bubble of the schedule (simulated, backward = 2 x forward): {:.1f}%", 100 * r.bubble);
+      if (!r.expert_loads.empty()) {  // the last tenth of the run (at least one step)
+        const size_t n = r.expert_loads.size(), k = std::max<size_t>(1, n / 10);
+        double last = 0;
+        for (size_t i = n - k; i < n; ++i) last += r.expert_loads[i] / double(k);
+        log_line("bench: expert load imbalance (max/mean top-k assignments per expert, mean over MoE layers and "
+                 "micro-batches): step 1 {:.3f}, last {} step(s) {:.3f}; aux loss last step {:.4f}",
+                 r.expert_loads.front(), k, last, r.aux_losses.back());
+      }
     }
   }
   if (bench && mpi.rank() == 0) {

@@ -423,6 +423,8 @@ void GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x
   if (w.is_moe) {  // on this rank's rows (the SP shard); the dispatcher reaches the experts
     const MoeLosses L = moe_->forward(*m, x_out, a.n2, s.moe_index.data(), w.moe);
     aux_sum_ += L.aux + L.z;
+    imbalance_sum_ += L.load_imbalance;
+    ++moe_forwards_;
     ops_.add(x_out, x_out, a.mid);
     return;
   }

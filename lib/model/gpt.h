@@ -123,7 +123,11 @@ class GPT {
   // Sum of the MoE aux + z losses (already times their coefficients) of every forward of this
   // rank's MoE layers since the last reset; identical on the ranks of a token group.
   double moe_loss_sum() const { return aux_sum_; }
-  void reset_moe_loss() { aux_sum_ = 0.0; }
+  // Sum and count of the MoE layers' load imbalance (MoeLosses::load_imbalance) over the same
+  // forwards.
+  double moe_imbalance_sum() const { return imbalance_sum_; }
+  int moe_forwards() const { return moe_forwards_; }
+  void reset_moe_loss() { aux_sum_ = imbalance_sum_ = 0.0, moe_forwards_ = 0; }
 
   // ---- the whole model at once (one chunk; tests and single-stage use) ----------------------
   double forward(const int32_t* tokens, const int32_t* targets, float dloss) {
@@ -174,7 +178,8 @@ class GPT {
   std::unique_ptr<TokenDispatcher> dispatcher_;  // MoE (when d.moe.E > 0)
   std::unique_ptr<MoeLayer> moe_;                // one layer object for every MoE layer (weights per call)
   float aux_scale_ = 1.0f;
-  double aux_sum_ = 0.0;
+  double aux_sum_ = 0.0, imbalance_sum_ = 0.0;
+  int moe_forwards_ = 0;
   std::vector<ParamInfo> table_;
   int64_t num_params_ = 0, buffer_numel_ = 0;
   Buffer params_, grads_;

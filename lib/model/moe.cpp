@@ -195,6 +195,7 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
   }
 
   MoeLosses L;
+  L.load_imbalance = T > 0 ? double(*std::max_element(stat.begin(), stat.end() - 1)) * double(E) / double(T * K) : 1.0;
   A.aux_row.assign(static_cast<size_t>(E), 0.0f);
   if (cfg_.aux_loss_coeff > 0.0f) {
     // P_e sums: ones (1,N) @ probs (N,E), reduced on the host in double.

@@ -82,6 +82,9 @@ struct MoeWeights {
 
 struct MoeLosses {
   double aux = 0.0, z = 0.0;  // coefficient * loss, identical on every rank of token_group
+  // Expert load of this micro-batch: the most top-k assignments any expert got (before capacity
+  // dropping) over the mean T*K/E; 1 = perfectly balanced, E/K = every token on the same K.
+  double load_imbalance = 1.0;
 };
 
 // The saved state of one forward (one per micro-batch in flight), sized on each call and reused:

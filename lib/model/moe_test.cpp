@@ -26,6 +26,7 @@ struct Ref {
   std::vector<double> y;
   std::vector<int> routed;  // (T*K) expert of each kept assignment, -1 dropped
   double aux = 0.0, z = 0.0;
+  double load = 0.0;  // max over experts of the top-k assignments (before capacity) / (T*K/E)
 };
 
 // The layer written per token in double, straight from its definition in moe.h.
@@ -76,6 +77,7 @@ Ref naive_moe(MoeHostWeights& w, const std::vector<float>& x, int64_t T) {
       cnt[order[k]] += 1;
     }
   }
+  r.load = double(*std::max_element(cnt.begin(), cnt.end())) * double(E) / double(T * K);
   // Capacity: an assignment survives when fewer than `cap` assignments to its expert beat it.
   if (const int64_t cap = moe_capacity(c, T); cap > 0) {
     std::vector<int> kept = r.routed;
@@ -193,6 +195,8 @@ TEST_CASE("moe layer forward against the naive per-token reference") {
     CHECK_MESSAGE(r.ok, r.str());
     CHECK(L.aux == doctest::Approx(ref.aux).epsilon(1e-6));
     CHECK(L.z == doctest::Approx(ref.z).epsilon(1e-6));
+    CHECK(L.load_imbalance == doctest::Approx(ref.load).epsilon(1e-12));
+    CHECK(L.load_imbalance > 1.0);  // 8 tokens over the experts cannot be perfectly even here
   }
 }
 

@@ -26,7 +26,7 @@ std::string format_step(const StepMetrics& m) {
       "iter {:>{}}/{} | samples {} | lr {:.3e} | loss {:.4f}{} | grad norm {:.3f} | {:.1f} ms/iter | "
       "{:.0f} tok/s | {:.3f} TFLOP/s | MFU {:.1f}% | mem {:.0f} MiB | eta {}",
       m.iter, w, m.total_iters, m.consumed_samples, m.lr, m.loss,
-      m.has_aux ? fmt::format(" | aux {:.4f}", m.aux_loss) : std::string(), m.grad_norm, m.ms_per_iter, m.tokens_per_s,
+      m.has_aux ? fmt::format(" | aux {:.4f} | load {:.2f}", m.aux_loss, m.expert_load) : std::string(), m.grad_norm, m.ms_per_iter, m.tokens_per_s,
       m.tflops, 100.0 * m.mfu, m.peak_mem_mib, format_duration(m.eta_s));
 }
 
@@ -50,7 +50,7 @@ void MetricsWriter::step(const StepMetrics& m) {
                       {"tflops", m.tflops},
                       {"mfu", m.mfu},
                       {"peak_mem_mib", m.peak_mem_mib}};
-  if (m.has_aux) j["aux_loss"] = m.aux_loss;
+  if (m.has_aux) j["aux_loss"] = m.aux_loss, j["expert_load_imbalance"] = m.expert_load;
   out_ << j.dump() << '\n';
   out_.flush();
 }

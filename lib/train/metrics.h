@@ -12,6 +12,7 @@ struct StepMetrics {
   double lr = 0, loss = 0, grad_norm = 0;
   bool has_aux = false;      // a MoE model: aux_loss is reported
   double aux_loss = 0;       // MoE aux + z losses, mean over the interval
+  double expert_load = 1;    // MoE: max/mean top-k assignments per expert, mean over layers, micro-batches, interval
   double ms_per_iter = 0;    // mean over the interval
   double tokens_per_s = 0;   // over all ranks
   double tflops = 0;         // model TFLOP/s per rank
@@ -21,7 +22,7 @@ struct StepMetrics {
 };
 
 // "iter   20/300 | samples 1280 | lr 3.00e-04 | loss 2.3456 | grad norm 0.812 | 153.2 ms/iter | ..."
-// (MoE models: "| loss 2.3456 | aux 0.0201 | grad norm ...")
+// (MoE models: "| loss 2.3456 | aux 0.0201 | load 1.23 | grad norm ...")
 std::string format_step(const StepMetrics& m);
 // "eta 1h02m03s" style durations.
 std::string format_duration(double seconds);

@@ -49,7 +49,7 @@ TEST_CASE("metrics file holds one JSON object per line") {
   std::filesystem::remove_all(path.parent_path());
 }
 
-TEST_CASE("MoE runs report the aux loss in the log line and the metrics file; dense runs do not") {
+TEST_CASE("MoE runs report the aux loss and expert load in the log line and the metrics file; dense runs do not") {
   StepMetrics m;
   m.iter = 3;
   m.total_iters = 10;
@@ -57,7 +57,8 @@ TEST_CASE("MoE runs report the aux loss in the log line and the metrics file; de
   CHECK(format_step(m).find("aux") == std::string::npos);
   m.has_aux = true;
   m.aux_loss = 0.0123;
-  CHECK(format_step(m).find("| loss 2.5000 | aux 0.0123 | grad norm") != std::string::npos);
+  m.expert_load = 1.375;
+  CHECK(format_step(m).find("| loss 2.5000 | aux 0.0123 | load 1.38 | grad norm") != std::string::npos);
   const auto path = std::filesystem::temp_directory_path() / "mpigpt_metrics_aux_test" / "m.jsonl";
   {
     MetricsWriter w(path.string());
@@ -69,6 +70,7 @@ TEST_CASE("MoE runs report the aux loss in the log line and the metrics file; de
   std::string line;
   std::getline(in, line);
   CHECK(nlohmann::json::parse(line)["aux_loss"] == 0.0123);
+  CHECK(nlohmann::json::parse(line)["expert_load_imbalance"] == 1.375);
   std::getline(in, line);
   CHECK_FALSE(nlohmann::json::parse(line).contains("aux_loss"));
   std::filesystem::remove_all(path.parent_path());

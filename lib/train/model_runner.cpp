@@ -214,8 +214,10 @@ double ModelRunner::run(const std::vector<Action>& actions, const int32_t* token
   model_->reset_moe_loss();
   run_schedule(actions, stage, mesh_.pp());
   // The MoE losses of this pipeline's layers: every stage holds some of them.
-  moe_loss_ = model_->moe_loss_sum();
-  mesh_.pp().allreduce_sum(&moe_loss_, 1);
+  double moe[3] = {model_->moe_loss_sum(), model_->moe_imbalance_sum(), double(model_->moe_forwards())};
+  mesh_.pp().allreduce_sum(moe, 3);
+  moe_loss_ = moe[0];
+  moe_imbalance_ = moe[2] > 0 ? moe[1] / moe[2] : 1.0;
   if (!train)
     for (int c = 0; c < model_->num_chunks(); ++c) model_->release(c, num_micro - 1);
   // Only the last stage has losses; every rank of the pipeline gets their sum.

@@ -39,6 +39,9 @@ class ModelRunner {
   // The MoE aux + z losses of the last forward_backward / forward_only: summed over the MoE layers
   // and this data-parallel rank's micro-batches (the same on every rank of its tp, cp and pp groups).
   double moe_loss_sum() const { return moe_loss_; }
+  // The expert load imbalance (max over mean top-k assignments per expert, before capacity) of
+  // the last forward_backward / forward_only, averaged over its MoE layers and micro-batches.
+  double moe_load_imbalance() const { return moe_imbalance_; }
   // The global gradient norm: every parameter counted once over all ranks.
   double grad_norm();
   // AdamW on this rank's share, then the parameters go back to every rank that holds them.
@@ -85,7 +88,7 @@ class ModelRunner {
   std::unique_ptr<AdamW> opt_;
   Schedule schedule_;  // for the configured number of micro-batches
   int pp_rank_ = 0, num_micro_ = 1;
-  double moe_loss_ = 0.0;
+  double moe_loss_ = 0.0, moe_imbalance_ = 1.0;
   int tied_param_ = -1;          // this rank's word embedding (or replica) when pp > 1 ties it
   std::vector<int> sp_params_;   // replicated parameters whose gradients are partial over tp (SP)
   std::vector<Range> norm_ranges_;  // owned elements that count in the gradient norm

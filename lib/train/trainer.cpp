@@ -226,7 +226,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
 
   StepMetrics m;
   m.total_iters = tc.train_iters;
-  double interval_loss = 0, interval_ms = 0, total_ms = 0, interval_aux = 0;
+  double interval_loss = 0, interval_ms = 0, total_ms = 0, interval_aux = 0, interval_load = 0;
   const bool moe = d.moe.E > 0;
   int interval_steps = 0;
   // The groups whose traffic the last step reports (the comm layer counts every call).
@@ -283,9 +283,9 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     world.allreduce_sum(&loss_sum, 1);
     // MoE: the aux + z losses of all MoE layers, averaged over the global batch's micro-batches
     // (every cp and tp rank of a data-parallel rank holds the same figure: sum over dp only).
-    double aux = runner.moe_loss_sum();
-    if (moe) dp_only.allreduce_sum(&aux, 1);
-    aux /= double(GB / MB);
+    double moe_stats[2] = {runner.moe_loss_sum(), runner.moe_load_imbalance()};
+    if (moe) dp_only.allreduce_sum(moe_stats, 2);
+    const double aux = moe_stats[0] / double(GB / MB), load = moe_stats[1] / dp_only.size();
     const double loss = loss_sum / double(std::max<int64_t>(counts[0], 1));
     const double norm = runner.grad_norm();
     if (!std::isfinite(loss) || !std::isfinite(norm))
@@ -298,8 +298,9 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       for (const auto& g : groups) result.comm_bytes.emplace_back(g.first, g.second->stats().total());
 
     result.losses.push_back(loss);
-    if (moe) result.aux_losses.push_back(aux);
+    if (moe) result.aux_losses.push_back(aux), result.expert_loads.push_back(load);
     interval_aux += aux;
+    interval_load += load;
     result.grad_norms.push_back(norm);
     result.step_ms.push_back(ms);
     interval_loss += loss;
@@ -313,6 +314,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       m.loss = interval_loss / interval_steps;
       m.has_aux = moe;
       m.aux_loss = interval_aux / interval_steps;
+      m.expert_load = interval_load / interval_steps;
       m.grad_norm = norm;
       m.ms_per_iter = interval_ms / interval_steps;
       m.tokens_per_s = double(GB) * d.T / (m.ms_per_iter / 1e3);
@@ -322,7 +324,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       m.eta_s = double(tc.train_iters - it) * total_ms / double(it - first_it + 1) / 1e3;
       if (last_rank && !opts.quiet) log_line("{}", format_step(m));
       metrics.step(m);
-      interval_loss = interval_ms = interval_aux = 0;
+      interval_loss = interval_ms = interval_aux = interval_load = 0;
       interval_steps = 0;
     }
     if (data.valid && tc.eval_interval > 0 && (it % tc.eval_interval == 0 || it == tc.train_iters)) {

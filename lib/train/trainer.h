@@ -22,6 +22,7 @@ struct TrainResult {
   std::vector<double> losses;      // training loss of every step (mean over the global batch)
   std::vector<double> grad_norms;  // before clipping
   std::vector<double> aux_losses; // MoE aux + z loss of every step (mean over the global batch's micro-batches; empty when dense)
+  std::vector<double> expert_loads;  // MoE: every step's load imbalance (max/mean assignments per expert), mean over layers and micro-batches
   std::vector<double> step_ms;     // wall time of every step
   std::vector<std::pair<int64_t, double>> val_losses;  // (iter, loss) of every evaluation
   double flops_per_step = 0;   // model FLOPs of one step on this rank
