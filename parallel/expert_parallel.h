@@ -57,6 +57,12 @@ struct DispatchState {
   GrowBuffer tok, slot, perm, inv_perm;                  // device i32 index maps
   GrowBuffer gates_full, staging, staging2, token_side;  // gathered gates; row buffers; saved combine rows
   Tensor tok_t, slot_t, perm_t, inv_perm_t, gates_full_t, token_side_t;
+  size_t bytes() const {  // device memory held
+    size_t n = 0;
+    for (const GrowBuffer* b : {&tok, &slot, &perm, &inv_perm, &gates_full, &staging, &staging2, &token_side})
+      n += b->buf.bytes();
+    return n;
+  }
 };
 
 class TokenDispatcher {

@@ -256,9 +256,13 @@ void GPT::release(int c, int mb) {
 }
 
 size_t GPT::activation_bytes() const {
-  size_t n = arena_.bytes();
+  size_t n = arena_.bytes() + (moe_ ? moe_->scratch_bytes() : 0);
   for (const auto& ch : chunks_)
-    for (const auto& s : ch.slots) n += s->arena.bytes();
+    for (const auto& s : ch.slots) {
+      n += s->arena.bytes();
+      for (const auto& m : s->moe)
+        if (m) n += m->bytes();  // the MoE layers' saved state (router, expert rows), sized per micro-batch
+    }
   return n;
 }
 

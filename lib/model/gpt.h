@@ -79,7 +79,7 @@ class GPT {
   Tensor param(int i) const;
   Tensor grad(int i) const;
   int64_t num_params() const { return num_params_; }  // elements this rank holds (without padding)
-  size_t activation_bytes() const;                   // of every activation set allocated so far
+  size_t activation_bytes() const;                   // of every activation set allocated so far (MoE state included)
 
   // Initialise every parameter from (seed, its name, global element index).
   void init_weights(uint64_t seed);

@@ -151,6 +151,9 @@ TEST_CASE("MoE GPT with E=1, K=1, dropless equals the dense GPT with the same we
     const double ld = dense.forward(b.tokens.data(), b.targets.data(), 0.1f);
     const double lm = moe.forward(b.tokens.data(), b.targets.data(), 0.1f);
     CHECK(lm == doctest::Approx(ld).epsilon(1e-6));
+    // The MoE layers' saved state (router outputs, expert rows in and out, hidden units) counts:
+    // it holds at least what the dense MLP holds (fc and act) plus the dispatched rows.
+    CHECK(moe.activation_bytes() > dense.activation_bytes());
     dense.backward();
     moe.backward();
     for (size_t i = 0; i < dense.params().size(); ++i) {

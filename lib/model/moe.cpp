@@ -102,6 +102,20 @@ void MoeLayer::mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, 
     ops_.linear_forward(out, a, proj, projb);
 }
 
+size_t MoeActs::bytes() const {
+  size_t n = dispatch.bytes() + etp_index.buf.bytes();
+  for (const GrowBuffer* b : {&logits, &probs, &topk, &gates, &lse, &xe, &h, &a, &ye, &sh, &sa}) n += b->buf.bytes();
+  return n;
+}
+
+size_t MoeLayer::scratch_bytes() const {
+  size_t n = 0;
+  for (const GrowBuffer* b : {&ones_, &psum_, &dgates_, &dye_, &da_, &dh_, &drow_, &dprobs_, &dlse_, &dlogits_, &dxr_,
+                              &etp_full_, &etp_pad_, &dye_all_})
+    n += b->buf.bytes();
+  return n;
+}
+
 void MoeLayer::plan_etp_gather(MoeActs& A) {
   const DispatchState& D = A.dispatch;
   const int El = num_local_experts(), P = etp_size_;

@@ -105,6 +105,7 @@ struct MoeActs {
   std::vector<int64_t> etp_groups;
   GrowBuffer etp_index;
   Tensor etp_index_t;
+  size_t bytes() const;  // device memory held by this micro-batch's saved state
 };
 
 // Capacity per expert for T tokens (0 = dropless).
@@ -128,6 +129,7 @@ class MoeLayer {
   int64_t local_hidden() const { return Fl_; }  // Fl
   // Shapes of every weight of MoeWeights for this rank (name -> shape), for the parameter table.
   std::vector<std::pair<std::string, Shape>> weight_shapes() const;
+  size_t scratch_bytes() const;  // device memory of the scratch shared by all calls
 
   // y (N,C) OVERWRITTEN from x (N,C). token_index (N, host): each token's index in the
   // micro-batch (nullptr: token_group.rank() * N + t). Collective over token_group, the

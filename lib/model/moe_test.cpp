@@ -196,6 +196,9 @@ TEST_CASE("moe layer forward against the naive per-token reference") {
     CHECK(L.aux == doctest::Approx(ref.aux).epsilon(1e-6));
     CHECK(L.z == doctest::Approx(ref.z).epsilon(1e-6));
     CHECK(L.load_imbalance == doctest::Approx(ref.load).epsilon(1e-12));
+    // Saved state: at least the expert rows in and out, hidden units and router outputs.
+    const int64_t M = int64_t(ref.routed.size()) - dropped, Hh = w.H, Fe = cs.cfg.hidden, E = cs.cfg.num_experts;
+    CHECK(acts.bytes() >= size_t(4 * (M * (2 * C + Hh + Fe) + T * 2 * E)));
     CHECK(L.load_imbalance > 1.0);  // 8 tokens over the experts cannot be perfectly even here
   }
 }
