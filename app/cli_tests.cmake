@@ -25,6 +25,10 @@ cli_test(bad_type_ini fail "bad_type.ini:[0-9]+.*num_layers" "${BIN} train --con
 cli_test(bad_layout_np2 fail "does not divide the world size 2" "${MPIRUN_STR} -np 2 ${BIN} train --parallel.tp 3")
 cli_test(bad_batch fail "global_batch" "${BIN} train --training.global_batch 6 --training.micro_batch 4")
 cli_test(missing_data fail "/nonexistent/corpus" "${BIN} train ${TINY} --data.path /nonexistent/corpus")
+# CUDA requested: each rank picks the GPU of its node-local rank; with no GPU (or, on a GPU node,
+# until the CUDA ops land) every rank ends with the reason.
+cli_test(cuda_device_np2 fail "has no CUDA device visible|CUDA compute ops are not in this build yet"
+  "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --engine.backend cuda")
 cli_test(missing_data_np2 fail "/nonexistent/corpus" "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --data.path /nonexistent/corpus")
 
 # Data preparation and the data-file failure modes, on a scratch copy.

@@ -4,7 +4,12 @@
 
 #include <doctest/doctest.h>
 
+#include <map>
+#include <set>
+#include <string>
 #include <vector>
+
+#include "parallel/mpi_env.h"
 
 using namespace mpigpt;
 
@@ -44,6 +49,13 @@ TEST_CASE("mesh communicators match the rank grid (tp2 pp2 dp2, two orders; ep2 
     CHECK(world_ranks(mesh.ep()) == mesh.expert().members(r, "ep"));
     CHECK(world_ranks(mesh.expert_dp()) == mesh.expert().members(r, "dp"));
     CHECK(mesh.expert_dp_size() == 2);
+    // The allgather dispatcher's group and the ep rank of each of its members.
+    const std::vector<int> tp_ep = mesh.expert().members(r, "tp-ep");
+    CHECK(world_ranks(mesh.expert_tp_ep()) == tp_ep);
+    std::vector<int> eps;
+    for (int m : tp_ep) eps.push_back(mesh.expert().coord(m, "ep"));
+    CHECK(mesh.ep_of_member() == eps);
+    CHECK(eps[mesh.expert_tp_ep().rank()] == mesh.coords().ep);
     // pp = 2: every rank is a first or last stage, so all are in the embedding group.
     REQUIRE(mesh.in_embedding_group());
     CHECK(world_ranks(mesh.embedding()) == d.members(r, "pp"));
@@ -65,4 +77,22 @@ TEST_CASE("embedding group holds only the first and last stages when pp = 4") {
     CHECK(mesh.dense().coord(stages[0], "pp") == 0);
     CHECK(mesh.dense().coord(stages[1], "pp") == 3);
   }
+}
+
+TEST_CASE("node ranks: every rank a distinct local rank among the ranks of its host") {
+  const NodeRanks n = node_ranks();
+  REQUIRE(n.local_rank >= 0);
+  REQUIRE(n.local_rank < n.local_size);
+  CHECK(!n.host.empty());
+  Comm world(MPI_COMM_WORLD);
+  // (host hash, local rank, local size) of every rank: per host the local ranks are 0..size-1.
+  const int64_t h = int64_t(std::hash<std::string>{}(n.host) & 0x7fffffff);
+  std::vector<int32_t> mine = {int32_t(h), n.local_rank, n.local_size}, all(size_t(3 * world.size()));
+  world.all_gather(Tensor(all.data(), {int64_t(all.size())}, DType::I32), Tensor(mine.data(), {3}, DType::I32));
+  std::map<int32_t, std::set<int32_t>> by_host;
+  for (int r = 0; r < world.size(); ++r) {
+    if (all[3 * r] == mine[0]) CHECK(all[3 * r + 2] == n.local_size);
+    CHECK(by_host[all[3 * r]].insert(all[3 * r + 1]).second);
+  }
+  for (const auto& [host, locals] : by_host) CHECK(*locals.rbegin() == int32_t(locals.size()) - 1);
 }

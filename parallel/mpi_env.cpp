@@ -22,6 +22,20 @@ MpiEnv::~MpiEnv() {
   if (!finalized) MPI_Finalize();
 }
 
+NodeRanks node_ranks() {
+  NodeRanks n;
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank(), MPI_INFO_NULL, &node);
+  MPI_Comm_rank(node, &n.local_rank);
+  MPI_Comm_size(node, &n.local_size);
+  MPI_Comm_free(&node);
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int len = 0;
+  MPI_Get_processor_name(name, &len);
+  n.host.assign(name, size_t(len));
+  return n;
+}
+
 int world_rank() {
   int r = 0, init = 0;
   MPI_Initialized(&init);

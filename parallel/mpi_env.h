@@ -18,6 +18,14 @@ class MpiEnv {
   int rank_ = 0, size_ = 1;
 };
 
+// This rank's place among the ranks of its node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED), the
+// same under mpirun and srun) and the node's name: what chooses a rank's GPU.
+struct NodeRanks {
+  int local_rank = 0, local_size = 1;
+  std::string host;
+};
+NodeRanks node_ranks();
+
 int world_rank();
 int world_size();
 // Print "mpigpt: error (rank R of N): MESSAGE" to stderr and end the job with `code`:

@@ -14,12 +14,14 @@
 #include "io/tokenizer.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
+#include "lib/kernels/device_select.h"
 #include "lib/optim/adamw.h"
 #include "lib/optim/lr_schedule.h"
 #include "lib/train/checkpointing.h"
 #include "lib/train/metrics.h"
 #include "lib/train/model_runner.h"
 #include "lib/train/peak.h"
+#include "parallel/mpi_env.h"
 
 namespace mpigpt {
 
@@ -121,6 +123,15 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   // The loss lives on the last pipeline stage; one rank there logs.
   const Coords& co = mesh.coords();
   const bool last_rank = co.pp == pc.pp - 1 && co.tp == 0 && co.cp == 0 && co.dp == 0;
+  if (cfg.engine.backend == "cuda") {
+    // One rank per GPU, chosen by the rank's place on its node; the errors come first (no GPU,
+    // too few), then the compute ops, which this build does not have yet.
+    const NodeRanks node = node_ranks();
+    const int dev = choose_device(node.local_rank, node.local_size, visible_cuda_devices(),
+                                  cfg.engine.allow_device_sharing, node.host);
+    fail("engine.backend = cuda: rank {} would compute on GPU {} of host {}, but the CUDA compute ops are not in "
+         "this build yet; use engine.backend = cpu", mesh.rank(), dev, node.host);
+  }
   if (cfg.engine.backend != "cpu")
     fail("engine.backend = '{}' is not available in this build; use engine.backend = cpu", cfg.engine.backend);
   if (tc.precision != "fp32")
