@@ -21,6 +21,7 @@
 #include "lib/kernels/ops.h"
 #include "lib/model/gpt.h"
 #include "lib/model/params.h"
+#include "lib/train/trainer.h"
 
 using namespace mpigpt;
 using namespace mpigpt::testing;
@@ -65,33 +66,16 @@ ModelConfig tiny_mixtral() {
   return m;
 }
 
+// The GPT of `m` as training builds it (lib/train's make_dims), with vocabulary V padded to Vp rows
+// and activations for T tokens.
 GptDims dims_of(const ModelConfig& m, int V, int Vp, int T) {
-  GptDims d;
-  d.family = m.family == "llama" ? Family::Llama : Family::GPT2;
-  d.L = m.num_layers;
-  d.C = m.hidden;
-  d.NH = m.num_heads;
-  d.NKV = m.num_kv_heads > 0 ? m.num_kv_heads : m.num_heads;
-  d.F = m.ffn_hidden > 0 ? m.ffn_hidden : 4 * m.hidden;
-  d.T = T;
-  d.maxT = m.max_position > 0 ? m.max_position : m.seq_len;
-  d.V = V;
+  Config c;
+  c.model = m;
+  if (c.model.ffn_hidden <= 0) c.model.ffn_hidden = 4 * m.hidden;
+  c.model.vocab_size = V;
+  GptDims d = make_dims(c, V);
   d.Vp = Vp;
-  d.tied = m.tie_embeddings;
-  d.eps = float(m.norm_eps);
-  d.rope_theta = float(m.rope_theta);
-  if (m.num_experts > 0) {  // as lib/train's make_dims
-    d.moe.E = m.num_experts;
-    d.moe.K = m.moe_top_k;
-    d.moe.sigmoid = m.moe_router == "sigmoid";
-    d.moe.norm_topk = m.moe_norm_topk_prob;
-    d.moe.aux_coeff = float(m.moe_aux_loss_coeff);
-    d.moe.z_coeff = float(m.moe_z_loss_coeff);
-    d.moe.capacity_factor = float(m.moe_capacity_factor);
-    d.moe.F = m.moe_ffn_hidden > 0 ? m.moe_ffn_hidden : d.F;
-    d.moe.shared_F = m.moe_shared_expert_ffn;
-    d.moe.layers = parse_moe_layers(m.moe_layers, m.num_layers);
-  }
+  d.T = T;
   return d;
 }
 

@@ -100,6 +100,34 @@ TEST_CASE("dispatchers round-trip: dispatch, identity experts, combine gives x t
 
 namespace {
 
+// This rank's rows [pos*n, (pos+1)*n) of the reference outputs and input gradients, and the
+// losses, against the layer's (fp32 sums of a handful of terms in another order: a few ulp of
+// unit-scale values).
+void check_rows(const std::vector<float>& y, const std::vector<float>& dx, const MoeLosses& loss,
+                const std::vector<float>& ys, const std::vector<float>& dxs, const MoeLosses& ref, int pos) {
+  const std::ptrdiff_t n = std::ptrdiff_t(y.size());
+  std::vector<float> yw(ys.begin() + pos * n, ys.begin() + (pos + 1) * n);
+  std::vector<float> dxw(dxs.begin() + pos * n, dxs.begin() + (pos + 1) * n);
+  auto rep = allclose(y, yw, 1e-5, 1e-5);
+  CHECK_MESSAGE(rep.ok, "y: ", rep.str());
+  rep = allclose(dx, dxw, 1e-5, 1e-5);
+  CHECK_MESSAGE(rep.ok, "dx: ", rep.str());
+  CHECK(loss.aux == doctest::Approx(ref.aux).epsilon(1e-6));
+  CHECK(loss.z == doctest::Approx(ref.z).epsilon(1e-6));
+}
+
+// Every weight gradient (already summed over the ranks) against the reference's.
+void check_grads(MoeHostWeights& got, MoeHostWeights& ref) {
+  auto all_ref = ref.all();
+  auto all_got = got.all();
+  for (size_t i = 0; i < all_got.size(); ++i) {
+    const std::string name = all_got[i].first;
+    CAPTURE(name);
+    auto rep = allclose(*all_got[i].second, *all_ref[i].second, 1e-5, 1e-5);
+    CHECK_MESSAGE(rep.ok, rep.str());
+  }
+}
+
 struct Layout {
   const char* name;
   Kind kind;
@@ -159,24 +187,9 @@ void check_layout(const Layout& L, const MoeConfig& cfg) {
     const MoeLosses rl = ref.forward(ra, as_tensor(ys, {T, C}), as_tensor(xs, {T, C}), nullptr, w.views());
     MoeWeights rg = gref.views();
     ref.backward(as_tensor(dxs, {T, C}), ra, as_tensor(dys, {T, C}), w.views(), rg, 0.5f);
-    if (m != mb) continue;
-    // fp32 sums of a handful of terms in another order: a few ulp of unit-scale values.
-    std::vector<float> yw(ys.begin() + pos * N * C, ys.begin() + (pos + 1) * N * C);
-    std::vector<float> dxw(dxs.begin() + pos * N * C, dxs.begin() + (pos + 1) * N * C);
-    auto rep = allclose(y, yw, 1e-5, 1e-5);
-    CHECK_MESSAGE(rep.ok, "y: ", rep.str());
-    rep = allclose(dx, dxw, 1e-5, 1e-5);
-    CHECK_MESSAGE(rep.ok, "dx: ", rep.str());
-    CHECK(loss.aux == doctest::Approx(rl.aux).epsilon(1e-6));
-    CHECK(loss.z == doctest::Approx(rl.z).epsilon(1e-6));
+    if (m == mb) check_rows(y, dx, loss, ys, dxs, rl, pos);
   }
-  auto all_ref = gref.all();
-  auto all_got = g.all();
-  for (size_t i = 0; i < all_got.size(); ++i) {
-    CAPTURE(all_got[i].first);
-    auto rep = allclose(*all_got[i].second, *all_ref[i].second, 1e-5, 1e-5);
-    CHECK_MESSAGE(rep.ok, rep.str());
-  }
+  check_grads(g, gref);
 }
 
 }  // namespace
@@ -296,21 +309,7 @@ TEST_CASE("moe layer with expert tensor parallelism (etp 2 x ep 2) equals the si
     const MoeLosses rl = ref.forward(ra, as_tensor(ys, {T, C}), as_tensor(xs, {T, C}), nullptr, w.views());
     MoeWeights rg = gref.views();
     ref.backward(as_tensor(dxs, {T, C}), ra, as_tensor(dys, {T, C}), w.views(), rg, 1.0f);
-    std::vector<float> yw(ys.begin() + r * N * C, ys.begin() + (r + 1) * N * C);
-    std::vector<float> dxw(dxs.begin() + r * N * C, dxs.begin() + (r + 1) * N * C);
-    auto rep = allclose(y, yw, 1e-5, 1e-5);
-    CHECK_MESSAGE(rep.ok, "y: ", rep.str());
-    rep = allclose(dx, dxw, 1e-5, 1e-5);
-    CHECK_MESSAGE(rep.ok, "dx: ", rep.str());
-    CHECK(loss.aux == doctest::Approx(rl.aux).epsilon(1e-6));
-    CHECK(loss.z == doctest::Approx(rl.z).epsilon(1e-6));
-    auto all_ref = gref.all();
-    auto all_got = g.all();
-    for (size_t i = 0; i < all_got.size(); ++i) {
-      const std::string name = all_got[i].first;
-      CAPTURE(name);
-      rep = allclose(*all_got[i].second, *all_ref[i].second, 1e-5, 1e-5);
-      CHECK_MESSAGE(rep.ok, rep.str());
-    }
+    check_rows(y, dx, loss, ys, dxs, rl, r);
+    check_grads(g, gref);
   }
 }
