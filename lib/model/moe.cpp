@@ -128,14 +128,14 @@ void MoeLayer::plan_etp_gather(MoeActs& A) {
     for (int l = 0; l < El; ++l) rows[p] += all[p * El + l], A.etp_groups[l] += all[p * El + l];
   A.etp_pad = *std::max_element(rows.begin(), rows.end());
   A.etp_rows = std::accumulate(rows.begin(), rows.end(), int64_t{0});
-  std::vector<int32_t> index(static_cast<size_t>(A.etp_rows));
-  int64_t j = 0;
+  // Rank p's rows start at p * etp_pad, its local experts' blocks one after the other.
+  std::vector<int32_t> index;
+  index.reserve(static_cast<size_t>(A.etp_rows));
+  std::vector<int64_t> next(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) next[p] = p * A.etp_pad;
   for (int l = 0; l < El; ++l)
-    for (int p = 0; p < P; ++p) {
-      int64_t first = p * A.etp_pad;
-      for (int m = 0; m < l; ++m) first += all[p * El + m];
-      for (int64_t r = 0; r < all[p * El + l]; ++r) index[j++] = int32_t(first + r);
-    }
+    for (int p = 0; p < P; ++p)
+      for (int64_t r = 0; r < all[p * El + l]; ++r) index.push_back(int32_t(next[p]++));
   A.etp_index_t = A.etp_index.get(ops_, {A.etp_rows}, DType::I32);
   if (A.etp_rows) ops_.copy(A.etp_index_t, host(index, DType::I32));
 }
@@ -240,28 +240,24 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
   DispatchState& D = A.dispatch;
   disp_->plan(D, expert, N, K, A.gates_t);
   const int64_t M = D.expert_rows, H = glu ? 2 * Fl_ : Fl_;
-  Tensor projb = etp_rank_ == 0 ? w.proj_bias : Tensor();
-  if (gathers_etp()) {
-    plan_etp_gather(A);
-    const int64_t Mt = A.etp_rows;
-    A.xe_t = A.xe.get(ops_, {Mt, C});
-    A.h_t = A.h.get(ops_, {Mt, H});
-    A.a_t = A.a.get(ops_, {Mt, Fl_});
+  const bool gather = gathers_etp();
+  if (gather) plan_etp_gather(A);
+  const int64_t Mt = gather ? A.etp_rows : M;  // rows the local experts run on
+  A.xe_t = A.xe.get(ops_, {Mt, C});
+  A.h_t = A.h.get(ops_, {Mt, H});
+  A.a_t = A.a.get(ops_, {Mt, Fl_});
+  A.ye_t = A.ye.get(ops_, {M, C});
+  Tensor ye_all = gather ? dye_all_.get(ops_, {Mt, C}) : A.ye_t;
+  if (gather) {
     Tensor xe_mine = rows_of(etp_pad_.get(ops_, {std::max<int64_t>(A.etp_pad, 1), C}), A.etp_pad);
-    Tensor ye_all = dye_all_.get(ops_, {Mt, C});
     disp_->dispatch_forward(rows_of(xe_mine, M), x, D);
     etp_gather(A.xe_t, xe_mine, A);
-    mlp_forward(ye_all, A.h_t, A.a_t, A.xe_t, w.fc, w.fc_bias, w.proj, projb, A.etp_groups.data());
-    A.ye_t = A.ye.get(ops_, {M, C});
-    etp_reduce_scatter(A.ye_t, ye_all, A);
   } else {
-    A.xe_t = A.xe.get(ops_, {M, C});
-    A.h_t = A.h.get(ops_, {M, H});
-    A.a_t = A.a.get(ops_, {M, Fl_});
-    A.ye_t = A.ye.get(ops_, {M, C});
     disp_->dispatch_forward(A.xe_t, x, D);
-    mlp_forward(A.ye_t, A.h_t, A.a_t, A.xe_t, w.fc, w.fc_bias, w.proj, projb, D.rows_per_expert.data());
   }
+  mlp_forward(ye_all, A.h_t, A.a_t, A.xe_t, w.fc, w.fc_bias, w.proj, etp_rank_ == 0 ? w.proj_bias : Tensor(),
+              gather ? A.etp_groups.data() : D.rows_per_expert.data());
+  if (gather) etp_reduce_scatter(A.ye_t, ye_all, A);
 
   if (cfg_.shared_hidden > 0) {
     const int64_t Fs = cfg_.shared_hidden;

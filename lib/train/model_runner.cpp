@@ -149,17 +149,11 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   ac.no_decay = parse_no_decay(tc.no_decay);
   opt_ = std::make_unique<AdamW>(ops, model_->params(), params, grads, ac, owned);
 
-  // The gradient norm counts each parameter once over the world: a replicated one on tp (or
-  // expert_tp) rank 0 only, the tied replica never; of the data-parallel copies the owner of
-  // each slice (distributed optimizer) or data-parallel rank 0.
+  // The gradient norm counts each element once over the world, on the rank that writes its
+  // optimizer state to a checkpoint: of owned elements those of parameters it writes.
   std::vector<Range> counted;
-  const bool distopt = cfg.engine.distributed_optimizer;
-  for (size_t i = 0; i < table.size(); ++i) {
-    const ParamInfo& p = table[i];
-    const bool split_rank0 = p.split != TpSplit::None || (p.expert ? mesh.coords().etp : tp_.rank()) == 0;
-    const bool dp_rank0 = (p.expert ? mesh.expert_dp() : dp).rank() == 0;
-    if (!p.replica && split_rank0 && (distopt || dp_rank0)) counted.push_back({p.offset, p.offset + p.numel()});
-  }
+  for (const ParamInfo& p : table)
+    if (writes_state(p)) counted.push_back({p.offset, p.offset + p.numel()});
   norm_ranges_ = intersect_ranges(counted, owned);
 
   num_micro_ = tc.global_batch / (mesh.dp().size() * tc.micro_batch);  // cp ranks share their rows
@@ -168,15 +162,18 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
 
 ModelRunner::~ModelRunner() = default;
 
+// One copy over the tensor-parallel group (tp, or expert_tp for experts): this rank's shard, or
+// rank 0's copy of a replicated parameter; never the tied replica.
+bool ModelRunner::holds_tp_copy(const ParamInfo& p) const {
+  return !p.replica && (p.split != TpSplit::None || (p.expert ? mesh_.coords().etp : tp_.rank()) == 0);
+}
+
 bool ModelRunner::writes_param(const ParamInfo& p) const {
-  if (p.replica) return false;
-  const bool split_rank0 = p.split != TpSplit::None || (p.expert ? mesh_.coords().etp : tp_.rank()) == 0;
-  return split_rank0 && (p.expert ? mesh_.expert_dp() : mesh_.dp_cp()).rank() == 0;
+  return holds_tp_copy(p) && (p.expert ? mesh_.expert_dp() : mesh_.dp_cp()).rank() == 0;
 }
 
 bool ModelRunner::writes_state(const ParamInfo& p) const {
-  if (!distributed_optimizer()) return writes_param(p);
-  return !p.replica && (p.split != TpSplit::None || (p.expert ? mesh_.coords().etp : tp_.rank()) == 0);
+  return distributed_optimizer() ? holds_tp_copy(p) : writes_param(p);
 }
 
 DpMemory ModelRunner::memory() const {

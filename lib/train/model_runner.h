@@ -67,6 +67,7 @@ class ModelRunner {
              const int32_t* positions, float dloss, bool train, int num_micro);
   void finish_grads();
   bool delayed(int param) const;  // gradient completed only after the tied-embedding sum
+  bool holds_tp_copy(const ParamInfo& p) const;
   // Parameter i's gradient is final (last micro-batch): its data-parallel bucket may start.
   void grads_ready(int i);
   // Before parameters [first, end) are read: their gathers (distributed optimizer) are done.
