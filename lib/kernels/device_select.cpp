@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "lib/core/error.h"
+#include "lib/kernels/ops.h"
 #ifdef MPIGPT_WITH_CUDA
 #include "lib/kernels/cuda/device.h"
 #endif
@@ -35,3 +36,12 @@ int visible_cuda_devices() {
 }
 
 }  // namespace mpigpt
+
+#ifndef MPIGPT_WITH_CUDA
+namespace mpigpt {
+std::unique_ptr<Ops> make_cuda_ops(int device) {
+  fail("engine.backend = cuda: this mpigpt was built without the CUDA backend (no nvcc at configure time); "
+       "rebuild with the CUDA toolkit installed (cmake -DMPIGPT_CUDA=ON) or use engine.backend = cpu");
+}
+}  // namespace mpigpt
+#endif

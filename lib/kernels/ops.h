@@ -22,6 +22,12 @@ class Ops {
   virtual ~Ops() = default;
   virtual Device device() const = 0;
   virtual std::string name() const = 0;
+  // The backend's native stream that every op is queued on (a cudaStream_t for CUDA), or nullptr
+  // for a backend whose ops complete before they return (the CPU). Communication orders its own
+  // streams against it.
+  virtual void* stream() const { return nullptr; }
+  // Block the host until every op queued so far has finished (timing, host reads).
+  virtual void synchronize() {}
 
   // ---- memory ---------------------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned
@@ -204,5 +210,8 @@ class Ops {
 
 // The CPU reference backend (fp32, OpenBLAS, OpenMP threads).
 std::unique_ptr<Ops> make_cpu_ops();
+// The CUDA backend on GPU `device` (lib/kernels/cuda/; bf16 or f32 compute, cuBLASLt, fused
+// kernels). Only in builds with MPIGPT_WITH_CUDA; without it this fails with a message saying so.
+std::unique_ptr<Ops> make_cuda_ops(int device);
 
 }  // namespace mpigpt

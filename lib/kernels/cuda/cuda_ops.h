@@ -1,0 +1,139 @@
+// The CUDA backend's class. Its definitions are split by concept over cuda_*.cu; nothing outside
+// lib/kernels/cuda includes this header (the rest of the program sees only ops.h).
+//
+// Precision: every op takes its floating "data" tensors (inputs, outputs, their gradients,
+// activations, and the compute copies of weights) in ONE dtype per call, F32 or BF16 (mixed
+// precision trains with BF16 data and F32 master weights). Tensors that are always F32 whatever
+// the data dtype: weight and bias GRADIENTS (fp32 accumulation), saved statistics (norm mean/rstd,
+// attention lse and saved state, loss maxes/sumexp/target_logit), losses, router probs, gates and
+// their gradients, optimizer state and master weights. Kernels load to float, compute in float and
+// round once on store. Every kernel is queued on stream(); nothing synchronises the host except
+// the ops that return a value to it (sum, sum_squares) and copies into host memory.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "lib/kernels/caching_allocator.h"
+#include "lib/kernels/ops.h"
+
+namespace mpigpt::cuda {
+
+class CudaOps final : public Ops {
+ public:
+  explicit CudaOps(int device);  // cuda_ops.cu: sets the device, checks the architecture, creates the stream
+  ~CudaOps() override;
+  Device device() const override { return Device::CUDA; }
+  std::string name() const override;
+  void* stream() const override { return stream_; }
+  void synchronize() override;
+  cudaStream_t cuda_stream() const { return stream_; }
+  int device_index() const { return device_; }
+  const CachingAllocator& allocator() const { return *alloc_; }
+
+  // memory and element-wise (cuda_ops.cu)
+  void* allocate(size_t bytes) override;
+  void release(void* p) override;
+  void copy(Tensor dst, Tensor src) override;
+  void fill(Tensor t, float value) override;
+  void scale(Tensor t, float s) override;
+  void add(Tensor out, Tensor a, Tensor b) override;
+
+  // cuda_matmul.cu (cuBLASLt)
+  void gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) override;
+  void linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) override;
+  void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) override;
+  void grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) override;
+  void grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight,
+                               const int64_t* group_rows) override;
+
+  // cuda_embedding.cu
+  void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
+                         int64_t vocab_start) override;
+  void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
+                          int64_t vocab_start) override;
+
+  // cuda_norm.cu
+  void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
+                         float eps) override;
+  void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
+                          Tensor weight) override;
+  void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) override;
+  void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) override;
+
+  // cuda_activation.cu
+  void gelu_forward(Tensor out, Tensor inp) override;
+  void gelu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
+  void swiglu_forward(Tensor out, Tensor inp) override;
+  void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
+  void rope_forward(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) override;
+  void rope_backward(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) override;
+
+  // cuda_attention.cu (fused, FlashAttention-2 style: the T x T matrix never exists; saved = lse)
+  int64_t attention_saved_numel(int64_t B, int64_t T, int64_t NH) const override { return B * NH * T; }
+  void attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) override;
+  void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
+                          int HD) override;
+  void attention_block_forward(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg, Tensor kpos,
+                               Tensor kseg, int NH, int NKV, int HD) override;
+  void attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) override;
+  void attention_block_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out, Tensor lse,
+                                Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD) override;
+
+  // cuda_rows.cu
+  void copy_cols(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) override;
+  void gather_rows(Tensor out, Tensor inp, Tensor index) override;
+  void scatter_add_rows(Tensor dinp, Tensor dout, Tensor index) override;
+
+  // cuda_loss.cu
+  void crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
+                                     float dloss) override;
+  void softmax_shard_max(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) override;
+  void softmax_shard_sums(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
+                          int64_t vocab_start, int64_t V) override;
+  void crossentropy_shard_finish(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
+                                 Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
+                                 float dloss) override;
+
+  // cuda_optim.cu
+  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
+             float weight_decay, int64_t step, float grad_scale) override;
+  double sum_squares(Tensor t) override;
+  double sum(Tensor t) override;
+
+  // cuda_moe.cu
+  void moe_router_forward(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
+                          bool normalize) override;
+  void moe_router_backward(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits, Tensor probs,
+                           Tensor topk, bool sigmoid, bool normalize) override;
+  void moe_combine(Tensor out, Tensor rows, Tensor slot, Tensor gates) override;
+  void moe_combine_backward(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot, Tensor gates) override;
+
+  // Scratch on the device for one op's temporaries (reductions, cuBLASLt workspace): served by
+  // the caching allocator, so steady-state steps do no cudaMalloc. Freed when the op returns is
+  // safe because every user is queued on stream() before the block can be handed out again.
+  struct Scratch {
+    CudaOps* ops = nullptr;
+    void* ptr = nullptr;
+    ~Scratch() { if (ptr) ops->release(ptr); }
+  };
+  Scratch scratch(size_t bytes) { return Scratch{this, allocate_uninitialised(bytes)}; }
+  void* allocate_uninitialised(size_t bytes);
+  cublasLtHandle_t cublaslt() const { return lt_; }
+  void* cublaslt_workspace() const { return workspace_; }
+  static constexpr size_t kCublasWorkspace = size_t(32) << 20;
+  // Host-pinned staging for sum/sum_squares results (one double pair).
+  double* host_result() const { return host_result_; }
+
+ private:
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  void* workspace_ = nullptr;
+  double* host_result_ = nullptr;
+  std::unique_ptr<CachingAllocator> alloc_;
+};
+
+}  // namespace mpigpt::cuda
