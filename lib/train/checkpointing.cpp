@@ -100,7 +100,44 @@ struct Plan {
 };
 
 // Which parameter and state pieces this rank writes (or reads) for each global name.
-std::vector<Plan> make_plans(ModelRunner& r, const std::vector<ParamInfo>& global, bool reading) {
+// The state a checkpoint reads and writes, seen from the host: the model's and optimizer's own
+// memory on the CPU backend; on a GPU host copies of the three flat buffers (parameters, Adam m and
+// v), each staged by one copy, since HDF5 writes from and reads into host memory.
+class HostState {
+ public:
+  explicit HostState(ModelRunner& r) : ops_(r.ops()) {
+    const Tensor t[3] = {r.model().params_flat(), r.optimizer().m(), r.optimizer().v()};
+    for (int k = 0; k < 3; ++k) {
+      dev_[k] = t[k];
+      if (t[k].device == Device::CPU) {
+        base_[k] = t[k].f32();
+      } else {
+        host_[k].resize(size_t(t[k].numel()));
+        base_[k] = host_[k].data();
+      }
+    }
+  }
+  float* params() const { return base_[0]; }
+  float* moment(int k) const { return base_[1 + k]; }
+  // device -> host before writing, host -> device after reading (no-ops on the CPU backend).
+  void download() {
+    for (int k = 0; k < 3; ++k)
+      if (!host_[k].empty()) ops_.copy(Tensor(host_[k].data(), dev_[k].shape), dev_[k]);
+  }
+  void upload() {
+    for (int k = 0; k < 3; ++k)
+      if (!host_[k].empty()) ops_.copy(dev_[k], Tensor(host_[k].data(), dev_[k].shape));
+  }
+
+ private:
+  Ops& ops_;
+  Tensor dev_[3];
+  float* base_[3] = {};
+  std::vector<float> host_[3];
+};
+
+std::vector<Plan> make_plans(ModelRunner& r, const HostState& host, const std::vector<ParamInfo>& global,
+                             bool reading) {
   GPT& m = r.model();
   const auto& table = m.params();
   std::vector<Plan> plans(global.size());
@@ -123,15 +160,13 @@ std::vector<Plan> make_plans(ModelRunner& r, const std::vector<ParamInfo>& globa
     // Replicated data is written once; every holder reads it. The tied replica is stage 0's
     // word embedding: it is read like it but never written.
     if (!reading && !r.writes_param(p)) continue;
-    float* w = m.param(int(i)).f32();
+    float* w = host.params() + p.offset;
     for (const LocalBox& lb : global_boxes(p, 0, p.numel())) {
       const LocalBox c = clip(p, lb);
       if (c.box.rows > 0) plans[index_of(p.name)].params.push_back({c.box, w + c.local});
     }
   }
-  AdamW& opt = r.optimizer();
-  Tensor moments[2] = {opt.m(), opt.v()};
-  for (const auto& piece : opt.pieces()) {
+  for (const auto& piece : r.optimizer().pieces()) {
     const ParamInfo& p = table[piece.param];
     if (!reading && !r.writes_state(p)) continue;
     const int64_t begin = piece.begin - p.offset;
@@ -139,7 +174,7 @@ std::vector<Plan> make_plans(ModelRunner& r, const std::vector<ParamInfo>& globa
       const LocalBox c = clip(p, lb);
       if (c.box.rows == 0) continue;
       for (int k = 0; k < 2; ++k)
-        plans[index_of(p.name)].moments[k].push_back({c.box, moments[k].f32() + piece.state + (c.local - begin)});
+        plans[index_of(p.name)].moments[k].push_back({c.box, host.moment(k) + piece.state + (c.local - begin)});
     }
   }
   return plans;
@@ -224,7 +259,9 @@ SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, M
   const GptDims& d = r.model().dims();
   const std::vector<ParamInfo> global = global_table(d);
   {
-    std::vector<Plan> plans = make_plans(r, global, false);
+    HostState host(r);
+    host.download();
+    std::vector<Plan> plans = make_plans(r, host, global, false);
     CheckpointWriter w(world.mpi(), file);
     for (size_t g = 0; g < global.size(); ++g) w.write(model_name(global[g].name), stored_shape(global[g]), plans[g].params);
     kill_if_injected(meta.iteration, world.rank());
@@ -302,7 +339,9 @@ CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& r, const Co
            "to load it", file, k, saved, k, v);
   }
   const std::vector<ParamInfo> global = global_table(d);
-  std::vector<Plan> plans = make_plans(r, global, true);
+  HostState host(r);
+  host.download();  // what no dataset overwrites (the vocabulary padding) keeps its value
+  std::vector<Plan> plans = make_plans(r, host, global, true);
   for (size_t g = 0; g < global.size(); ++g) {
     const ParamInfo& p = global[g];
     const std::string names[3] = {model_name(p.name), moment_name(0, p.name), moment_name(1, p.name)};
@@ -319,6 +358,7 @@ CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& r, const Co
       in.read(names[k], *pieces[k]);
     }
   }
+  host.upload();
   r.optimizer().set_steps(in.attr_int("optimizer.step"));
   CheckpointMeta meta;
   meta.iteration = in.attr_int("iteration");
@@ -334,6 +374,8 @@ namespace mpigpt {
 
 void load_weights(ModelRunner& r, const TensorMap& global, const std::string& source) {
   GPT& m = r.model();
+  HostState host(r);
+  host.download();
   for (size_t i = 0; i < m.params().size(); ++i) {
     const ParamInfo& p = m.params()[i];
     auto it = global.find(p.name);
@@ -341,10 +383,11 @@ void load_weights(ModelRunner& r, const TensorMap& global, const std::string& so
     if (!(it->second.shape == p.global))
       fail("{}: tensor {} has shape {}, this model needs {}; set the model options to match it", source, p.name,
            it->second.shape.str(), p.global.str());
-    float* dst = m.param(int(i)).f32();
+    float* dst = host.params() + p.offset;
     const float* src = it->second.data.data();
     for (int64_t k = 0; k < p.numel(); ++k) dst[k] = src[p.global_index(k)];
   }
+  host.upload();
 }
 
 TensorMap read_model_tensors(const std::string& root, Config* cfg) {

@@ -51,6 +51,7 @@ class ModelRunner {
   GPT& model() { return *model_; }
   AdamW& optimizer() { return *opt_; }
   const Mesh& mesh() const { return mesh_; }
+  Ops& ops() const { return ops_; }
   // Whether this rank writes parameter p's data (of replicated data one replica writes: dense
   // parameters tp rank 0 of data-parallel rank 0, experts expert_tp rank 0 of expert-dp rank 0)
   // and its optimizer state (the same, or with the distributed optimizer every owner its part).
