@@ -126,6 +126,10 @@ class CudaOps final : public Ops {
   static constexpr size_t kCublasWorkspace = size_t(32) << 20;
   // Host-pinned staging for sum/sum_squares results (one double pair).
   double* host_result() const { return host_result_; }
+  // cuBLASLt descriptors and the heuristic's algorithm per matmul configuration (shape, dtypes,
+  // epilogue, alignment), so steady-state matmuls do not query the heuristic again (cuda_matmul.cu).
+  struct MatmulPlans;
+  MatmulPlans& matmul_plans();
 
  private:
   int device_ = 0;
@@ -134,6 +138,7 @@ class CudaOps final : public Ops {
   void* workspace_ = nullptr;
   double* host_result_ = nullptr;
   std::unique_ptr<CachingAllocator> alloc_;
+  std::unique_ptr<MatmulPlans, void (*)(MatmulPlans*)> plans_{nullptr, nullptr};  // created on first use
 };
 
 }  // namespace mpigpt::cuda

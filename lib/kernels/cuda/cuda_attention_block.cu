@@ -1,0 +1,165 @@
+// CUDA backend: blockwise attention with an explicit (position, document) mask, the unit of ring
+// attention and of packed documents, and the log-sum-exp merge of blockwise results. The forward
+// and backward are the fused kernels of cuda_attention.cu run with the mask; this file checks their
+// arguments (as the CPU backend does) and holds the merge.
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "lib/kernels/cuda/cuda_common.cuh"
+
+namespace mpigpt::cuda {
+
+// Defined in cuda_attention.cu: the head-count and head-dim check, and the fused kernels on checked
+// arguments (kv given: keys/values from kv under the explicit mask, dqkv's query columns and dkv
+// accumulate).
+void check_attention_heads(const char* op, int NH, int NKV, int HD);
+void fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
+                             Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD);
+void fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
+                              Tensor out, Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH,
+                              int NKV, int HD);
+
+namespace {
+
+// The geometry of one block call, checked: queries from qkv (B,Tq,(NH+2*NKV)*HD), keys/values
+// from kv (B,Tk,2*NKV*HD), out (B,Tq,NH*HD), lse (B,NH,Tq) f32, the mask (B,Tq)/(B,Tk) i32.
+void check_block_args(const char* op, const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                      const Tensor& qpos, const Tensor& qseg, const Tensor& kpos, const Tensor& kseg, int NH, int NKV,
+                      int HD) {
+  check_device(out, op, "out");
+  check_device(qkv, op, "qkv");
+  check_device(kv, op, "kv");
+  check_device(lse, op, "lse");
+  check_dtype(lse, DType::F32, op, "lse");
+  for (auto [what, t] : {std::pair{"qpos", qpos}, std::pair{"qseg", qseg}, std::pair{"kpos", kpos},
+                         std::pair{"kseg", kseg}}) {
+    check_device(t, op, what);
+    check_dtype(t, DType::I32, op, what);
+  }
+  check_attention_heads(op, NH, NKV, HD);
+  const int64_t R = int64_t(NH + 2 * NKV) * HD, RK = int64_t(2 * NKV) * HD;
+  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, Tq, (NH+2*NKV)*HD = {})", op,
+               qkv.shape.str(), R);
+  const int64_t B = qkv.size(0), Tq = qkv.size(1);
+  MPIGPT_CHECK(kv.ndim() == 3 && kv.size(0) == B && kv.size(2) == RK,
+               "{}: kv {} must be (B = {}, Tk, 2*NKV*HD = {}) for qkv {}", op, kv.shape.str(), B, RK, qkv.shape.str());
+  const int64_t Tk = kv.size(1), C = int64_t(NH) * HD;
+  MPIGPT_CHECK(out.numel() == B * Tq * C, "{}: out {} must be (B, Tq, NH*HD) = ({}, {}, {})", op, out.shape.str(), B,
+               Tq, C);
+  MPIGPT_CHECK(lse.numel() == B * NH * Tq, "{}: lse {} must be (B, NH, Tq) = ({}, {}, {})", op, lse.shape.str(), B, NH,
+               Tq);
+  MPIGPT_CHECK(qpos.numel() == B * Tq && qseg.numel() == B * Tq, "{}: qpos {} and qseg {} must be (B, Tq) = ({}, {})",
+               op, qpos.shape.str(), qseg.shape.str(), B, Tq);
+  MPIGPT_CHECK(kpos.numel() == B * Tk && kseg.numel() == B * Tk, "{}: kpos {} and kseg {} must be (B, Tk) = ({}, {})",
+               op, kpos.shape.str(), kseg.shape.str(), B, Tk);
+}
+
+constexpr int kMergeThreads = 256;  // 8 warps, one (b, i, h) row each
+
+// out (B,Tq,NH*HD), lse (B,NH,Tq) in place with the block's blk_out, blk_lse: m = logaddexp(lse,
+// blk_lse), out = out e^(lse - m) + blk_out e^(blk_lse - m), lse = m. A side at -inf has weight 0
+// and its out is never read (0 * NaN would poison the sum), so a running result may start as
+// lse = -inf over any out; a row at -inf on both sides gets out = 0. One warp per (b, i, h) row.
+template <class T>
+__global__ void attention_merge_kernel(T* out, float* lse, const T* blk_out, const float* blk_lse, int64_t rows,
+                                       int Tq, int NH, int HD) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // = (b*Tq + i)*NH + h
+  const int lane = threadIdx.x & 31;
+  if (w >= rows * NH) return;  // whole warps only
+  const int64_t n = w / NH, b = n / Tq, i = n % Tq, h = w % NH;
+  const int64_t li = (b * NH + h) * Tq + i;
+  T* o = out + w * HD;  // row n of out holds the NH heads of HD: (n*NH + h)*HD = w*HD
+  const T* bo = blk_out + w * HD;
+  const float l = lse[li], bl = blk_lse[li];
+  float wa, wb, m;
+  if (bl == -INFINITY) {  // the block adds nothing
+    wa = l == -INFINITY ? 0.f : 1.f;
+    wb = 0.f;
+    m = l;
+  } else if (l == -INFINITY) {  // the first contribution: a copy
+    wa = 0.f;
+    wb = 1.f;
+    m = bl;
+  } else {
+    const float hi = fmaxf(l, bl);
+    m = hi + log1pf(expf(fminf(l, bl) - hi));
+    wa = expf(l - m);
+    wb = expf(bl - m);
+  }
+  for (int e = lane; e < HD; e += 32) {
+    const float a = wa == 0.f ? 0.f : wa * to_f(o[e]);  // a weight 0 side is not read
+    const float c = wb == 0.f ? 0.f : wb * to_f(bo[e]);
+    o[e] = from_f<T>(a + c);
+  }
+  __syncwarp();  // every lane has read lse before it changes
+  if (lane == 0) lse[li] = m;
+}
+
+}  // namespace
+
+void CudaOps::attention_block_forward(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
+                                      Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
+  // out (B,Tq,NH*HD), lse (B,NH,Tq) f32, qkv (B,Tq,(NH+2*NKV)*HD) (query heads read), kv (B,Tk,2*NKV*HD),
+  // qpos, qseg (B,Tq) i32, kpos, kseg (B,Tk) i32
+  const char* op = "attention_block_forward";
+  check_block_args(op, out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
+  const DType dt = data_dtype(op, {{"out", out}, {"qkv", qkv}, {"kv", kv}});
+  fused_attention_forward(*this, dt, out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
+}
+
+void CudaOps::attention_block_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out,
+                                       Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV,
+                                       int HD) {
+  // dqkv (B,Tq,(NH+2*NKV)*HD): query columns accumulate; dkv (B,Tk,2*NKV*HD) accumulates;
+  // dout, out (B,Tq,NH*HD) and lse (B,NH,Tq) are the FINAL (merged) ones; the rest as the forward.
+  const char* op = "attention_block_backward";
+  check_block_args(op, out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
+  check_device(dqkv, op, "dqkv");
+  check_device(dkv, op, "dkv");
+  check_device(dout, op, "dout");
+  const DType dt =
+      data_dtype(op, {{"dqkv", dqkv}, {"dkv", dkv}, {"dout", dout}, {"qkv", qkv}, {"kv", kv}, {"out", out}});
+  MPIGPT_CHECK(dqkv.numel() == qkv.numel(), "{}: dqkv {} must have the shape of qkv {}", op, dqkv.shape.str(),
+               qkv.shape.str());
+  MPIGPT_CHECK(dkv.numel() == kv.numel(), "{}: dkv {} must have the shape of kv {}", op, dkv.shape.str(),
+               kv.shape.str());
+  MPIGPT_CHECK(dout.numel() == out.numel(), "{}: dout {} must have the shape of out {}", op, dout.shape.str(),
+               out.shape.str());
+  fused_attention_backward(*this, dt, dqkv, dkv, dout, qkv, kv, out, lse, qpos, qseg, kpos, kseg, NH, NKV, HD);
+}
+
+void CudaOps::attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) {
+  // out, blk_out (B,Tq,NH*HD); lse, blk_lse (B,NH,Tq) f32
+  const char* op = "attention_merge";
+  check_device(out, op, "out");
+  check_device(lse, op, "lse");
+  check_device(blk_out, op, "blk_out");
+  check_device(blk_lse, op, "blk_lse");
+  check_dtype(lse, DType::F32, op, "lse");
+  check_dtype(blk_lse, DType::F32, op, "blk_lse");
+  const DType dt = data_dtype(op, {{"out", out}, {"blk_out", blk_out}});
+  MPIGPT_CHECK(lse.ndim() == 3 && blk_lse.shape == lse.shape, "{}: lse {} and blk_lse {} must both be (B, NH, Tq)", op,
+               lse.shape.str(), blk_lse.shape.str());
+  const int64_t B = lse.size(0), NH = lse.size(1), Tq = lse.size(2);
+  const int64_t C = out.ndim() > 0 ? out.size(-1) : 0, rows = C > 0 ? out.numel() / C : 0;
+  MPIGPT_CHECK(NH > 0 && C > 0 && rows == B * Tq && C % NH == 0 && blk_out.numel() == out.numel() &&
+                   blk_out.ndim() > 0 && blk_out.size(-1) == C,
+               "{}: out {} and blk_out {} must both be (B, Tq, NH*HD) with (B, NH, Tq) = lse {}", op, out.shape.str(),
+               blk_out.shape.str(), lse.shape.str());
+  MPIGPT_CHECK(Tq <= INT32_MAX && NH <= INT32_MAX && C / NH <= INT32_MAX, "{}: sizes of lse {} exceed 2^31", op,
+               lse.shape.str());
+  if (rows == 0) return;
+  const int64_t warps = rows * NH, per_block = kMergeThreads / 32;
+  dispatch_float(dt, op, [&](auto tag) {
+    using T = decltype(tag);
+    const unsigned grid = unsigned((warps + per_block - 1) / per_block);
+    T* o = ptr<T>(out);
+    const T* bo = ptr<const T>(blk_out);
+    attention_merge_kernel<T><<<grid, kMergeThreads, 0, stream_>>>(o, ptr<float>(lse), bo, ptr<const float>(blk_lse),
+                                                                   rows, int(Tq), int(NH), int(C / NH));
+  });
+  MPIGPT_CUDA_LAUNCHED();
+}
+
+}  // namespace mpigpt::cuda

@@ -1,0 +1,472 @@
+// CUDA backend: matrix products through cuBLASLt (gemm, linear forward with the bias epilogue,
+// linear backward, grouped linear for the MoE experts) and the deterministic column-sum kernel of
+// the bias gradient.
+//
+// Row-major on column-major: cuBLASLt is column-major, and a row-major (r, c) matrix is the same
+// memory as a column-major (c, r) one, its transpose. So row-major C = op(A) op(B) is computed as
+// column-major C^T = op(B)^T op(A)^T: swap the operands, keep each one's transpose flag, and
+// exchange M and N.
+//
+// Precision: compute type CUBLAS_COMPUTE_32F everywhere, also for f32 data (no TF32: the f32 path
+// must match the CPU reference to fp32 rounding). BF16 data: A/B bf16, C/D bf16 for activations
+// and dinp, C/D f32 for weight gradients (bf16 in, f32 out with 32F compute is one of cuBLASLt's
+// supported type combinations), so dweight accumulates in fp32 across micro-batches.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <map>
+
+#include "lib/kernels/cuda/cuda_common.cuh"
+
+namespace mpigpt::cuda {
+
+// ---- the plan cache ----------------------------------------------------------------------------
+
+namespace {
+// Everything the heuristic's answer depends on. Pointer alignments are part of it: cuBLASLt picks
+// vectorised kernels only for pointers that allow them (row slices of a grouped matmul do not).
+using PlanKey = std::array<int64_t, 15>;
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool supported = false;  // the heuristic found an algorithm
+};
+}  // namespace
+
+struct CudaOps::MatmulPlans {
+  // A bound on the cache: the experts' row counts change every step, so grouped matmuls keep
+  // meeting new shapes; past the bound the cache starts over (a heuristic query costs microseconds).
+  static constexpr size_t kMaxPlans = 4096;
+  std::map<PlanKey, Plan> plans;
+  void clear() {
+    // Not CHECKed: this also runs in the destructor, which must not throw; descriptors hold host
+    // memory only.
+    for (auto& [key, p] : plans) {
+      if (p.a) (void)cublasLtMatrixLayoutDestroy(p.a);
+      if (p.b) (void)cublasLtMatrixLayoutDestroy(p.b);
+      if (p.c) (void)cublasLtMatrixLayoutDestroy(p.c);
+      if (p.desc) (void)cublasLtMatmulDescDestroy(p.desc);
+    }
+    plans.clear();
+  }
+  ~MatmulPlans() { clear(); }
+};
+
+CudaOps::MatmulPlans& CudaOps::matmul_plans() {
+  if (!plans_) plans_ = {new MatmulPlans, [](MatmulPlans* p) { delete p; }};
+  return *plans_;
+}
+
+namespace {
+
+cudaDataType_t cuda_type(DType dt) { return dt == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// The largest power of two (up to 256, cuBLASLt's default assumption) dividing the address.
+uint32_t alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a == 0) return 256;
+  return uint32_t(std::min<uintptr_t>(256, a & (~a + 1)));
+}
+
+// One column-major product D (m,n) = alpha op(A) op(B) + beta C with C = D (ld ldc), op(A) (m,k),
+// op(B) (k,n); bias (m) added by the epilogue when given.
+struct LtMatmul {
+  bool ta = false, tb = false;
+  int64_t m = 0, n = 0, k = 0;
+  const void* A = nullptr;
+  int64_t lda = 0;
+  const void* B = nullptr;
+  int64_t ldb = 0;
+  void* C = nullptr;
+  int64_t ldc = 0;
+  DType ab = DType::F32, cd = DType::F32;
+  const void* bias = nullptr;
+  float alpha = 1.0f, beta = 0.0f;
+};
+
+Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
+  const PlanKey key = {mm.ta,        mm.tb,         mm.m,          mm.n,          mm.k,
+                       mm.lda,       mm.ldb,        mm.ldc,        int64_t(mm.ab), int64_t(mm.cd),
+                       mm.bias != nullptr, alignment(mm.A), alignment(mm.B), alignment(mm.C),
+                       mm.bias ? alignment(mm.bias) : 0};
+  auto& cache = ops.matmul_plans();
+  auto it = cache.plans.find(key);
+  if (it != cache.plans.end()) return it->second;
+  if (cache.plans.size() >= CudaOps::MatmulPlans::kMaxPlans) cache.clear();  // no Plan& is held here
+  Plan& p = cache.plans[key];
+
+  MPIGPT_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const int32_t ta = mm.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = mm.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  if (mm.bias) {
+    // The bias has D's dtype (the default) and length m; its pointer's alignment steers the
+    // heuristic, so it is set before the query (and again, to the actual pointer, at each call).
+    const uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
+    MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    MPIGPT_CUBLAS(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof(mm.bias)));
+  }
+  // Stored (untransposed) shapes: op(A) is (m,k), so A is (k,m) when transposed.
+  MPIGPT_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, cuda_type(mm.ab), uint64_t(mm.ta ? mm.k : mm.m),
+                                           uint64_t(mm.ta ? mm.m : mm.k), mm.lda));
+  MPIGPT_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, cuda_type(mm.ab), uint64_t(mm.tb ? mm.n : mm.k),
+                                           uint64_t(mm.tb ? mm.k : mm.n), mm.ldb));
+  MPIGPT_CUBLAS(cublasLtMatrixLayoutCreate(&p.c, cuda_type(mm.cd), uint64_t(mm.m), uint64_t(mm.n), mm.ldc));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  MPIGPT_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = CudaOps::kCublasWorkspace;
+  const uint32_t al_a = alignment(mm.A), al_b = alignment(mm.B), al_c = alignment(mm.C);
+  MPIGPT_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  MPIGPT_CUBLAS(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
+  MPIGPT_CUBLAS(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
+  MPIGPT_CUBLAS(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+  MPIGPT_CUBLAS(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+  if (mm.cd == DType::BF16) {
+    // Split-K partial sums must be added in fp32, not in the bf16 output (the in-place and
+    // output-type schemes would round every partial sum to 8 bits).
+    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    MPIGPT_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
+                                                       sizeof(schemes)));
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(ops.cublaslt(), p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+  MPIGPT_CUBLAS(cublasLtMatmulPreferenceDestroy(pref));
+  if (st != CUBLAS_STATUS_NOT_SUPPORTED) MPIGPT_CUBLAS(st);
+  p.supported = st == CUBLAS_STATUS_SUCCESS && found > 0;
+  if (p.supported) p.algo = result.algo;
+  return p;
+}
+
+std::string describe(const LtMatmul& mm) {
+  return fmt::format("column-major m={} n={} k={} op(A)={} op(B)={} lda={} ldb={} ldc={} A/B {} C/D {}{}; "
+                     "alignment A {} B {} C {}",
+                     mm.m, mm.n, mm.k, mm.ta ? "T" : "N", mm.tb ? "T" : "N", mm.lda, mm.ldb, mm.ldc,
+                     dtype_name(mm.ab), dtype_name(mm.cd), mm.bias ? ", bias epilogue" : "", alignment(mm.A),
+                     alignment(mm.B), alignment(mm.C));
+}
+
+// Runs the product; false (and nothing queued) when it has a bias and no algorithm supports the
+// bias epilogue for it, so the caller can add the bias itself.
+bool run_matmul(CudaOps& ops, const LtMatmul& mm, const char* op) {
+  Plan& p = plan_for(ops, mm);
+  if (!p.supported) {
+    if (mm.bias) return false;
+    fail("{}: cuBLASLt offers no algorithm for {}", op, describe(mm));
+  }
+  if (mm.bias)
+    MPIGPT_CUBLAS(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof(mm.bias)));
+  MPIGPT_CUBLAS(cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta, mm.C, p.c, mm.C,
+                               p.c, &p.algo, ops.cublaslt_workspace(), CudaOps::kCublasWorkspace,
+                               ops.cuda_stream()));
+  return true;
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+
+// out (rows, cols) += bias (cols) broadcast over rows (when the epilogue cannot take the bias).
+template <class T>
+__global__ void add_bias_kernel(T* out, const T* bias, int64_t rows, int64_t cols) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = from_f<T>(to_f(out[i]) + to_f(bias[i % cols]));
+}
+
+// Column sums of x (rows, cols) over the row range of chunk blockIdx.y: a (32 x 8) block owns 32
+// columns, its 8 warps stride over the rows, and shared memory adds their 8 partial sums in a
+// fixed order (no atomics: the result is the same on every run). With accumulate, out (cols) +=
+// the sums; otherwise out (chunks, cols) receives one row of partial sums per chunk.
+constexpr int kSumCols = 32, kSumRows = 8;
+template <class T>
+__global__ void column_sums_kernel(float* out, const T* x, int64_t rows, int64_t cols, int64_t rows_per_chunk,
+                                   bool accumulate) {
+  __shared__ float part[kSumRows][kSumCols + 1];
+  const int64_t col = int64_t(blockIdx.x) * kSumCols + threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_chunk, r1 = min(rows, r0 + rows_per_chunk);
+  float s = 0.0f;
+  if (col < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kSumRows) s += to_f(x[r * cols + col]);
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float t = 0.0f;
+    for (int y = 0; y < kSumRows; ++y) t += part[y][threadIdx.x];
+    if (accumulate)
+      out[col] += t;
+    else
+      out[int64_t(blockIdx.y) * cols + col] = t;
+  }
+}
+
+// out (cols) += the sum over chunks of partial (chunks, cols), chunks in order.
+__global__ void sum_partials_kernel(float* out, const float* partial, int64_t chunks, int64_t cols) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols; c += int64_t(gridDim.x) * blockDim.x) {
+    float t = 0.0f;
+    for (int64_t j = 0; j < chunks; ++j) t += partial[j * cols + c];
+    out[c] += t;
+  }
+}
+
+constexpr int kThreads = 256;
+inline unsigned grid_for(int64_t n) { return std::min<unsigned>(blocks_for(n, kThreads), 8192u); }
+
+// dbias (cols) f32 += column sums of x (rows, cols) in the data dtype.
+void column_sums_accumulate(CudaOps& ops, float* dbias, const Tensor& x, int64_t rows, int64_t cols) {
+  if (rows == 0 || cols == 0) return;
+  cudaStream_t s = ops.cuda_stream();
+  // Tall inputs are cut into row chunks so that enough blocks run (a few columns x many rows
+  // would otherwise leave most of the GPU idle); the chunks' partial sums are added in order.
+  const int64_t col_blocks = (cols + kSumCols - 1) / kSumCols;
+  const int64_t chunks = std::clamp<int64_t>((rows + 255) / 256, 1, std::max<int64_t>(1, 1024 / col_blocks));
+  const int64_t per_chunk = (rows + chunks - 1) / chunks;
+  const dim3 block{unsigned(kSumCols), unsigned(kSumRows)}, grid{unsigned(col_blocks), unsigned(chunks)};
+  dispatch_float(x.dtype, "linear_backward", [&](auto tag) {
+    using T = decltype(tag);
+    if (chunks == 1) {
+      column_sums_kernel<<<grid, block, 0, s>>>(dbias, ptr<T>(x), rows, cols, per_chunk, true);
+      MPIGPT_CUDA_LAUNCHED();
+      return;
+    }
+    auto partial = ops.scratch(size_t(chunks * cols) * sizeof(float));
+    column_sums_kernel<<<grid, block, 0, s>>>(static_cast<float*>(partial.ptr), ptr<T>(x), rows, cols, per_chunk,
+                                              false);
+    MPIGPT_CUDA_LAUNCHED();
+    sum_partials_kernel<<<grid_for(cols), kThreads, 0, s>>>(dbias, static_cast<float*>(partial.ptr), chunks, cols);
+    MPIGPT_CUDA_LAUNCHED();
+  });
+}
+
+// ---- row-major products ------------------------------------------------------------------------
+
+struct Mat {
+  int64_t rows, cols;
+};
+// A tensor as a matrix: its last dimension are the columns, all others the rows (also when there
+// are no columns: an (N, 0) input of a linear layer still has N rows).
+Mat mat_of(const Tensor& t) {
+  if (t.ndim() == 0) return {1, 1};
+  int64_t rows = 1;
+  for (int i = 0; i + 1 < t.ndim(); ++i) rows *= t.size(i);
+  return {rows, t.size(-1)};
+}
+
+// Row-major, contiguous c (M,N) = alpha op(a) op(b) + beta c (+ bias (N) on every row), with a
+// stored (M,K) or (K,M) when ta, b stored (K,N) or (N,K) when tb. a, b in `ab`, c and bias in `cd`.
+void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* a,
+                   const void* b, void* c, DType ab, DType cd, const void* bias, float alpha, float beta) {
+  if (M == 0 || N == 0) return;
+  Tensor ct(c, {M * N}, cd, Device::CUDA);
+  if (K == 0) {  // op(a) op(b) is zero; cuBLASLt rejects k = 0
+    if (beta == 0.0f)
+      ops.fill(ct, 0.0f);
+    else
+      ops.scale(ct, beta);
+  } else {
+    LtMatmul mm;
+    mm.ta = tb;  // column-major C^T = op(b)^T op(a)^T: b is the first operand
+    mm.tb = ta;
+    mm.m = N;
+    mm.n = M;
+    mm.k = K;
+    mm.A = b;
+    mm.lda = tb ? K : N;  // b's row length
+    mm.B = a;
+    mm.ldb = ta ? M : K;  // a's row length
+    mm.C = c;
+    mm.ldc = N;
+    mm.ab = ab;
+    mm.cd = cd;
+    mm.alpha = alpha;
+    mm.beta = beta;
+    // The epilogue only for 16-byte aligned biases: some cuBLASLt kernels read the bias vectorised
+    // without saying so to the heuristic; the per-group biases of grouped_linear are often not.
+    mm.bias = bias && alignment(bias) >= 16 ? bias : nullptr;
+    if (!run_matmul(ops, mm, op)) {
+      mm.bias = nullptr;
+      run_matmul(ops, mm, op);
+    }
+    if (mm.bias) return;  // the epilogue added it
+  }
+  if (!bias) return;
+  dispatch_float(cd, op, [&](auto tag) {
+    using T = decltype(tag);
+    add_bias_kernel<<<grid_for(M * N), kThreads, 0, ops.cuda_stream()>>>(static_cast<T*>(c),
+                                                                        static_cast<const T*>(bias), M, N);
+  });
+  MPIGPT_CUDA_LAUNCHED();
+}
+
+// The i-th element of t as a pointer (row slices of grouped matmuls), for any dtype.
+inline void* at(const Tensor& t, int64_t i) { return static_cast<char*>(t.ptr) + i * int64_t(dtype_size(t.dtype)); }
+
+}  // namespace
+
+// ---- ops -----------------------------------------------------------------------------------------
+
+void CudaOps::gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) {
+  // c (M,N), a (M,K) or (K,M) when trans_a, b (K,N) or (N,K) when trans_b; one data dtype
+  const char* op = "gemm";
+  check_device(c, op, "c");
+  check_device(a, op, "a");
+  check_device(b, op, "b");
+  const DType dt = data_dtype(op, {{"c", c}, {"a", a}, {"b", b}});
+  const Mat mc = mat_of(c), ma = mat_of(a), mb = mat_of(b);
+  const int64_t M = mc.rows, N = mc.cols;
+  const int64_t K = trans_a ? ma.rows : ma.cols;
+  const int64_t a_m = trans_a ? ma.cols : ma.rows;
+  const int64_t b_k = trans_b ? mb.cols : mb.rows, b_n = trans_b ? mb.rows : mb.cols;
+  MPIGPT_CHECK(a_m == M && b_k == K && b_n == N,
+               "gemm: c {} = op(a {}, trans={}) @ op(b {}, trans={}) has mismatched shapes", c.shape.str(),
+               a.shape.str(), trans_a, b.shape.str(), trans_b);
+  rowmajor_gemm(*this, op, trans_a, trans_b, M, N, K, a.ptr, b.ptr, c.ptr, dt, dt, nullptr, alpha, beta);
+}
+
+void CudaOps::linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) {
+  // out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC); all in the data dtype, bias optional
+  const char* op = "linear_forward";
+  check_device(out, op, "out");
+  check_device(inp, op, "inp");
+  check_device(weight, op, "weight");
+  check_device_opt(bias, op, "bias");
+  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}, {"bias", bias}});
+  const Mat mo = mat_of(out), mx = mat_of(inp), mw = mat_of(weight);
+  const int64_t N = mx.rows, IC = mx.cols, OC = mw.rows;
+  MPIGPT_CHECK(mw.cols == IC && mo.rows == N && mo.cols == OC,
+               "linear_forward: out {} = inp {} @ weight {}^T has mismatched shapes", out.shape.str(),
+               inp.shape.str(), weight.shape.str());
+  MPIGPT_CHECK(!bias.defined() || bias.numel() == OC, "linear_forward: bias {} must have OC = {} elements",
+               bias.shape.str(), OC);
+  rowmajor_gemm(*this, op, false, true, N, OC, IC, inp.ptr, weight.ptr, out.ptr, dt, dt,
+                bias.defined() ? bias.ptr : nullptr, 1.0f, 0.0f);
+}
+
+void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) {
+  // dinp (N,IC) = dout (N,OC) @ weight (OC,IC), overwritten, data dtype;
+  // dweight (OC,IC) f32 += dout^T @ inp; dbias (OC) f32 += column sums of dout
+  const char* op = "linear_backward";
+  check_device(dout, op, "dout");
+  check_device_opt(dinp, op, "dinp");
+  check_device_opt(dweight, op, "dweight");
+  check_device_opt(dbias, op, "dbias");
+  const DType dt = data_dtype(op, {{"dout", dout}, {"dinp", dinp}, {"inp", dweight.defined() ? inp : Tensor()},
+                                   {"weight", dinp.defined() ? weight : Tensor()}});
+  const Mat mo = mat_of(dout);
+  const int64_t N = mo.rows, OC = mo.cols;
+  if (dinp.defined()) {
+    check_device(weight, op, "weight");
+    const Mat mw = mat_of(weight), mdx = mat_of(dinp);
+    MPIGPT_CHECK(mw.rows == OC && mdx.rows == N && mdx.cols == mw.cols,
+                 "linear_backward: dinp {} = dout {} @ weight {} has mismatched shapes", dinp.shape.str(),
+                 dout.shape.str(), weight.shape.str());
+    rowmajor_gemm(*this, op, false, false, N, mw.cols, OC, dout.ptr, weight.ptr, dinp.ptr, dt, dt, nullptr, 1.0f,
+                  0.0f);
+  }
+  if (dweight.defined()) {
+    check_device(inp, op, "inp");
+    check_dtype(dweight, DType::F32, op, "dweight (weight gradients accumulate in f32)");
+    const Mat mx = mat_of(inp), mdw = mat_of(dweight);
+    MPIGPT_CHECK(mx.rows == N && mdw.rows == OC && mdw.cols == mx.cols,
+                 "linear_backward: dweight {} += dout {}^T @ inp {} has mismatched shapes", dweight.shape.str(),
+                 dout.shape.str(), inp.shape.str());
+    rowmajor_gemm(*this, op, true, false, OC, mx.cols, N, dout.ptr, inp.ptr, dweight.ptr, dt, DType::F32, nullptr,
+                  1.0f, 1.0f);
+  }
+  if (dbias.defined()) {
+    check_dtype(dbias, DType::F32, op, "dbias (bias gradients accumulate in f32)");
+    MPIGPT_CHECK(dbias.numel() == OC, "linear_backward: dbias {} must have OC = {} elements (dout {})",
+                 dbias.shape.str(), OC, dout.shape.str());
+    column_sums_accumulate(*this, ptr<float>(dbias), dout, N, OC);
+  }
+}
+
+namespace {
+void check_groups(const char* op, const Tensor& weight, const Tensor& bias, int64_t M, const int64_t* group_rows) {
+  MPIGPT_CHECK(weight.ndim() == 3, "{}: weight {} must be (G,OC,IC)", op, weight.shape.str());
+  MPIGPT_CHECK(!bias.defined() || bias.numel() == weight.size(0) * weight.size(1),
+               "{}: bias {} must be (G,OC) for weight {}", op, bias.shape.str(), weight.shape.str());
+  MPIGPT_CHECK(group_rows != nullptr, "{}: group_rows (a host array of G row counts) is required", op);
+  int64_t total = 0;
+  for (int64_t g = 0; g < weight.size(0); ++g) {
+    MPIGPT_CHECK(group_rows[g] >= 0, "{}: group {} has {} rows", op, g, group_rows[g]);
+    total += group_rows[g];
+  }
+  MPIGPT_CHECK(total == M, "{}: the groups hold {} rows but the input has {}", op, total, M);
+}
+}  // namespace
+
+void CudaOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) {
+  // out (M,OC), inp (M,IC), weight (G,OC,IC), bias (G,OC) optional, data dtype; group g is
+  // group_rows[g] (host) consecutive rows through weight[g]
+  const char* op = "grouped_linear_forward";
+  check_device(out, op, "out");
+  check_device(inp, op, "inp");
+  check_device(weight, op, "weight");
+  check_device_opt(bias, op, "bias");
+  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}, {"bias", bias}});
+  const Mat mo = mat_of(out), mi = mat_of(inp);
+  check_groups(op, weight, bias, mi.rows, group_rows);
+  const int64_t G = weight.size(0), OC = weight.size(1), IC = weight.size(2);
+  MPIGPT_CHECK(mo.rows == mi.rows && mo.cols == OC && mi.cols == IC,
+               "{}: out {} = inp {} @ weight {}^T per group has mismatched shapes", op, out.shape.str(),
+               inp.shape.str(), weight.shape.str());
+  // One cuBLASLt call per group; empty groups (experts that got no tokens) are skipped.
+  for (int64_t g = 0, r = 0; g < G; r += group_rows[g], ++g) {
+    if (group_rows[g] == 0) continue;
+    rowmajor_gemm(*this, op, false, true, group_rows[g], OC, IC, at(inp, r * IC), at(weight, g * OC * IC),
+                  at(out, r * OC), dt, dt, bias.defined() ? at(bias, g * OC) : nullptr, 1.0f, 0.0f);
+  }
+}
+
+void CudaOps::grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                                      Tensor weight, const int64_t* group_rows) {
+  // dinp (M,IC) overwritten (optional), data dtype; dweight (G,OC,IC) and dbias (G,OC) f32 accumulate
+  const char* op = "grouped_linear_backward";
+  check_device(dout, op, "dout");
+  check_device(weight, op, "weight");
+  check_device_opt(dinp, op, "dinp");
+  check_device_opt(dweight, op, "dweight");
+  check_device_opt(dbias, op, "dbias");
+  const DType dt = data_dtype(op, {{"dout", dout}, {"weight", weight}, {"dinp", dinp},
+                                   {"inp", dweight.defined() ? inp : Tensor()}});
+  const Mat mo = mat_of(dout);
+  check_groups(op, weight, dbias, mo.rows, group_rows);
+  const int64_t G = weight.size(0), OC = weight.size(1), IC = weight.size(2);
+  MPIGPT_CHECK(mo.cols == OC, "{}: dout {} must have OC = {} columns", op, dout.shape.str(), OC);
+  MPIGPT_CHECK(!dinp.defined() || (mat_of(dinp).rows == mo.rows && mat_of(dinp).cols == IC),
+               "{}: dinp {} must be (M,IC) = ({}, {})", op, dinp.shape.str(), mo.rows, IC);
+  if (dweight.defined()) {
+    check_device(inp, op, "inp");
+    check_dtype(dweight, DType::F32, op, "dweight (weight gradients accumulate in f32)");
+    MPIGPT_CHECK(dweight.shape == weight.shape, "{}: dweight {} must match weight {}", op, dweight.shape.str(),
+                 weight.shape.str());
+    MPIGPT_CHECK(mat_of(inp).rows == mo.rows && mat_of(inp).cols == IC, "{}: inp {} must be (M,IC) = ({}, {})", op,
+                 inp.shape.str(), mo.rows, IC);
+  }
+  if (dbias.defined()) check_dtype(dbias, DType::F32, op, "dbias (bias gradients accumulate in f32)");
+  for (int64_t g = 0, r = 0; g < G; r += group_rows[g], ++g) {
+    const int64_t n = group_rows[g];
+    if (n == 0) continue;  // dinp has no rows to write, the gradients nothing to add
+    if (dinp.defined())
+      rowmajor_gemm(*this, op, false, false, n, IC, OC, at(dout, r * OC), at(weight, g * OC * IC), at(dinp, r * IC),
+                    dt, dt, nullptr, 1.0f, 0.0f);
+    if (dweight.defined())
+      rowmajor_gemm(*this, op, true, false, OC, IC, n, at(dout, r * OC), at(inp, r * IC), at(dweight, g * OC * IC),
+                    dt, DType::F32, nullptr, 1.0f, 1.0f);
+    if (dbias.defined())
+      column_sums_accumulate(*this, static_cast<float*>(at(dbias, g * OC)),
+                             Tensor(at(dout, r * OC), {n, OC}, dt, Device::CUDA), n, OC);
+  }
+}
+
+}  // namespace mpigpt::cuda

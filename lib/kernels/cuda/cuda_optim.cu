@@ -1,0 +1,176 @@
+// CUDA backend: the fused AdamW update over a flat range (one launch, 16-byte accesses) and the
+// reductions that return a double to the host (sum of squares for the gradient norm, sum). The
+// reductions are two-stage with a block count that depends only on the element count and a fixed
+// combining order, so they give the same bits on every run.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "lib/kernels/cuda/cuda_common.cuh"
+#include "lib/kernels/cuda/cuda_kernel_util.cuh"
+
+namespace mpigpt::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 1024;  // stage-1 partial sums of the reductions
+
+// ---- AdamW --------------------------------------------------------------------------------------
+
+struct AdamArgs {
+  float lr, beta1, beta2, eps, weight_decay, inv_bc1, inv_bc2, grad_scale;
+};
+
+// The same arithmetic as the CPU backend (nvcc may fuse multiply-adds, so the bits can differ by an
+// ulp): g = grad * scale; m, v moments; p -= lr (m_hat / (sqrt(v_hat) + eps) + wd p).
+__device__ __forceinline__ void adam_element(float& p, float g, float& m, float& v, const AdamArgs& a) {
+  const float gi = g * a.grad_scale;
+  m = a.beta1 * m + (1.0f - a.beta1) * gi;
+  v = a.beta2 * v + (1.0f - a.beta2) * gi * gi;
+  const float denom = sqrtf(v * a.inv_bc2);
+  p = p - a.lr * ((m * a.inv_bc1) / (denom + a.eps) + a.weight_decay * p);
+}
+
+// param, grad, m, v (n) f32. Packs of W over [0, n/W*W); the remaining n % W elements go to the
+// first threads of the grid.
+template <int W>
+__global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+                             float* __restrict__ v, int64_t n, AdamArgs a) {
+  const int64_t packs = n / W, tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = tid; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    using P = Pack<float, W>;
+    P pp = reinterpret_cast<P*>(param)[i], mm = reinterpret_cast<P*>(m)[i], vv = reinterpret_cast<P*>(v)[i];
+    const P gg = reinterpret_cast<const P*>(grad)[i];
+#pragma unroll
+    for (int j = 0; j < W; ++j) adam_element(pp.v[j], gg.v[j], mm.v[j], vv.v[j], a);
+    reinterpret_cast<P*>(param)[i] = pp;
+    reinterpret_cast<P*>(m)[i] = mm;
+    reinterpret_cast<P*>(v)[i] = vv;
+  }
+  const int64_t tail = n - packs * W;
+  if (tid < tail) {
+    const int64_t i = packs * W + tid;
+    float p = param[i], mi = m[i], vi = v[i];
+    adam_element(p, grad[i], mi, vi, a);
+    param[i] = p;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+// ---- reductions ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// The block's total in thread 0 (fixed tree order).
+__device__ __forceinline__ double block_sum(double v) {
+  __shared__ double sh[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) v = warp_sum(lane < nwarps ? sh[lane] : 0.0);
+  return v;
+}
+
+// partial[block] = sum over this block's grid-stride share of x (or x^2), in double.
+template <class T, int W, bool kSquare>
+__global__ void reduce_stage1_kernel(double* __restrict__ partial, const T* __restrict__ x, int64_t n) {
+  const int64_t packs = n / W, tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  double acc = 0.0;
+  for (int64_t i = tid; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    const Pack<T, W> p = reinterpret_cast<const Pack<T, W>*>(x)[i];
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const double d = double(to_f(p.v[j]));
+      acc += kSquare ? d * d : d;
+    }
+  }
+  const int64_t tail = n - packs * W;
+  if (tid < tail) {
+    const double d = double(to_f(x[packs * W + tid]));
+    acc += kSquare ? d * d : d;
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// *result = sum of partial[0:G) (one block).
+__global__ void reduce_stage2_kernel(double* __restrict__ result, const double* __restrict__ partial, int G) {
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < G; i += blockDim.x) acc += partial[i];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) *result = acc;
+}
+
+template <bool kSquare>
+double reduce(CudaOps& ops, Tensor t, const char* op) {
+  check_device(t, op, "t");
+  const int64_t n = t.numel();
+  if (n == 0) return 0.0;
+  cudaStream_t s = ops.cuda_stream();
+  // Stage-1 blocks: ~32 elements per thread, at most kMaxBlocks; a function of n only (determinism).
+  const int G = int(std::clamp<int64_t>((n + kThreads * 32 - 1) / (kThreads * 32), 1, kMaxBlocks));
+  CudaOps::Scratch scratch = ops.scratch(size_t(G + 1) * sizeof(double));
+  double* partial = static_cast<double*>(scratch.ptr);
+  dispatch_float(t.dtype, op, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int W = 16 / sizeof(T);
+    if (aligned16(t.ptr))
+      reduce_stage1_kernel<T, W, kSquare><<<G, kThreads, 0, s>>>(partial, ptr<T>(t), n);
+    else
+      reduce_stage1_kernel<T, 1, kSquare><<<G, kThreads, 0, s>>>(partial, ptr<T>(t), n);
+    MPIGPT_CUDA_LAUNCHED();
+  });
+  reduce_stage2_kernel<<<1, 1024, 0, s>>>(partial + G, partial, G);
+  MPIGPT_CUDA_LAUNCHED();
+  double* host = ops.host_result();
+  MPIGPT_CUDA(cudaMemcpyAsync(host, partial + G, sizeof(double), cudaMemcpyDeviceToHost, s));
+  MPIGPT_CUDA(cudaStreamSynchronize(s));
+  return host[0];
+}
+
+}  // namespace
+
+void CudaOps::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
+                    float weight_decay, int64_t step, float grad_scale) {
+  // param, grad, m, v (n) f32: the same flat range; one pass reads all four and writes three
+  const char* op = "adamw";
+  for (auto [t, what] : {std::pair{param, "param"}, {grad, "grad"}, {m, "m"}, {v, "v"}}) {
+    check_device(t, op, what);
+    check_dtype(t, DType::F32, op, what);
+  }
+  const int64_t n = param.numel();
+  MPIGPT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n,
+               "adamw: param {}, grad {}, m {}, v {} must have the same number of elements", param.str(), grad.str(),
+               m.str(), v.str());
+  MPIGPT_CHECK(step >= 1, "adamw: step must be >= 1 (bias correction), got {}", step);
+  if (n == 0) return;
+  const AdamArgs a{lr,
+                   beta1,
+                   beta2,
+                   eps,
+                   weight_decay,
+                   float(1.0 / (1.0 - std::pow(double(beta1), double(step)))),
+                   float(1.0 / (1.0 - std::pow(double(beta2), double(step)))),
+                   grad_scale};
+  const bool vec = aligned16(param.ptr) && aligned16(grad.ptr) && aligned16(m.ptr) && aligned16(v.ptr);
+  const int64_t work = vec ? n / 4 : n;
+  const unsigned blocks = unsigned(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, 1 << 20));
+  if (vec)
+    adamw_kernel<4><<<blocks, kThreads, 0, cuda_stream()>>>(ptr<float>(param), ptr<float>(grad), ptr<float>(m),
+                                                            ptr<float>(v), n, a);
+  else
+    adamw_kernel<1><<<blocks, kThreads, 0, cuda_stream()>>>(ptr<float>(param), ptr<float>(grad), ptr<float>(m),
+                                                            ptr<float>(v), n, a);
+  MPIGPT_CUDA_LAUNCHED();
+}
+
+double CudaOps::sum_squares(Tensor t) { return reduce<true>(*this, t, "sum_squares"); }
+
+double CudaOps::sum(Tensor t) { return reduce<false>(*this, t, "sum"); }
+
+}  // namespace mpigpt::cuda
