@@ -83,6 +83,7 @@ TEST_CASE("config: bare keys on the command line and in a file without section")
   CHECK(c.parallel.tp == 2);
   CHECK(c.model.num_layers == 3);
   CHECK(c.model.family == "llama");
+  CHECK(parsed({"--comm", "mpi"}).engine.comm == "mpi");  // the switch away from NCCL, as the errors suggest it
   // Megatron-LM's dashed spellings name the same keys.
   Config m = parsed({"--save", "ck", "--save-interval", "5", "--checkpoint.keep-last", "2", "--micro-batch=2"});
   CHECK(m.checkpoint.save == "ck");
@@ -160,6 +161,7 @@ TEST_CASE("config: unknown keys suggest the closest option") {
   CHECK_FAILS(parsed({"--micro-batch-size=2"}), "did you mean '--training.micro_batch'?");
   CHECK_FAILS(parsed({"--sede", "1"}), "did you mean '--training.seed'?");
   CHECK_FAILS(parsed({"--layers", "1"}), "did you mean '--model.num_layers'?");
+  CHECK_FAILS(parsed({"--distributed-backend=nccl"}), "did you mean '--engine.comm'?");
   CHECK_FAILS(parsed({"--zzzzzzzz", "1"}), "unknown option '--zzzzzzzz'; run with --help to list the options");
   CHECK_FAILS(parsed({"-x"}), "command line: unknown option '-x'");
   CHECK_FAILS(parsed({"--data.path", "--lr", "1"}),
@@ -368,7 +370,7 @@ TEST_CASE("config: validate names the field, the value and the fix") {
   }
   SUBCASE("enumerations") {
     for (const char* name : {"model.family", "training.lr_schedule", "engine.recompute", "engine.grad_accum_dtype",
-                             "training.precision", "engine.backend", "data.tokenizer"}) {
+                             "training.precision", "engine.backend", "engine.comm", "data.tokenizer"}) {
       CAPTURE(name);
       CHECK_FAILS(parsed({fmt::format("--{}=bogus", name)}).validate(1), fmt::format("{} = 'bogus' is not one of", name));
     }
@@ -405,6 +407,12 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_FAILS(parsed({"--precision=bf16", "--grad_accum_dtype=bf16"}).validate(1),
                 "training.precision = bf16 needs engine.grad_accum_dtype = fp32 (it is bf16)");
     CHECK_NOTHROW(parsed({"--grad_accum_dtype=bf16"}).validate(1));
+    // engine.comm: NCCL moves device memory only; auto and mpi suit either backend.
+    CHECK_FAILS(parsed({"--comm=nccl"}).validate(1),
+                "engine.comm = nccl needs engine.backend = cuda (it is cpu)");
+    CHECK_NOTHROW(parsed({"--comm=nccl", "--backend=cuda"}).validate(1));
+    for (const char* backend : {"cpu", "cuda"})
+      for (const char* comm : {"auto", "mpi"}) CHECK_NOTHROW(parsed({"--backend", backend, "--comm", comm}).validate(1));
   }
   SUBCASE("batch sizes") {
     CHECK_FAILS(parsed({"--micro_batch=4", "--global_batch=4"}).validate(2),

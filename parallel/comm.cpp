@@ -1,13 +1,18 @@
-// The MPI backend of Comm.
+// Comm: the MPI backend on host memory, and the routing of every call to it, to NCCL or to the
+// staged path (comm.h). The CUDA and NCCL calls themselves are in comm_nccl.cpp.
 #include "parallel/comm.h"
 
 #include <algorithm>
 #include <climits>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <utility>
 
 #include "lib/core/error.h"
+#include "lib/core/log.h"
+#include "parallel/comm_nccl.h"
+#include "parallel/nccl_loader.h"
 
 namespace mpigpt {
 
@@ -30,16 +35,6 @@ MPI_Datatype mpi_type(const Tensor& t) {
   return MPI_BYTE;
 }
 
-void check_host(const Tensor& t, const char* op) {
-  MPIGPT_CHECK(t.device == Device::CPU, "{}: the MPI backend moves host memory, got a {} tensor on the device", op,
-               t.str());
-}
-
-void check_reducible(const Tensor& t, const char* op) {
-  check_host(t, op);
-  MPIGPT_CHECK(t.dtype != DType::BF16, "{}: MPI cannot reduce bf16 ({})", op, t.str());
-}
-
 int as_count(int64_t n, const char* op) {
   MPIGPT_CHECK(n <= INT_MAX, "{}: {} elements per rank exceed MPI's int count; split the buffer", op, n);
   return int(n);
@@ -57,20 +52,162 @@ void in_pieces(int64_t n, F&& f) {
 
 char* at(const Tensor& t, int64_t elements) { return static_cast<char*>(t.ptr) + elements * dtype_size(t.dtype); }
 
+// ---- the MPI backend: host memory, arguments already checked and counted ----------------------
+
+Request mpi_iallreduce(MPI_Comm comm, Tensor t, MPI_Op op) {
+  std::vector<MPI_Request> reqs;
+  in_pieces(t.numel(), [&](int64_t off, int count) {
+    reqs.emplace_back();
+    MPIGPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, at(t, off), count, mpi_type(t), op, comm, &reqs.back()));
+  });
+  return Request(std::move(reqs));
+}
+
+void mpi_allreduce(MPI_Comm comm, Tensor t, MPI_Op op) {
+  in_pieces(t.numel(), [&](int64_t off, int count) {
+    MPIGPT_MPI(MPI_Allreduce(MPI_IN_PLACE, at(t, off), count, mpi_type(t), op, comm));
+  });
+}
+
+Request mpi_ireduce_scatter(MPI_Comm comm, Tensor out, Tensor inp) {
+  std::vector<MPI_Request> reqs(1);
+  MPIGPT_MPI(MPI_Ireduce_scatter_block(inp.ptr, out.ptr, as_count(out.numel(), "reduce_scatter_sum"), mpi_type(inp),
+                                       MPI_SUM, comm, &reqs[0]));
+  return Request(std::move(reqs));
+}
+
+Request mpi_iall_gather(MPI_Comm comm, Tensor out, Tensor inp) {
+  std::vector<MPI_Request> reqs(1);
+  const int n = as_count(inp.numel(), "all_gather");
+  MPIGPT_MPI(MPI_Iallgather(inp.ptr, n, mpi_type(inp), out.ptr, n, mpi_type(out), comm, &reqs[0]));
+  return Request(std::move(reqs));
+}
+
+Request mpi_ireduce_scatter_inplace(MPI_Comm comm, int rank, int size, Tensor buf) {
+  const int64_t n = buf.numel() / size;
+  std::vector<MPI_Request> reqs(1);
+  MPIGPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf.ptr, as_count(n, "reduce_scatter_sum_inplace"),
+                                       mpi_type(buf), MPI_SUM, comm, &reqs[0]));
+  // MPI's in-place variant leaves the result in block 0, not block rank(): move it once done.
+  std::function<void()> then;
+  if (rank != 0)
+    then = [dst = at(buf, n * rank), src = at(buf, 0), bytes = size_t(n) * dtype_size(buf.dtype)] {
+      std::memcpy(dst, src, bytes);
+    };
+  return Request(std::move(reqs), std::move(then));
+}
+
+Request mpi_iall_gather_inplace(MPI_Comm comm, int size, Tensor buf) {
+  std::vector<MPI_Request> reqs(1);
+  const int count = as_count(buf.numel() / size, "all_gather_inplace");
+  MPIGPT_MPI(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf.ptr, count, mpi_type(buf), comm, &reqs[0]));
+  return Request(std::move(reqs));
+}
+
+void mpi_broadcast(MPI_Comm comm, Tensor t, int root) {
+  in_pieces(t.numel(), [&](int64_t off, int count) {
+    MPIGPT_MPI(MPI_Bcast(at(t, off), count, mpi_type(t), root, comm));
+  });
+}
+
+Request mpi_isend(MPI_Comm comm, Tensor t, int peer, int tag, std::function<void()> then = {}) {
+  std::vector<MPI_Request> reqs(1);
+  MPIGPT_MPI(MPI_Isend(t.ptr, as_count(t.numel(), "send"), mpi_type(t), peer, tag, comm, &reqs[0]));
+  return Request(std::move(reqs), std::move(then));
+}
+
+Request mpi_irecv(MPI_Comm comm, Tensor t, int peer, int tag, std::function<void()> then = {}) {
+  std::vector<MPI_Request> reqs(1);
+  MPIGPT_MPI(MPI_Irecv(t.ptr, as_count(t.numel(), "recv"), mpi_type(t), peer, tag, comm, &reqs[0]));
+  return Request(std::move(reqs), std::move(then));
+}
+
+void mpi_all_to_all_v(MPI_Comm comm, Tensor out, const std::vector<int64_t>& recv_counts, Tensor inp,
+                      const std::vector<int64_t>& send_counts) {
+  const int size = int(send_counts.size());
+  std::vector<int> sc(size), sd(size), rc(size), rd(size);
+  int64_t so = 0, ro = 0;
+  for (int r = 0; r < size; ++r) {
+    sc[r] = as_count(send_counts[r], "all_to_all_v");
+    rc[r] = as_count(recv_counts[r], "all_to_all_v");
+    sd[r] = as_count(so, "all_to_all_v");
+    rd[r] = as_count(ro, "all_to_all_v");
+    so += send_counts[r];
+    ro += recv_counts[r];
+  }
+  MPIGPT_MPI(MPI_Alltoallv(inp.ptr, sc.data(), sd.data(), mpi_type(inp), out.ptr, rc.data(), rd.data(),
+                           mpi_type(out), comm));
+}
+
+// ---- the staged path -------------------------------------------------------------------------
+
+// bf16 <-> f32 on the host: a bf16 is the upper half of an f32; narrowing rounds to nearest even
+// (NaN kept), as the device's __float2bfloat16_rn does.
+float widen_bf16(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t narrow_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// A device tensor's image in pinned host memory, what MPI moves on the staged path. A bf16
+// tensor that is reduced is widened to f32 on the host (MPI has no bf16 sum) and rounded back
+// when stored.
+class HostImage {
+ public:
+  HostImage(DeviceComm& dc, const Tensor& dev, bool load, bool widen)
+      : raw_(pinned_host(dc, std::max<size_t>(dev.nbytes(), 1))) {
+    if (load) copy_to_host(dc, raw_.get(), dev);
+    if (widen && dev.dtype == DType::BF16) {
+      wide_.resize(size_t(dev.numel()));
+      const auto* b = reinterpret_cast<const uint16_t*>(raw_.get());
+      if (load)
+        for (size_t i = 0; i < wide_.size(); ++i) wide_[i] = widen_bf16(b[i]);
+      host_ = Tensor(wide_.data(), dev.shape, DType::F32);
+    } else {
+      host_ = Tensor(raw_.get(), dev.shape, dev.dtype);
+    }
+  }
+  HostImage(const HostImage&) = delete;
+  HostImage& operator=(const HostImage&) = delete;
+  const Tensor& host() const { return host_; }
+  // dev <- the image; dev may be a prefix of the tensor the image was made from.
+  void store(const DeviceComm& dc, const Tensor& dev) {
+    if (!wide_.empty()) {
+      auto* b = reinterpret_cast<uint16_t*>(raw_.get());
+      for (size_t i = 0; i < wide_.size(); ++i) b[i] = narrow_bf16(wide_[i]);
+    }
+    copy_to_device(dc, dev, raw_.get());
+  }
+
+ private:
+  std::shared_ptr<std::byte> raw_;  // the device bytes
+  std::vector<float> wide_;         // the f32 copy of a reduced bf16 tensor
+  Tensor host_;
+};
+
 }  // namespace
+
+// ---- Request ---------------------------------------------------------------------------------
 
 Request& Request::operator=(Request&& o) noexcept {
   if (this != &o) {
     finish();
-    reqs_ = std::move(o.reqs_);
-    then_ = std::move(o.then_);
-    o.reqs_.clear();
-    o.then_ = nullptr;
+    reqs_ = std::exchange(o.reqs_, {});
+    then_ = std::exchange(o.then_, nullptr);
+    work_ = std::move(o.work_);
   }
   return *this;
 }
 
-// Waiting without a check: it runs in the destructor, where throwing is no option.
+// Waiting without throwing: it runs in the destructor. A failure is reported and dropped; the
+// next checked call meets it again (a CUDA error is sticky, a broken peer fails the next call).
 void Request::finish() noexcept {
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -80,11 +217,17 @@ void Request::finish() noexcept {
   if (std::uncaught_exceptions() > 0) {
     reqs_.clear();
     then_ = nullptr;
+    work_.reset();
     return;
   }
   if (!reqs_.empty()) MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
   reqs_.clear();
-  if (then_) std::exchange(then_, nullptr)();
+  try {
+    if (work_) std::exchange(work_, nullptr)->wait();
+    if (then_) std::exchange(then_, nullptr)();
+  } catch (const std::exception& e) {
+    log_error("mpigpt: warning: completing an abandoned request: {}", e.what());
+  }
 }
 
 Request::~Request() { finish(); }
@@ -92,6 +235,7 @@ Request::~Request() { finish(); }
 void Request::wait() {
   if (!reqs_.empty()) MPIGPT_MPI(MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
   reqs_.clear();
+  if (work_) std::exchange(work_, nullptr)->wait();
   if (then_) std::exchange(then_, nullptr)();
 }
 
@@ -102,11 +246,17 @@ bool Request::test() {
     if (!flag) return false;
     reqs_.clear();
   }
+  if (work_) {
+    if (!work_->test()) return false;
+    work_.reset();  // finished: later compute work is queued after it anyway
+  }
   if (then_) std::exchange(then_, nullptr)();
   return true;
 }
 
-Comm::Comm(MPI_Comm comm) : comm_(comm) {
+// ---- Comm: set-up ----------------------------------------------------------------------------
+
+Comm::Comm(MPI_Comm comm) : comm_(comm), device_(std::make_shared<DeviceComm>()) {
   if (comm == MPI_COMM_NULL) {  // not a member of any group of this kind
     size_ = 0;
     return;
@@ -115,6 +265,104 @@ Comm::Comm(MPI_Comm comm) : comm_(comm) {
   MPIGPT_MPI(MPI_Comm_size(comm, &size_));
 }
 
+DeviceComm& Comm::device() const { return *device_; }
+
+bool Comm::uses_nccl() const { return device_->group != nullptr; }
+
+void Comm::use_staging(void* compute_stream) const {
+  DeviceComm& d = device();
+  d.compute_stream = compute_stream;
+  d.group.reset();
+  d.to.clear();
+  d.from.clear();
+}
+
+namespace {
+
+// One failing rank fails every rank of the group, before any of them waits in a bootstrap that
+// the failing one would never join. `mine` is this rank's error ("" if none).
+void fail_together(MPI_Comm comm, const std::string& mine, const std::string& theirs) {
+  int bad = mine.empty() ? 0 : 1, any = 0;
+  MPIGPT_MPI(MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm));
+  if (!any) return;
+  throw Error(bad ? mine : theirs);
+}
+
+// NCCL refuses two ranks of one communicator on one GPU; say why and what to do instead.
+// `bus` is this rank's GPU (device_bus_id()).
+std::string shared_gpu_error(MPI_Comm comm, int size, const std::string& bus) {
+  constexpr int kLen = 256;
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int len = 0;
+  MPIGPT_MPI(MPI_Get_processor_name(name, &len));
+  std::string mine = fmt::format("{} {}", bus, std::string(name, size_t(len)));
+  mine.resize(kLen - 1);
+  std::vector<char> all(size_t(size) * kLen);
+  MPIGPT_MPI(MPI_Allgather(mine.c_str(), kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, comm));
+  for (int a = 0; a < size; ++a)
+    for (int b = a + 1; b < size; ++b)
+      if (std::strcmp(&all[size_t(a) * kLen], &all[size_t(b) * kLen]) == 0)
+        return fmt::format("engine.comm = nccl: ranks {} and {} of a group share the GPU (bus id and host) '{}'; "
+                           "NCCL needs one GPU per rank. Launch at most one rank per GPU, or set engine.comm = mpi "
+                           "(with engine.allow_device_sharing = true) to move device memory through the host",
+                           a, b, &all[size_t(a) * kLen]);
+  return "";
+}
+
+}  // namespace
+
+void Comm::use_nccl(void* compute_stream, bool p2p_links) const {
+  if (size_ == 0) return;  // not a member
+  DeviceComm& d = device();
+  d.compute_stream = compute_stream;
+  if (!d.group) {
+    // Every rank learns of any rank's failure first: each step below is a bootstrap the others
+    // would wait in.
+    std::string why = nccl_load_error(), bus;
+    if (why.empty()) {
+      try {
+        bus = device_bus_id();
+      } catch (const Error& e) {
+        why = e.what();
+      }
+    }
+    fail_together(comm_, why,
+                  "engine.comm = nccl: another rank of this group cannot use NCCL (its message says why); fix "
+                  "that rank's NCCL or GPU, or set engine.comm = mpi");
+    const std::string shared = shared_gpu_error(comm_, size_, bus);
+    if (!shared.empty()) throw Error(shared);  // every rank found the same pair
+    // One communicator per group, each with its own ncclCommInitRank. Splitting one world
+    // communicator (ncclCommSplit) may start faster at scale; which wins needs a multi-GPU node
+    // to measure.
+    d.group = nccl_comm(comm_, rank_, size_);
+  }
+  if (p2p_links && d.to.empty() && d.from.empty()) nccl_links(d, comm_, rank_, size_);
+}
+
+// Host tensors take MPI; device tensors NCCL once use_nccl() ran, else the staged path. All
+// tensors of a call live on one device.
+Comm::Path Comm::path(const char* op, std::initializer_list<Tensor> tensors) const {
+  const Device where = tensors.begin()->device;
+  for (const Tensor& t : tensors)
+    MPIGPT_CHECK(t.device == where,
+                 "{}: the tensors of one call must live on one device, got {} on the {} and {} on the {}", op,
+                 tensors.begin()->str(), where == Device::CPU ? "host" : "device", t.str(),
+                 t.device == Device::CPU ? "host" : "device");
+  if (where == Device::CPU) return Path::Host;
+  return device_->group ? Path::Nccl : Path::Staged;
+}
+
+namespace {
+
+// MPI has no bf16 sum; the device paths reduce bf16 (NCCL natively, the staged path in f32).
+void check_reducible(const Tensor& t, const char* op) {
+  MPIGPT_CHECK(t.device != Device::CPU || t.dtype != DType::BF16, "{}: MPI cannot reduce bf16 ({})", op, t.str());
+}
+
+}  // namespace
+
+// ---- Comm: the calls -------------------------------------------------------------------------
+
 void Comm::allreduce_sum(Tensor t) const { iallreduce_sum(t).wait(); }
 
 void Comm::allreduce_max(Tensor t) const {
@@ -122,9 +370,15 @@ void Comm::allreduce_max(Tensor t) const {
   if (size_ <= 1) return;
   stats_.allreduce += int64_t(t.nbytes());
   ++stats_.calls;
-  in_pieces(t.numel(), [&](int64_t off, int count) {
-    MPIGPT_MPI(MPI_Allreduce(MPI_IN_PLACE, at(t, off), count, mpi_type(t), MPI_MAX, comm_));
-  });
+  switch (path("allreduce_max", {t})) {
+    case Path::Host: return mpi_allreduce(comm_, t, MPI_MAX);
+    case Path::Nccl: return nccl_allreduce(device(), t, ReduceOp::Max).wait();
+    case Path::Staged: {
+      HostImage h(device(), t, true, true);
+      mpi_allreduce(comm_, h.host(), MPI_MAX);
+      return h.store(device(), t);
+    }
+  }
 }
 
 void Comm::allreduce_sum(double* x, int n) const {
@@ -146,42 +400,54 @@ Request Comm::iallreduce_sum(Tensor t) const {
   if (size_ <= 1) return Request();
   stats_.allreduce += int64_t(t.nbytes());
   ++stats_.calls;
-  std::vector<MPI_Request> reqs;
-  in_pieces(t.numel(), [&](int64_t off, int count) {
-    reqs.emplace_back();
-    MPIGPT_MPI(MPI_Iallreduce(MPI_IN_PLACE, at(t, off), count, mpi_type(t), MPI_SUM, comm_, &reqs.back()));
-  });
-  return Request(std::move(reqs));
+  switch (path("allreduce_sum", {t})) {
+    case Path::Host: return mpi_iallreduce(comm_, t, MPI_SUM);
+    case Path::Nccl: return nccl_allreduce(device(), t, ReduceOp::Sum);
+    case Path::Staged: break;
+  }
+  HostImage h(device(), t, true, true);
+  mpi_allreduce(comm_, h.host(), MPI_SUM);
+  h.store(device(), t);
+  return Request();
 }
 
 void Comm::reduce_scatter_sum(Tensor out, Tensor inp) const { ireduce_scatter_sum(out, inp).wait(); }
 
 Request Comm::ireduce_scatter_sum(Tensor out, Tensor inp) const {
   check_reducible(inp, "reduce_scatter_sum");
-  check_host(out, "reduce_scatter_sum");
+  const Path p = path("reduce_scatter_sum", {out, inp});
   MPIGPT_CHECK(inp.numel() == out.numel() * size_ && inp.dtype == out.dtype,
                "reduce_scatter_sum: inp {} must hold {} blocks of out {}", inp.str(), size_, out.str());
   stats_.reduce_scatter += int64_t(inp.nbytes());
   ++stats_.calls;
-  std::vector<MPI_Request> reqs(1);
-  MPIGPT_MPI(MPI_Ireduce_scatter_block(inp.ptr, out.ptr, as_count(out.numel(), "reduce_scatter_sum"), mpi_type(inp),
-                                       MPI_SUM, comm_, &reqs[0]));
-  return Request(std::move(reqs));
+  switch (p) {
+    case Path::Host: return mpi_ireduce_scatter(comm_, out, inp);
+    case Path::Nccl: return nccl_reduce_scatter(device(), out, inp);
+    case Path::Staged: break;
+  }
+  HostImage hi(device(), inp, true, true), ho(device(), out, false, true);
+  mpi_ireduce_scatter(comm_, ho.host(), hi.host()).wait();
+  ho.store(device(), out);
+  return Request();
 }
 
 void Comm::all_gather(Tensor out, Tensor inp) const { iall_gather(out, inp).wait(); }
 
 Request Comm::iall_gather(Tensor out, Tensor inp) const {
-  check_host(inp, "all_gather");
-  check_host(out, "all_gather");
+  const Path p = path("all_gather", {out, inp});
   MPIGPT_CHECK(out.numel() == inp.numel() * size_ && inp.dtype == out.dtype,
                "all_gather: out {} must hold {} blocks of inp {}", out.str(), size_, inp.str());
   stats_.all_gather += int64_t(inp.nbytes());
   ++stats_.calls;
-  std::vector<MPI_Request> reqs(1);
-  const int n = as_count(inp.numel(), "all_gather");
-  MPIGPT_MPI(MPI_Iallgather(inp.ptr, n, mpi_type(inp), out.ptr, n, mpi_type(out), comm_, &reqs[0]));
-  return Request(std::move(reqs));
+  switch (p) {
+    case Path::Host: return mpi_iall_gather(comm_, out, inp);
+    case Path::Nccl: return nccl_all_gather(device(), out, inp);
+    case Path::Staged: break;
+  }
+  HostImage hi(device(), inp, true, false), ho(device(), out, false, false);
+  mpi_iall_gather(comm_, ho.host(), hi.host()).wait();
+  ho.store(device(), out);
+  return Request();
 }
 
 void Comm::reduce_scatter_sum_inplace(Tensor buf) const { ireduce_scatter_sum_inplace(buf).wait(); }
@@ -194,79 +460,95 @@ Request Comm::ireduce_scatter_sum_inplace(Tensor buf) const {
   stats_.reduce_scatter += int64_t(buf.nbytes());
   ++stats_.calls;
   const int64_t n = buf.numel() / size_;
-  std::vector<MPI_Request> reqs(1);
-  MPIGPT_MPI(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf.ptr, as_count(n, "reduce_scatter_sum_inplace"),
-                                       mpi_type(buf), MPI_SUM, comm_, &reqs[0]));
-  // MPI's in-place variant leaves the result in block 0, not block rank(): move it once done.
-  std::function<void()> then;
-  if (rank_ != 0)
-    then = [dst = at(buf, n * rank_), src = at(buf, 0), bytes = size_t(n) * dtype_size(buf.dtype)] {
-      std::memcpy(dst, src, bytes);
-    };
-  return Request(std::move(reqs), std::move(then));
+  switch (path("reduce_scatter_sum_inplace", {buf})) {
+    case Path::Host: return mpi_ireduce_scatter_inplace(comm_, rank_, size_, buf);
+    // NCCL's in-place convention is ours: the result lands in block rank() directly.
+    case Path::Nccl: return nccl_reduce_scatter(device(), buf.flat_slice(n * rank_, n), buf);
+    case Path::Staged: break;
+  }
+  // The host image takes MPI's detour through block 0 (the `then` above) before it goes back.
+  HostImage h(device(), buf, true, true);
+  mpi_ireduce_scatter_inplace(comm_, rank_, size_, h.host()).wait();
+  h.store(device(), buf);
+  return Request();
 }
 
 void Comm::all_gather_inplace(Tensor buf) const { iall_gather_inplace(buf).wait(); }
 
 Request Comm::iall_gather_inplace(Tensor buf) const {
-  check_host(buf, "all_gather_inplace");
   MPIGPT_CHECK(size_ > 0 && buf.numel() % size_ == 0, "all_gather_inplace: {} is not {} equal blocks", buf.str(),
                size_);
   if (size_ <= 1) return Request();
   const int64_t n = buf.numel() / size_;
   stats_.all_gather += n * int64_t(dtype_size(buf.dtype));
   ++stats_.calls;
-  std::vector<MPI_Request> reqs(1);
-  const int count = as_count(n, "all_gather_inplace");
-  MPIGPT_MPI(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf.ptr, count, mpi_type(buf), comm_, &reqs[0]));
-  return Request(std::move(reqs));
+  switch (path("all_gather_inplace", {buf})) {
+    case Path::Host: return mpi_iall_gather_inplace(comm_, size_, buf);
+    case Path::Nccl: return nccl_all_gather(device(), buf, buf.flat_slice(n * rank_, n));
+    case Path::Staged: break;
+  }
+  HostImage h(device(), buf, true, false);
+  mpi_iall_gather_inplace(comm_, size_, h.host()).wait();
+  h.store(device(), buf);
+  return Request();
 }
 
 void Comm::broadcast(Tensor t, int root) const {
-  check_host(t, "broadcast");
+  const Path p = path("broadcast", {t});
   if (size_ <= 1) return;
   stats_.broadcast += int64_t(t.nbytes());
   ++stats_.calls;
-  in_pieces(t.numel(), [&](int64_t off, int count) {
-    MPIGPT_MPI(MPI_Bcast(at(t, off), count, mpi_type(t), root, comm_));
-  });
+  switch (p) {
+    case Path::Host: return mpi_broadcast(comm_, t, root);
+    case Path::Nccl: return nccl_broadcast(device(), t, root).wait();
+    case Path::Staged: {
+      HostImage h(device(), t, rank_ == root, false);
+      mpi_broadcast(comm_, h.host(), root);
+      return h.store(device(), t);
+    }
+  }
 }
 
 void Comm::send(Tensor t, int peer, int tag) const { isend(t, peer, tag).wait(); }
 void Comm::recv(Tensor t, int peer, int tag) const { irecv(t, peer, tag).wait(); }
 
 Request Comm::isend(Tensor t, int peer, int tag) const {
-  check_host(t, "send");
+  const Path p = path("send", {t});
   stats_.send += int64_t(t.nbytes());
   ++stats_.calls;
-  std::vector<MPI_Request> reqs(1);
-  MPIGPT_MPI(MPI_Isend(t.ptr, as_count(t.numel(), "send"), mpi_type(t), peer, tag, comm_, &reqs[0]));
-  return Request(std::move(reqs));
+  switch (p) {
+    case Path::Host: return mpi_isend(comm_, t, peer, tag);
+    case Path::Nccl: return nccl_send(device(), t, peer);
+    case Path::Staged: break;
+  }
+  // The image is copied now and lives until the send completes (the `then` holds it).
+  auto h = std::make_shared<HostImage>(device(), t, true, false);
+  return mpi_isend(comm_, h->host(), peer, tag, [h] {});
 }
 
 Request Comm::irecv(Tensor t, int peer, int tag) const {
-  check_host(t, "recv");
+  const Path p = path("recv", {t});
   stats_.recv += int64_t(t.nbytes());
   ++stats_.calls;
-  std::vector<MPI_Request> reqs(1);
-  MPIGPT_MPI(MPI_Irecv(t.ptr, as_count(t.numel(), "recv"), mpi_type(t), peer, tag, comm_, &reqs[0]));
-  return Request(std::move(reqs));
+  switch (p) {
+    case Path::Host: return mpi_irecv(comm_, t, peer, tag);
+    case Path::Nccl: return nccl_recv(device(), t, peer);
+    case Path::Staged: break;
+  }
+  auto h = std::make_shared<HostImage>(device(), t, false, false);
+  return mpi_irecv(comm_, h->host(), peer, tag, [h, d = device_, t] { h->store(*d, t); });
 }
 
 void Comm::all_to_all_v(Tensor out, const std::vector<int64_t>& recv_counts, Tensor inp,
                         const std::vector<int64_t>& send_counts) const {
-  check_host(inp, "all_to_all_v");
-  check_host(out, "all_to_all_v");
+  const Path p = path("all_to_all_v", {out, inp});
   MPIGPT_CHECK(int(recv_counts.size()) == size_ && int(send_counts.size()) == size_,
                "all_to_all_v: {} ranks but {} receive and {} send counts", size_, recv_counts.size(),
                send_counts.size());
-  std::vector<int> sc(size_), sd(size_), rc(size_), rd(size_);
+  MPIGPT_CHECK(inp.dtype == out.dtype, "all_to_all_v: inp {} and out {} differ in dtype", inp.str(), out.str());
   int64_t so = 0, ro = 0;
   for (int r = 0; r < size_; ++r) {
-    sc[r] = as_count(send_counts[r], "all_to_all_v");
-    rc[r] = as_count(recv_counts[r], "all_to_all_v");
-    sd[r] = as_count(so, "all_to_all_v");
-    rd[r] = as_count(ro, "all_to_all_v");
+    MPIGPT_CHECK(send_counts[r] >= 0 && recv_counts[r] >= 0, "all_to_all_v: negative count for rank {}", r);
     so += send_counts[r];
     ro += recv_counts[r];
   }
@@ -274,8 +556,15 @@ void Comm::all_to_all_v(Tensor out, const std::vector<int64_t>& recv_counts, Ten
                so, inp.numel(), ro, out.numel());
   stats_.all_to_all += so * int64_t(dtype_size(inp.dtype));
   ++stats_.calls;
-  MPIGPT_MPI(MPI_Alltoallv(inp.ptr, sc.data(), sd.data(), mpi_type(inp), out.ptr, rc.data(), rd.data(),
-                           mpi_type(out), comm_));
+  switch (p) {
+    case Path::Host: return mpi_all_to_all_v(comm_, out, recv_counts, inp, send_counts);
+    case Path::Nccl: return nccl_all_to_all_v(device(), out, recv_counts, inp, send_counts).wait();
+    case Path::Staged: {
+      HostImage hi(device(), inp.flat_slice(0, so), true, false), ho(device(), out.flat_slice(0, ro), false, false);
+      mpi_all_to_all_v(comm_, ho.host(), recv_counts, hi.host(), send_counts);
+      return ho.store(device(), out.flat_slice(0, ro));  // only what arrived: the rest stays as it was
+    }
+  }
 }
 
 void Comm::barrier() const { MPIGPT_MPI(MPI_Barrier(comm_)); }

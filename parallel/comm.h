@@ -1,12 +1,40 @@
-// Comm: the collective interface a component receives for the one group it talks to. MPI
-// backend (host memory); a NCCL backend will fill the same interface. Every call is checked (a
-// failure throws, and the job aborts) and counted: stats() gives the payload bytes per kind of
-// call, which is how the communication volume per group and step is measured.
+// Comm: the collective interface a component receives for the one group it talks to. Every call
+// is checked (a failure throws, and the job aborts) and counted: stats() gives the payload bytes
+// per kind of call, which is how the communication volume per group and step is measured.
+//
+// Three paths behind the same calls, chosen per call by where the tensors live:
+//   host tensors            MPI, as always.
+//   device tensors, NCCL    after use_nccl(): NCCL on a communication stream of this Comm, ordered
+//                           against the compute stream (Ops::stream()) by events and never by
+//                           host synchronisation: the comm stream waits for the compute work
+//                           queued before the call; a blocking call returns once the compute
+//                           stream waits for the result; a non-blocking one returns a Request
+//                           whose wait() does that. Results are thus visible to later ops, not
+//                           yet to the host.
+//   device tensors, staged  otherwise (engine.comm = mpi): device -> pinned host -> MPI ->
+//                           device, synchronously; non-blocking collectives complete before they
+//                           return (point-to-point stays non-blocking, see isend). bf16 is summed
+//                           in f32 on the host.
+// Point-to-point with NCCL: NCCL pairs sends and receives by order, not by tag, and runs a
+// communicator's operations one after another on its stream. A send finishes only once its
+// receive runs, so with sends and receives on one stream a send blocks the receives queued behind
+// it, which MPI's non-blocking sends never do; schedules that MPI runs then deadlock (interleaved
+// 1F1B does, also when each receive is grouped with the sends before it in one
+// ncclGroupStart/End). Sends and receives therefore go over directed links: 2-rank communicators
+// (sender -> receiver), each with its own stream, carrying one direction only, which behave like
+// MPI's non-blocking sends. A link matches its messages in the order they are posted, hence
+// THE RULE: every pair of ranks must receive its messages in the order they are sent (tags still
+// name them for MPI, but NCCL does not look at them). Links exist between ring neighbours
+// (rank +-1 mod size) of the groups set up with p2p links (the pipeline and context-parallel
+// groups), which is every point-to-point pattern of this program.
 #pragma once
 #include <mpi.h>
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "lib/core/tensor.h"
@@ -20,32 +48,46 @@ struct CommStats {
   int64_t total() const { return allreduce + reduce_scatter + all_gather + broadcast + send + recv + all_to_all; }
 };
 
+// Work queued on a device stream by a communication backend (NCCL): wait() makes the compute
+// stream wait for it without blocking the host, test() polls whether it has finished.
+class AsyncWork {
+ public:
+  virtual ~AsyncWork() = default;
+  virtual void wait() = 0;
+  virtual bool test() = 0;
+};
+
 // A pending non-blocking operation; wait() completes it (the destructor waits too, so a
-// request is never abandoned with its buffers in flight). `then` runs once, right after the MPI
-// requests complete: an in-place reduce-scatter uses it to move its result where it belongs.
+// request is never abandoned with its buffers in flight). Either MPI requests, which complete on
+// the host, or device work (NCCL), which completes in stream order: after wait() the compute
+// stream sees the result. `then` runs once, right after the operation completed: an in-place
+// reduce-scatter uses it to move its result where it belongs, the staged path to copy a received
+// message to the device.
 class Request {
  public:
   Request() = default;
   explicit Request(std::vector<MPI_Request> r, std::function<void()> then = {})
       : reqs_(std::move(r)), then_(std::move(then)) {}
-  Request(Request&& o) noexcept : reqs_(std::move(o.reqs_)), then_(std::move(o.then_)) {
-    o.reqs_.clear();
-    o.then_ = nullptr;
-  }
+  explicit Request(std::shared_ptr<AsyncWork> work) : work_(std::move(work)) {}
+  Request(Request&& o) noexcept
+      : reqs_(std::exchange(o.reqs_, {})), then_(std::exchange(o.then_, nullptr)), work_(std::move(o.work_)) {}
   Request& operator=(Request&& o) noexcept;
   ~Request();
   void wait();
-  // Completes the request if MPI has finished it (true). Calling it now and then is what moves a
-  // non-blocking collective along: without an asynchronous progress thread, MPI advances one
-  // only inside MPI calls.
+  // Completes the request if it has finished (true). Calling it now and then is what moves a
+  // non-blocking MPI collective along: without an asynchronous progress thread, MPI advances one
+  // only inside MPI calls. For device work it only polls.
   bool test();
-  bool done() const { return reqs_.empty() && !then_; }
+  bool done() const { return reqs_.empty() && !then_ && !work_; }
 
  private:
   void finish() noexcept;
   std::vector<MPI_Request> reqs_;
   std::function<void()> then_;
+  std::shared_ptr<AsyncWork> work_;
 };
+
+struct DeviceComm;  // how this Comm moves device tensors (comm_nccl.h)
 
 class Comm {
  public:
@@ -56,11 +98,23 @@ class Comm {
   const CommStats& stats() const { return stats_; }
   void reset_stats() const { stats_ = {}; }
 
+  // ---- how device tensors move (see the top of this file) ---------------------------------
+  // const: they change how memory moves, not the group; a Mesh hands out const Comms and the
+  // compute stream exists only once the trainer has made its CUDA ops. Calling again rebinds the
+  // compute stream (and keeps NCCL communicators already made).
+  // Staged path ordered against `compute_stream` (nullptr: synchronise the whole device).
+  void use_staging(void* compute_stream) const;
+  // NCCL from now on; collective over the group (the NCCL communicator's unique id comes from
+  // group rank 0 over MPI). p2p_links: also the directed links for isend/irecv to ring
+  // neighbours (a group that only runs collectives needs none).
+  void use_nccl(void* compute_stream, bool p2p_links) const;
+  bool uses_nccl() const;
+
   // In-place sums / maxima over the group (no-ops when the group has one rank).
   void allreduce_sum(Tensor t) const;
   void allreduce_max(Tensor t) const;
-  void allreduce_sum(double* x, int n) const;
-  void allreduce_sum(int64_t* x, int n) const;
+  void allreduce_sum(double* x, int n) const;   // host values: always MPI
+  void allreduce_sum(int64_t* x, int n) const;  // host values: always MPI
   // out (n) = the sum over ranks of this rank's block of inp (size * n), block r to rank r.
   void reduce_scatter_sum(Tensor out, Tensor inp) const;
   // out (size * n) = the concatenation of every rank's inp (n), in rank order.
@@ -77,6 +131,8 @@ class Comm {
   Request iallreduce_sum(Tensor t) const;
   Request ireduce_scatter_sum(Tensor out, Tensor inp) const;
   Request iall_gather(Tensor out, Tensor inp) const;
+  // Device tensors on the staged path: isend copies the tensor to the host before it returns,
+  // irecv's wait() copies the message to the device.
   Request isend(Tensor t, int peer, int tag = 0) const;
   Request irecv(Tensor t, int peer, int tag = 0) const;
   // In place on one buffer of size() equal blocks, block r being rank r's (NCCL's in-place
@@ -91,9 +147,14 @@ class Comm {
   void barrier() const;
 
  private:
+  enum class Path { Host, Nccl, Staged };
+  Path path(const char* op, std::initializer_list<Tensor> tensors) const;
+  DeviceComm& device() const;
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
   mutable CommStats stats_;
+  // Shared by copies of this Comm, so that a copy made before use_nccl() sees it too.
+  std::shared_ptr<DeviceComm> device_;
 };
 
 // Throws mpigpt::Error with the MPI error string when rc is not MPI_SUCCESS.

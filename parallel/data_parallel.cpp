@@ -185,7 +185,8 @@ void GradSync::start_ready(bool all) {
   }
 }
 
-// Lets MPI advance the collectives in flight (it has no progress thread of its own).
+// Lets MPI advance the collectives in flight (it has no progress thread of its own); NCCL's run
+// on their own, so for them this only notes which have finished.
 void GradSync::progress() {
   for (BucketState& s : state_) {
     if (!s.grads.done()) s.grads.test();

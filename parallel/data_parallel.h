@@ -12,6 +12,15 @@
 //   optimizer step on owned_ranges()
 //   gather_params()                         every rank gets every slice back
 // The group is the one gradients are summed over (dp x cp ranks for dense parameters).
+//
+// Device buffers: with NCCL every call here only queues work (comm.h). A bucket's reduction
+// starts on the communication stream once the compute work queued before grads_ready() is done,
+// so it runs while backward continues on the compute stream; every wait makes the compute
+// stream, not the host, wait, so the optimizer step, the gradient norm and the next forward are
+// queued behind the reductions and gathers they read. Nothing here touches the buffers from the
+// host, and no request carries host work: NCCL's in-place reduce-scatter leaves the result in
+// block rank() itself (MPI's detour through block 0 is a host `then` that only the host and
+// staged paths take, before the data returns to the device).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -85,7 +94,8 @@ struct GradSyncOptions {
 
 class GradSync {
  public:
-  // params and grads: this rank's flat host f32 buffers of layout.total elements, padding zero.
+  // params and grads: this rank's flat f32 buffers (host or device) of layout.total elements,
+  // padding zero.
   // With the distributed optimizer layout.dp must equal the group size. `group` must outlive this.
   GradSync(const Comm& group, BufferLayout layout, Tensor params, Tensor grads, GradSyncOptions opts);
   GradSync(const GradSync&) = delete;

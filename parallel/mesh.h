@@ -17,6 +17,9 @@ struct Coords {
   int etp = 0, edp = 0;                        // expert grid (its ep coordinate is `ep`)
 };
 
+// How device (CUDA) tensors cross ranks: engine.comm = nccl or mpi (staged through the host).
+enum class CommBackend { Mpi, Nccl };
+
 class Mesh {
  public:
   Mesh(MPI_Comm world, const MeshSizes& sizes);
@@ -56,6 +59,14 @@ class Mesh {
 
   // "TP2-CP1-EP1-DP2-PP2 rank 5 = (tp 1, cp 0, ep 0, dp 0, pp 1)"
   std::string describe() const;
+
+  // Every communicator of this rank moves device tensors with `backend`, ordered against
+  // `compute_stream` (the CUDA ops' Ops::stream()); call it once the CUDA ops exist (their
+  // device is current). Nccl bootstraps one NCCL communicator per group, in one fixed order on
+  // every rank (collective over the world), plus point-to-point links in the pipeline and
+  // context-parallel groups; Mpi stages through pinned host memory. Calling again rebinds the
+  // stream. const for the reason Comm::use_nccl is (the trainer receives the mesh const).
+  void enable_device_comm(CommBackend backend, void* compute_stream) const;
 
  private:
   MPI_Comm split(const RankGrid& g, const std::string& group);

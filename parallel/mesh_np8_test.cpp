@@ -96,3 +96,17 @@ TEST_CASE("node ranks: every rank a distinct local rank among the ranks of its h
   }
   for (const auto& [host, locals] : by_host) CHECK(*locals.rbegin() == int32_t(locals.size()) - 1);
 }
+
+TEST_CASE("device communication set-up: staged on every group; without NCCL every rank refuses alike") {
+  Mesh mesh(MPI_COMM_WORLD, MeshSizes{2, 2, 1, 2, 1, "tp-cp-ep-dp-pp"});
+  mesh.enable_device_comm(CommBackend::Mpi, nullptr);
+  CHECK_FALSE(mesh.dp().uses_nccl());
+  CHECK_FALSE(mesh.pp().uses_nccl());
+#ifndef MPIGPT_WITH_CUDA
+  // No rank waits in a bootstrap for another: all learn of the failure and throw (a hang here
+  // would time the test out).
+  CHECK_THROWS_WITH_AS(mesh.enable_device_comm(CommBackend::Nccl, nullptr), doctest::Contains("engine.comm = mpi"),
+                       Error);
+  CHECK_FALSE(mesh.world().uses_nccl());
+#endif
+}

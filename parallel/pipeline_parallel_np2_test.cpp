@@ -108,3 +108,22 @@ TEST_CASE("run_schedule refuses malformed lists before communicating") {
   CHECK(stage.misuse.empty());
 }
 
+
+TEST_CASE("check_p2p_order: what NCCL needs of a schedule, checked with the neighbours") {
+  // NCCL pairs the messages of two ranks by order alone (comm.h). Generated schedules keep one
+  // order per pair; the rotated schedule of the test above does not (its tags make MPI right),
+  // and every rank of the group must refuse it, the one that sends in that order included.
+  Comm comm(MPI_COMM_WORLD);
+  const int rank = comm.rank();
+  for (int vpp : {1, 2, 3})
+    for (int m : {2, 4, 6}) CHECK_NOTHROW(check_p2p_order(make_schedule(2, vpp, m)[rank], comm));
+  Schedule schedule = make_schedule(2, 2, 2);
+  std::rotate(schedule[0].begin() + 2, schedule[0].begin() + 4, schedule[0].begin() + 7);
+  CHECK_THROWS_WITH_AS(check_p2p_order(schedule[rank], comm),
+                       doctest::Contains(rank == 1 ? "message 1 from pipeline rank 0 to rank 1: the sender sends tag 1004 "
+                                                     "micro-batch 0, the receiver expects tag 1000 micro-batch 1"
+                                                   : "another pipeline rank receives its messages in another order"),
+                       Error);
+  // One rank: nothing to pair.
+  CHECK_NOTHROW(check_p2p_order(make_schedule(1, 1, 2)[0], Comm(MPI_COMM_SELF)));
+}
