@@ -10,7 +10,8 @@ NPM_DIR    := .deps/npm
 
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev openssh-client \
   libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libfmt-dev doctest-dev \
-  libopenblas-openmp-dev nlohmann-json3-dev libicu-dev fortunes nodejs python3-matplotlib python3-numpy procps
+  libopenblas-openmp-dev nlohmann-json3-dev libicu-dev fortunes nodejs python3-matplotlib python3-numpy procps \
+  xz-utils
 
 # Root may start mpirun only when it says so; tests also need --oversubscribe on 2 cores.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -20,7 +21,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
 FORTUNES := $(filter-out %.dat %.u8,$(wildcard /usr/share/games/fortunes/*))
 RUN_NP   ?= 1
 
-.PHONY: all build deps run test bench bench-parallel bench-moe bench-checkpoint clean
+.PHONY: all build deps run test bench bench-parallel bench-moe bench-checkpoint bench-gpu bundle clean
 
 all: build
 
@@ -102,6 +103,24 @@ bench-checkpoint: deps build
 	@for np in 1 2 4 8; do \
 	  $(MPIRUN) -np $$np -x OMP_NUM_THREADS=1 $(BUILD)/mpigpt bench-checkpoint --config inputs/gpt2_124m_bench.ini \
 	    --engine.distributed_optimizer true --training.micro_batch 1 --training.global_batch 8 --checkpoint.save $(CKPT_DIR)/np$$np | grep "bench-checkpoint:"; done
+
+# One GPU: GPT-2 124M / 350M / 1.3B-class and a Llama-style 1B in bf16, the largest micro-batch that
+# fits with and without recompute, tokens/s, TFLOP/s, MFU, peak memory, and a per-op breakdown.
+bench-gpu: deps build
+	MPIGPT=$(BUILD)/mpigpt LOG=$(BUILD)/bench_gpu.log scripts/bench_gpu.sh
+
+# A relocatable folder for GPU nodes that have the CUDA driver and toolkit but none of our Debian
+# packages (bundle/README.txt, docs/user-guide.md): its own build, without -march=native, with the
+# CUDA backend when nvcc is present; then scripts/bundle.sh collects binaries, libraries and Open MPI.
+BUNDLE_BUILD ?= build-bundle
+BUNDLE_DIR   ?= bundle
+BUNDLE_ARGS  ?=
+bundle: deps
+	cmake -S . -B $(BUNDLE_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DMPIGPT_NATIVE=OFF \
+	  -DMPIGPT_CUDA=$$( { [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null; } && echo ON || echo OFF ) \
+	  $(CMAKE_ARGS)
+	cmake --build $(BUNDLE_BUILD) -j $(JOBS) --target mpigpt mpigpt_tests
+	scripts/bundle.sh $(BUNDLE_BUILD) $(BUNDLE_DIR) $(BUNDLE_ARGS)
 
 clean:
 	rm -rf $(BUILD)
