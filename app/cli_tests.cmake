@@ -25,9 +25,9 @@ cli_test(bad_type_ini fail "bad_type.ini:[0-9]+.*num_layers" "${BIN} train --con
 cli_test(bad_layout_np2 fail "does not divide the world size 2" "${MPIRUN_STR} -np 2 ${BIN} train --parallel.tp 3")
 cli_test(bad_batch fail "global_batch" "${BIN} train --training.global_batch 6 --training.micro_batch 4")
 cli_test(missing_data fail "/nonexistent/corpus" "${BIN} train ${TINY} --data.path /nonexistent/corpus")
-# CUDA requested: each rank picks the GPU of its node-local rank; with no GPU (or, on a GPU node,
-# until the CUDA ops land) every rank ends with the reason.
-cli_test(cuda_device_np2 fail "has no CUDA device visible|CUDA compute ops are not in this build yet"
+# CUDA requested: each rank picks the GPU of its node-local rank; with no GPU (or, on a one-GPU
+# node, two ranks for one device) every rank ends with the reason; a build without CUDA says so.
+cli_test(cuda_device_np2 fail "has no CUDA device visible|2 ranks run on host .* but it has 1 CUDA device|built without the CUDA backend"
   "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --engine.backend cuda")
 cli_test(missing_data_np2 fail "/nonexistent/corpus" "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --data.path /nonexistent/corpus")
 
@@ -128,3 +128,14 @@ ckpt_test(moe_resume_other_experts fail "saved with model.num_experts = 4. this 
   "rm -rf ${CLI_DIR}/moe2 && ${BIN} train ${CK} ${MOE} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/moe2 >/dev/null && ${BIN} train ${CK} ${MOE} --model.num_experts 8 --training.train_iters 2 --checkpoint.load ${CLI_DIR}/moe2")
 ckpt_test(moe_resume_dense fail "saved with model.num_experts = 0. this run has model.num_experts = 4"
   "rm -rf ${CLI_DIR}/moe3 && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/moe3 >/dev/null && ${BIN} train ${CK} ${MOE} --training.train_iters 2 --checkpoint.load ${CLI_DIR}/moe3")
+
+# The GPU-node bundle (scripts/bundle.sh, `make bundle`) made from this build, moved elsewhere and
+# started in a clean environment: every library, Open MPI's own files and components, and a
+# 2-rank run come from inside the bundle (scripts/bundle_check.sh lists what it checks).
+cli_test(bundle ok "bundle check: ok" "${PROJECT_SOURCE_DIR}/scripts/bundle_check.sh $<TARGET_FILE_DIR:mpigpt> ${CLI_DIR}/bundle")
+
+# `mpigpt bench --profile-ops`: the per-op breakdown of the last step, and the MFU line.
+cli_test(bench_profile_ops ok "bench: op linear_forward .* calls"
+  "${BIN} bench ${TINY} --bench-steps 1 --bench-warmup 0 --profile-ops")
+cli_test(bench_mfu ok "bench: achieved .* TFLOP/s per rank, MFU [0-9.]+%" "${BIN} bench ${TINY} --bench-steps 1 --bench-warmup 0")
+cli_test(train_profile_ops fail "--profile-ops is a flag of .mpigpt bench." "${BIN} train ${TINY} --profile-ops")

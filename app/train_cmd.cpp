@@ -16,7 +16,7 @@
 namespace mpigpt::app {
 
 int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench) {
-  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "world-size"});
+  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "profile-ops!", "world-size"});
   if (parsed.help) {
     if (mpi.rank() == 0)
       fmt::print("usage: mpirun -np N mpigpt {} [--config FILE.ini ...] [--section.key value ...]\n\n{}",
@@ -28,10 +28,11 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
          parsed.positional[0]);
   Config& cfg = parsed.config;
   int steps = 10, warmup = 2, world_size = mpi.size();
-  bool dry_run = false;
+  bool dry_run = false, profile_ops = false;
   for (const auto& [k, v] : parsed.flags) {
-    if (k == "dry-run") {
-      dry_run = true;
+    if (k == "dry-run" || k == "profile-ops") {
+      if (k == "profile-ops" && !bench) fail("--profile-ops is a flag of `mpigpt bench`");
+      (k == "dry-run" ? dry_run : profile_ops) = true;
       continue;
     }
     if (bench == (k == "world-size")) fail("--{} is not a flag of `mpigpt {}`", k, bench ? "bench" : "train");
@@ -50,6 +51,7 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     cfg.training.peak_tflops = 0;  // measure this machine's GEMM peak for the floor printed below
     opts.synthetic_data = true;
     opts.quiet = true;
+    opts.profile_ops = profile_ops;
   }
   // A model to start from decides the model's shape.
   if (!cfg.checkpoint.init_from_hf.empty()) {
@@ -79,18 +81,21 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
   TrainResult r = train(cfg, mesh, opts);
   if (bench) {
     // Memory and traffic differ per rank (pipeline stages, slices): report the largest.
-    std::vector<int64_t> v = {r.memory.params, r.memory.grads, r.memory.optimizer};
+    std::vector<int64_t> v = {r.memory.params, r.memory.grads, r.memory.optimizer, r.activation_bytes, r.device_peak_bytes};
     for (const auto& g : r.comm_bytes) v.push_back(g.second);
     MPI_Allreduce(MPI_IN_PLACE, v.data(), int(v.size()), MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
     const double MiB = 1048576.0;
     std::string comm;
     for (size_t i = 0; i < r.comm_bytes.size(); ++i)
       comm += fmt::format("{}{} {}", i ? ", " : "", r.comm_bytes[i].first,
-                          v[3 + i] >= 1048576 ? fmt::format("{:.2f} MiB", v[3 + i] / MiB)
-                                              : fmt::format("{:.1f} KiB", v[3 + i] / 1024.0));
+                          v[5 + i] >= 1048576 ? fmt::format("{:.2f} MiB", v[5 + i] / MiB)
+                                              : fmt::format("{:.1f} KiB", v[5 + i] / 1024.0));
     if (mpi.rank() == 0) {
       log_line("bench: per rank (max over ranks): parameters {:.1f} MiB, gradients {:.1f} MiB, optimizer state "
                "{:.1f} MiB = {:.1f} MiB", v[0] / MiB, v[1] / MiB, v[2] / MiB, (v[0] + v[1] + v[2]) / MiB);
+      log_line("bench: activations per rank (max over ranks, engine.recompute = {}): {:.1f} MiB",
+               cfg.engine.recompute, v[3] / MiB);
+      if (v[4] > 0) log_line("bench: peak GPU memory per rank (max over ranks): {:.1f} MiB", v[4] / MiB);
       log_line("bench: communication of one step per rank and group (max over ranks): {}", comm);
       log_line("bench: pipeline bubble of the schedule (simulated, backward = 2 x forward): {:.1f}%", 100 * r.bubble);
       if (!r.expert_loads.empty()) {  // the last tenth of the run (at least one step)
@@ -113,8 +118,20 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     log_line("bench: {} steps after {} warm-up: median {:.1f} ms/step (min {:.1f}, max {:.1f}), {:.0f} tok/s, "
              "{:.1f} GFLOP/s model FLOPs",
              t.size(), warmup, median, t.front(), t.back(), tokens / (median / 1e3), flops / (median / 1e3) / 1e9);
-    log_line("bench: {:.1f} GFLOP per step; this machine's fp32 GEMM peak {:.1f} GFLOP/s puts the GEMM-only floor at "
-             "{:.1f} ms/step", flops / 1e9, peak / 1e9, flops / peak * 1e3);
+    const bool gpu = cfg.engine.backend == "cuda";
+    log_line("bench: {:.1f} GFLOP per step; {} {:.3g} TFLOP/s per rank puts the GEMM-only floor at {:.1f} ms/step",
+             flops / 1e9, gpu ? "the GPU's dense bf16 peak" : "this machine's fp32 GEMM peak", peak / 1e12,
+             flops / (peak * mpi.size()) * 1e3);
+    log_line("bench: achieved {:.3g} TFLOP/s per rank, MFU {:.1f}% (training.precision = {}, engine.recompute = {}, "
+             "micro-batch {})", flops / mpi.size() / (median / 1e3) / 1e12,
+             100.0 * flops / (median / 1e3) / (peak * mpi.size()), cfg.training.precision, cfg.engine.recompute,
+             cfg.training.micro_batch);
+    // The profiled step synchronised after every op: its total exceeds the steps timed above.
+    double total = 0;
+    for (const OpTime& o : r.op_times) total += o.seconds;
+    for (const OpTime& o : r.op_times)
+      log_line("bench: op {:<32} {:9.3f} ms {:5.1f}% {:6} calls", o.op, o.seconds * 1e3, 100 * o.seconds / total,
+               o.calls);
   }
   return 0;
 }

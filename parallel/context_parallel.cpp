@@ -118,7 +118,7 @@ void ContextParallel::attention_forward(Tensor out, Tensor lse, Tensor qkv, Tens
   MPIGPT_CHECK(pos.numel() == size_ * B * Tl && seg.numel() == pos.numel(),
                "context-parallel attention: pos {} / seg {} must hold cp*B*Tl = {}*{}*{} ids", pos.str(), seg.str(),
                size_, B, Tl);
-  Tensor kv = scratch(kv_, {B, Tl, KVD});
+  Tensor kv = scratch(kv_, {B, Tl, KVD}, qkv.dtype);
   ops_.copy_cols(kv.view({B * Tl, KVD}), 0, qkv.view({B * Tl, R}), int64_t(NH) * HD, KVD);
   if (type_ == CpCommType::AllGather && size_ > 1)
     forward_gathered(out, lse, qkv, kv, pos, seg, NH, NKV, HD);
@@ -130,7 +130,7 @@ void ContextParallel::attention_forward(Tensor out, Tensor lse, Tensor qkv, Tens
 void ContextParallel::attend(bool first, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
                              Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
   if (first) return ops_.attention_block_forward(out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
-  Tensor bo = scratch(blk_out_, out.shape), bl = scratch(blk_lse_, lse.shape);
+  Tensor bo = scratch(blk_out_, out.shape, out.dtype), bl = scratch(blk_lse_, lse.shape);
   ops_.attention_block_forward(bo, bl, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
   ops_.attention_merge(out, lse, bo, bl);
 }
@@ -140,7 +140,7 @@ void ContextParallel::forward_ring(Tensor out, Tensor lse, Tensor qkv, Tensor kv
   const int64_t B = qkv.size(0), Tl = qkv.size(1);
   const Tensor qpos = block_of(pos, rank_, B, Tl), qseg = block_of(seg, rank_, B, Tl);
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
-  Tensor cur = kv, nxt = size_ > 1 ? scratch(kv_next_, kv.shape) : Tensor();
+  Tensor cur = kv, nxt = size_ > 1 ? scratch(kv_next_, kv.shape, kv.dtype) : Tensor();
   for (int s = 0; s < size_; ++s) {
     const int j = (rank_ - s + size_) % size_;  // whose K/V block this is
     Request recv, send;
@@ -159,7 +159,7 @@ void ContextParallel::forward_gathered(Tensor out, Tensor lse, Tensor qkv, Tenso
                                        int NKV, int HD) {
   const int64_t B = qkv.size(0), Tl = qkv.size(1), n = kv.numel();
   const Tensor qpos = block_of(pos, rank_, B, Tl), qseg = block_of(seg, rank_, B, Tl);
-  Tensor all = scratch(gathered_, {size_ * n});
+  Tensor all = scratch(gathered_, {size_ * n}, kv.dtype);
   cp_->all_gather(all, kv.view({n}));
   for (int j = 0; j < size_; ++j)
     attend(j == 0, out, lse, qkv, all.flat_slice(j * n, n).view(kv.shape), qpos, qseg, block_of(pos, j, B, Tl),
@@ -169,10 +169,10 @@ void ContextParallel::forward_gathered(Tensor out, Tensor lse, Tensor qkv, Tenso
 void ContextParallel::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor lse, Tensor pos,
                                          Tensor seg, int NH, int NKV, int HD) {
   const int64_t B = qkv.size(0), Tl = qkv.size(1), R = qkv.size(2), KVD = 2 * int64_t(NKV) * HD;
-  Tensor kv = scratch(kv_, {B, Tl, KVD});
+  Tensor kv = scratch(kv_, {B, Tl, KVD}, qkv.dtype);
   ops_.copy_cols(kv.view({B * Tl, KVD}), 0, qkv.view({B * Tl, R}), int64_t(NH) * HD, KVD);
   ops_.fill(dqkv, 0.0f);  // the block backwards accumulate into its query columns
-  Tensor dkv = scratch(dkv_[0], kv.shape);
+  Tensor dkv = scratch(dkv_[0], kv.shape, kv.dtype);
   if (size_ == 1) {
     ops_.fill(dkv, 0.0f);
     const Tensor qpos = block_of(pos, 0, B, Tl), qseg = block_of(seg, 0, B, Tl);
@@ -191,9 +191,9 @@ void ContextParallel::backward_ring(Tensor dqkv, Tensor dkv, Tensor dout, Tensor
   const int64_t B = qkv.size(0), Tl = qkv.size(1);
   const Tensor qpos = block_of(pos, rank_, B, Tl), qseg = block_of(seg, rank_, B, Tl);
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
-  Tensor cur = kv, nxt = scratch(kv_next_, kv.shape);
+  Tensor cur = kv, nxt = scratch(kv_next_, kv.shape, kv.dtype);
   // Three dK/dV buffers rotate: one being sent on, one being received, one for this step's part.
-  Tensor d[3] = {dkv, scratch(dkv_[1], kv.shape), scratch(dkv_[2], kv.shape)};
+  Tensor d[3] = {dkv, scratch(dkv_[1], kv.shape, kv.dtype), scratch(dkv_[2], kv.shape, kv.dtype)};
   int sending = -1, incoming = -1;
   Request send_d, recv_d;
   for (int s = 0; s < size_; ++s) {
@@ -237,7 +237,7 @@ void ContextParallel::backward_gathered(Tensor dqkv, Tensor dkv, Tensor dout, Te
   const Tensor qpos = block_of(pos, rank_, B, Tl), qseg = block_of(seg, rank_, B, Tl);
   // The gathered K/V are not kept from the forward: gathering them again costs one all-gather
   // and saves cp-1 blocks of memory per layer and micro-batch in flight.
-  Tensor all = scratch(gathered_, {size_ * n}), dall = scratch(dgathered_, {size_ * n});
+  Tensor all = scratch(gathered_, {size_ * n}, kv.dtype), dall = scratch(dgathered_, {size_ * n}, kv.dtype);
   cp_->all_gather(all, kv.view({n}));
   ops_.fill(dall, 0.0f);
   for (int j = 0; j < size_; ++j)
@@ -254,7 +254,7 @@ void ContextParallel::gather_forward(Tensor full, Tensor local, Tensor index) {
                size_, local.str(), index.str());
   Tensor all = local;
   if (size_ > 1) {
-    all = scratch(gathered_, {size_ * rows, C});
+    all = scratch(gathered_, {size_ * rows, C}, local.dtype);
     cp_->all_gather(all.view({size_ * rows * C}), local.view({rows * C}));
   }
   ops_.fill(full, 0.0f);

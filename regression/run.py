@@ -415,6 +415,12 @@ def parse_args(argv):
                         "'--training.lr 1.01e-3' to see that the suite catches a difference")
     p.add_argument("--timeout", type=int, default=120, help="seconds before one training run counts as hung")
     p.add_argument("--prepare-only", action="store_true", help="prepare the dataset and exit")
+    p.add_argument("--with-one-rank", action="store_true",
+                   help="also run a one-rank layout (with --layout-args: e.g. the GPU against the CPU curve)")
+    p.add_argument("--skip-reference", action="store_true",
+                   help="do not compare the single-rank runs with the stored curves (other --steps or --config)")
+    p.add_argument("--require-gpu", action="store_true",
+                   help="exit 77 (skipped) when this machine has no NVIDIA GPU")
     p.add_argument("--list", action="store_true", help="list the layouts and exit")
     return p.parse_args(argv)
 
@@ -423,8 +429,20 @@ class Context:
     pass
 
 
+def has_gpu() -> bool:
+    """An NVIDIA GPU with its driver: nvidia-smi lists one (or, without nvidia-smi, its device node exists)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        return out.returncode == 0 and "GPU" in out.stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return os.path.exists("/dev/nvidia0")
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.require_gpu and not has_gpu():
+        print("regression: no NVIDIA GPU on this machine: skipped")
+        return 77
     families, layouts = load_layouts(Path(a.layouts_file))
     if a.list:
         for lay in layouts:
@@ -468,6 +486,8 @@ def main(argv=None) -> int:
         selected = [lay for lay in layouts if re.search(a.layouts, lay["name"])]
     except re.error as e:
         raise SetupError(f"--layouts '{a.layouts}': {e}")
+    if a.with_one_rank:
+        selected.insert(0, {"name": "one-rank", "ranks": 1, "set": {}, "families": list(families)})
     extra = shlex.split(a.layout_args)
 
     t_start = time.monotonic()
@@ -482,6 +502,8 @@ def main(argv=None) -> int:
         elif a.update_reference:
             write_reference(ctx, fam, s)
             row.update(result="UPDATED")
+        elif a.skip_reference:
+            row.update(result="PASS", notes=["not compared with the stored curve (--skip-reference)"])
         else:
             ref = check_reference(ctx, fam, s)
             references[fam] = ref

@@ -28,6 +28,9 @@ class Ops {
   virtual void* stream() const { return nullptr; }
   // Block the host until every op queued so far has finished (timing, host reads).
   virtual void synchronize() {}
+  // High-water mark of the bytes this backend's allocator has handed out (0: not tracked; the
+  // CPU's memory is reported by the process's peak resident size instead).
+  virtual size_t peak_allocated() const { return 0; }
 
   // ---- memory ---------------------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned

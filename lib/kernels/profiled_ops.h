@@ -38,6 +38,7 @@ class ProfiledOps final : public Ops {
 
   void* stream() const override { return inner_->stream(); }
   void synchronize() override { inner_->synchronize(); }
+  size_t peak_allocated() const override { return inner_->peak_allocated(); }
   Device device() const override { return inner_->device(); }
   std::string name() const override { return inner_->name(); }
   void* allocate(size_t bytes) override { return inner_->allocate(bytes); }

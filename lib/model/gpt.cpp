@@ -14,12 +14,19 @@ struct GPT::Slot {
   Tensor tokens, targets, losses;  // (N): tokens on the embedding's chunk, targets on the head's
   Tensor positions, pos_all, seg_all;  // masked attention: (N) own positions, (cp*N) every rank's
   std::vector<Tensor> resid;       // resid[i]: input of the chunk's i-th layer; resid.back(): output
-  std::vector<BlockActs> a;
-  std::vector<std::unique_ptr<MoeActs>> moe;  // per layer of the chunk; null for dense layers
+  std::vector<BlockActs> a;        // per layer of the chunk (empty under full recomputation)
+  std::vector<std::unique_ptr<MoeActs>> moe;  // per layer of the chunk; null for dense layers (and under full)
   std::vector<int32_t> moe_index;             // (Nl) token index of each local row in the micro-batch
   Tensor xf, xf_mean, xf_rstd, xf_full, logits;  // head
   bool have_grad_logits = false;
 };
+
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::None;
+  if (s == "selective") return Recompute::Selective;
+  MPIGPT_CHECK(s == "full", "engine.recompute = '{}' is not one of none | selective | full", s);
+  return Recompute::Full;
+}
 
 GPT::GPT(const GptDims& d, Ops& ops, int B)
     : GPT(d, ops, B, ModelPlacement{}, TensorParallel(nullptr, false), build_param_table(d), -1) {}
@@ -85,6 +92,13 @@ GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const Tens
   }
   params_ = Buffer(ops, size_t(buffer_numel_) * 4);
   grads_ = Buffer(ops, size_t(buffer_numel_) * 4);
+  if (d.act != DType::F32) {
+    MPIGPT_CHECK(d.act == DType::BF16, "GPT: activation dtype {} is not f32 or bf16", dtype_name(d.act));
+    if (d.moe.E > 0)
+      fail("training.precision = bf16 with mixture-of-experts layers (model.num_experts = {}) is not supported yet; "
+           "use training.precision = fp32", d.moe.E);
+    cparams_ = Buffer(ops, size_t(buffer_numel_) * dtype_size(d.act));
+  }
   setup(pl);
 }
 
@@ -115,8 +129,8 @@ void GPT::setup(const ModelPlacement& pl) {
     for (int l = ch.first_layer; l < ch.end_layer; ++l) {
       MPIGPT_CHECK(index_of("layers." + std::to_string(l) + ".") == next, "layer {} out of table order", l);
       local_of_layer_[l] = int(w_.size());
-      w_.push_back(weights(params_, l));
-      g_.push_back(weights(grads_, l));
+      w_.push_back(weights(compute_params(), l, d_.act));
+      g_.push_back(weights(grads_, l, DType::F32));
       const std::string prefix = "layers." + std::to_string(l) + ".";
       int n = 0;
       while (next + n < int(table_.size()) && table_[next + n].name.rfind(prefix, 0) == 0) ++n;
@@ -131,38 +145,39 @@ void GPT::setup(const ModelPlacement& pl) {
                table_.size(), next);
 
   if (pl.first_stage) {
-    wte_ = param(0);
+    wte_ = view_of(compute_params(), table_[0].name, d_.act);
     dwte_ = grad(0);
     if (g) {
-      wpe_ = view_of(params_, "embedding.position.weight");
+      wpe_ = view_of(compute_params(), "embedding.position.weight", d_.act);
       dwpe_ = view_of(grads_, "embedding.position.weight");
     }
   }
   if (pl.last_stage) {
-    nfw_ = view_of(params_, "final_norm.weight");
+    nfw_ = view_of(compute_params(), "final_norm.weight", d_.act);
     dnfw_ = view_of(grads_, "final_norm.weight");
     if (g) {
-      nfb_ = view_of(params_, "final_norm.bias");
+      nfb_ = view_of(compute_params(), "final_norm.bias", d_.act);
       dnfb_ = view_of(grads_, "final_norm.bias");
     }
     // Tied: the word embedding, or on a later stage its replica, is the head.
     const std::string head = d_.tied ? "embedding.word.weight" : "lm_head.weight";
     const int h = index_of(head);
     MPIGPT_CHECK(h >= 0 && table_[h].name == head, "no {} in the parameter table", head);
-    head_ = param(h);
+    head_ = view_of(compute_params(), head, d_.act);
+    head_param_ = h;
     dhead_ = grad(h);
   }
 
   // Shared buffers: positions and the backward scratch (one backward runs at a time).
   const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
   arena_.plan(&positions_, {N_}, DType::I32);
-  arena_.plan(&dres_, {Nl_, C});
-  arena_.plan(&dn_, {Nl_, C});
-  arena_.plan(&full_, {N_, C});
-  arena_.plan(&dqkv_, {N_, (nh_ + 2 * nkv_) * HD});
-  arena_.plan(&datt_, {N_, nh_ * HD});
-  arena_.plan(&dfc_, {N_, g ? Fl : 2 * Fl});
-  arena_.plan(&dact_, {N_, Fl});
+  arena_.plan(&dres_, {Nl_, C}, d_.act);
+  arena_.plan(&dn_, {Nl_, C}, d_.act);
+  arena_.plan(&full_, {N_, C}, d_.act);
+  arena_.plan(&dqkv_, {N_, (nh_ + 2 * nkv_) * HD}, d_.act);
+  arena_.plan(&datt_, {N_, nh_ * HD}, d_.act);
+  arena_.plan(&dfc_, {N_, g ? Fl : 2 * Fl}, d_.act);
+  arena_.plan(&dact_, {N_, Fl}, d_.act);
   arena_.plan(&ce_max_, {N_});
   arena_.plan(&ce_sum_, {N_});
   arena_.plan(&ce_target_, {N_});
@@ -171,6 +186,7 @@ void GPT::setup(const ModelPlacement& pl) {
   std::vector<int32_t> pos(N_);
   for (int64_t i = 0; i < N_; ++i) pos[i] = int32_t(i % Tl_);
   ops_.copy(positions_, Tensor(pos.data(), {N_}, DType::I32));
+  params_changed();
 }
 
 GPT::Slot* GPT::find(int c, int mb) const {
@@ -191,7 +207,7 @@ GPT::Slot& GPT::acquire(int c, int mb) {
   // A new set of activations: the schedule has one more micro-batch in flight here.
   auto s = std::make_unique<Slot>(ops_);
   const bool g = d_.gpt2(), sp = tp_.sequence_parallel();
-  const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
+  const int64_t C = d_.C;
   Arena& A = s->arena;
   if (ch.embed) A.plan(&s->tokens, {N_}, DType::I32);
   if (masked_) {
@@ -201,47 +217,30 @@ GPT::Slot& GPT::acquire(int c, int mb) {
   }
   const int n = ch.end_layer - ch.first_layer;
   s->resid.resize(n + 1);
-  for (auto& r : s->resid) A.plan(&r, {Nl_, C});
-  s->a.resize(n);
+  for (auto& r : s->resid) A.plan(&r, {Nl_, C}, d_.act);
+  const bool full = recompute_ == Recompute::Full;  // then the layers' inputs (resid) are all it keeps
+  s->a.resize(full ? 0 : n);
   s->moe.resize(n);
-  for (int i = 0; i < n; ++i) {
-    BlockActs& a = s->a[i];
+  for (int i = 0; i < n && !full; ++i) {
     const bool moe = d_.is_moe(ch.first_layer + i);
     if (moe) s->moe[i] = std::make_unique<MoeActs>();
-    A.plan(&a.n1, {Nl_, C});
-    if (g) A.plan(&a.n1_mean, {Nl_});
-    A.plan(&a.n1_rstd, {Nl_});
-    if (sp) A.plan(&a.n1_full, {N_, C});
-    A.plan(&a.qkv, {N_, (nh_ + 2 * nkv_) * HD});
-    // Masked attention keeps the log-sum-exp per query and head; the plain op what its backend needs.
-    A.plan(&a.att_saved, {masked_ ? int64_t(B_) * nh_ * Tl_ : ops_.attention_saved_numel(B_, Tl_, nh_)});
-    A.plan(&a.att, {N_, nh_ * HD});
-    A.plan(&a.mid, {Nl_, C});
-    A.plan(&a.n2, {Nl_, C});
-    if (g) A.plan(&a.n2_mean, {Nl_});
-    A.plan(&a.n2_rstd, {Nl_});
-    if (moe) continue;  // the MoE layer keeps its own activations (MoeActs)
-    if (sp) A.plan(&a.n2_full, {N_, C});
-    A.plan(&a.fc, {N_, g ? Fl : 2 * Fl});
-    A.plan(&a.act, {N_, Fl});
+    plan_block(A, s->a[i], !moe, !recomputes_attention());
   }
   if (ch.head) {
     A.plan(&s->targets, {N_}, DType::I32);
     A.plan(&s->losses, {N_});
-    A.plan(&s->xf, {Nl_, C});
+    A.plan(&s->xf, {Nl_, C}, d_.act);
     if (g) A.plan(&s->xf_mean, {Nl_});
     A.plan(&s->xf_rstd, {Nl_});
-    if (sp) A.plan(&s->xf_full, {N_, C});
-    A.plan(&s->logits, {N_, d_.Vp / tp_.size()});
+    if (sp) A.plan(&s->xf_full, {N_, C}, d_.act);
+    A.plan(&s->logits, {N_, d_.Vp / tp_.size()}, d_.act);
   }
   A.commit();
-  if (!sp) {  // without sequence parallelism the column-parallel input is the norm output itself
-    for (auto& a : s->a) {
-      a.n1_full = a.n1;
-      a.n2_full = a.n2;
-    }
-    s->xf_full = s->xf;
+  for (auto& a : s->a) {
+    alias_full(a);
+    if (recomputes_attention()) a.att_saved = rc_acts_.att_saved;
   }
+  if (!sp) s->xf_full = s->xf;
   s->busy = true;
   s->mb = mb;
   ch.slots.push_back(std::move(s));
@@ -255,8 +254,70 @@ void GPT::release(int c, int mb) {
   }
 }
 
+// Which of a layer's saved activations A holds: the MLP's only for a dense layer (a MoE layer
+// keeps its own in MoeActs), the attention state unless it is recomputed.
+void GPT::plan_block(Arena& A, BlockActs& a, bool dense, bool att_saved) const {
+  const bool g = d_.gpt2(), sp = tp_.sequence_parallel();
+  const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
+  A.plan(&a.n1, {Nl_, C}, d_.act);
+  if (g) A.plan(&a.n1_mean, {Nl_});
+  A.plan(&a.n1_rstd, {Nl_});
+  if (sp) A.plan(&a.n1_full, {N_, C}, d_.act);
+  A.plan(&a.qkv, {N_, (nh_ + 2 * nkv_) * HD}, d_.act);
+  if (att_saved) A.plan(&a.att_saved, {att_saved_numel()});
+  A.plan(&a.att, {N_, nh_ * HD}, d_.act);
+  A.plan(&a.mid, {Nl_, C}, d_.act);
+  A.plan(&a.n2, {Nl_, C}, d_.act);
+  if (g) A.plan(&a.n2_mean, {Nl_});
+  A.plan(&a.n2_rstd, {Nl_});
+  if (!dense) return;
+  if (sp) A.plan(&a.n2_full, {N_, C}, d_.act);
+  A.plan(&a.fc, {N_, g ? Fl : 2 * Fl}, d_.act);
+  A.plan(&a.act, {N_, Fl}, d_.act);
+}
+
+// Without sequence parallelism the column-parallel input is the norm output itself.
+void GPT::alias_full(BlockActs& a) const {
+  if (tp_.sequence_parallel()) return;
+  a.n1_full = a.n1;
+  a.n2_full = a.n2;
+}
+
+// Masked attention keeps the log-sum-exp per query and head; the plain op what its backend needs.
+int64_t GPT::att_saved_numel() const {
+  return masked_ ? int64_t(B_) * nh_ * Tl_ : ops_.attention_saved_numel(B_, Tl_, nh_);
+}
+
+void GPT::set_recompute(Recompute r) {
+  for (const auto& ch : chunks_)
+    MPIGPT_CHECK(ch.slots.empty(), "set_recompute: activations are already allocated (call it before the first forward)");
+  recompute_ = r;
+  rc_arena_ = std::make_unique<Arena>(ops_);
+  rc_acts_ = BlockActs{};
+  if (r == Recompute::Full) {
+    // One layer's worth, dense (a superset of a MoE layer's) unless every local layer is MoE.
+    bool dense = false;
+    for (const auto& ch : chunks_)
+      for (int l = ch.first_layer; l < ch.end_layer; ++l) dense = dense || !d_.is_moe(l);
+    plan_block(*rc_arena_, rc_acts_, dense, true);
+    rc_arena_->plan(&rc_out_, {Nl_, d_.C}, d_.act);
+  } else if (recomputes_attention()) {
+    rc_arena_->plan(&rc_acts_.att_saved, {att_saved_numel()});
+  }
+  rc_arena_->commit();
+  alias_full(rc_acts_);
+}
+
+GPT::BlockActs& GPT::acts(Slot& s, int i) { return recompute_ == Recompute::Full ? rc_acts_ : s.a[i]; }
+
+MoeActs* GPT::moe_acts(Slot& s, int l, int i) {
+  if (!d_.is_moe(l)) return nullptr;
+  return recompute_ == Recompute::Full ? &rc_moe_ : s.moe[i].get();
+}
+
 size_t GPT::activation_bytes() const {
   size_t n = arena_.bytes() + (moe_ ? moe_->scratch_bytes() : 0);
+  if (rc_arena_) n += rc_arena_->bytes() + rc_moe_.bytes();
   for (const auto& ch : chunks_)
     for (const auto& s : ch.slots) {
       n += s->arena.bytes();
@@ -266,15 +327,16 @@ size_t GPT::activation_bytes() const {
   return n;
 }
 
-Tensor GPT::view_of(const Buffer& buf, const std::string& name) const {
+Tensor GPT::view_of(const Buffer& buf, const std::string& name, DType dt) const {
   for (const auto& p : table_)
-    if (p.name == name) return Tensor(static_cast<float*>(buf.data()) + p.offset, p.shape, DType::F32, ops_.device());
+    if (p.name == name)
+      return Tensor(static_cast<char*>(buf.data()) + p.offset * int64_t(dtype_size(dt)), p.shape, dt, ops_.device());
   return Tensor();  // not a parameter of this family (e.g. biases in Llama)
 }
 
-GPT::Block GPT::weights(const Buffer& buf, int l) const {
+GPT::Block GPT::weights(const Buffer& buf, int l, DType dt) const {
   const std::string p = "layers." + std::to_string(l) + ".";
-  auto v = [&](const char* n) { return view_of(buf, p + n); };
+  auto v = [&](const char* n) { return view_of(buf, p + n, dt); };
   Block b{v("attn_norm.weight"), v("attn_norm.bias"), v("attn.qkv.weight"), v("attn.qkv.bias"),
           v("attn.proj.weight"), v("attn.proj.bias"), v("mlp_norm.weight"), v("mlp_norm.bias"),
           v("mlp.fc.weight"),    v("mlp.fc.bias"),    v("mlp.proj.weight"), v("mlp.proj.bias")};
@@ -318,6 +380,23 @@ void GPT::init_weights(uint64_t seed) {
     init_param(table_[i], seed, host.data());
     ops_.copy(param(int(i)), Tensor(host.data(), table_[i].shape));
   }
+  params_changed();
+}
+
+void GPT::params_changed() { stale_.assign(chunks_.size(), 1); }
+
+// The chunk's parameters, and on the head's chunk the head (a tied replica sits outside the
+// chunk's range), converted into the compute dtype.
+void GPT::refresh_compute_params(int c) {
+  if (d_.act == DType::F32 || !stale_[c]) return;
+  auto convert = [&](int i) {
+    const ParamInfo& p = table_[i];
+    ops_.copy(view_of(cparams_, p.name, d_.act), param(i));
+  };
+  for (int i = chunks_[c].first_param; i < chunks_[c].end_param; ++i) convert(i);
+  if (chunks_[c].head && (head_param_ < chunks_[c].first_param || head_param_ >= chunks_[c].end_param))
+    convert(head_param_);
+  stale_[c] = 0;
 }
 
 void GPT::zero_grads() { ops_.fill(grads_flat(), 0.0f); }
@@ -352,6 +431,7 @@ Tensor GPT::chunk_output(int c, int mb) const {
 
 double GPT::forward_chunk(int c, int mb, const MicroBatchInput& in, float dloss) {
   const Chunk& ch = chunks_[c];
+  refresh_compute_params(c);
   Slot& s = acquire(c, mb);
   if (masked_) {
     MPIGPT_CHECK(in.pos && in.seg, "forward_chunk({}, {}): a split or packed sequence needs pos and seg", c, mb);
@@ -376,7 +456,11 @@ double GPT::forward_chunk(int c, int mb, const MicroBatchInput& in, float dloss)
   }
   for (int l = ch.first_layer; l < ch.end_layer; ++l) {
     const int i = l - ch.first_layer;
-    block_forward(l, s, s.a[i], s.moe[i].get(), s.resid[i], s.resid[i + 1]);
+    const MoeLosses L = block_forward(l, s, acts(s, i), moe_acts(s, l, i), s.resid[i], s.resid[i + 1]);
+    if (!d_.is_moe(l)) continue;
+    aux_sum_ += L.aux + L.z;
+    imbalance_sum_ += L.load_imbalance;
+    ++moe_forwards_;
   }
   if (!ch.head) return 0.0;
   ops_.copy(s.targets, Tensor(const_cast<int32_t*>(in.targets), {N_}, DType::I32));
@@ -406,19 +490,14 @@ double GPT::head_forward(Slot& s, float dloss) {
   return ops_.sum(s.losses);
 }
 
-void GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor x_out) {
+MoeLosses GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor x_out) {
   const Block& w = w_[local_of_layer_[l]];
-  auto as3 = [&](Tensor t) { return t.view({B_, Tl_, t.size(1)}); };
   const bool bias_here = tp_.rank() == 0;  // a row-parallel bias is added once, before the reduction
   norm_forward(a.n1, a.n1_mean, a.n1_rstd, x_in, w.n1w, w.n1b);
   Tensor n1 = tp_.column_input_forward(a.n1_full, a.n1);
   ops_.linear_forward(a.qkv, n1, w.qkvw, w.qkvb);
   if (!d_.gpt2()) ops_.rope_forward(a.qkv, positions(s), nh_, nkv_, d_.HD(), d_.rope_theta);
-  if (masked_)
-    cp_.attention_forward(as3(a.att), a.att_saved.view({B_, nh_, Tl_}), as3(a.qkv), s.pos_all, s.seg_all, nh_, nkv_,
-                          d_.HD());
-  else
-    ops_.attention_forward(as3(a.att), a.att_saved, as3(a.qkv), nh_, nkv_, d_.HD());
+  attention_core(s, a);
   Tensor mid = tp_.row_output_target(a.mid, full_);
   ops_.linear_forward(mid, a.att, w.projw, bias_here ? w.projb : Tensor());
   tp_.row_output_forward(a.mid, mid);
@@ -426,11 +505,8 @@ void GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x
   norm_forward(a.n2, a.n2_mean, a.n2_rstd, a.mid, w.n2w, w.n2b);
   if (w.is_moe) {  // on this rank's rows (the SP shard); the dispatcher reaches the experts
     const MoeLosses L = moe_->forward(*m, x_out, a.n2, s.moe_index.data(), w.moe);
-    aux_sum_ += L.aux + L.z;
-    imbalance_sum_ += L.load_imbalance;
-    ++moe_forwards_;
     ops_.add(x_out, x_out, a.mid);
-    return;
+    return L;
   }
   Tensor n2 = tp_.column_input_forward(a.n2_full, a.n2);
   ops_.linear_forward(a.fc, n2, w.fcw, w.fcb);
@@ -442,6 +518,17 @@ void GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x
   ops_.linear_forward(out, a.act, w.fpw, bias_here ? w.fpb : Tensor());
   tp_.row_output_forward(x_out, out);
   ops_.add(x_out, x_out, a.mid);
+  return {};
+}
+
+// att = softmax(q k^T / sqrt(HD)) v from a.qkv, saving a.att_saved.
+void GPT::attention_core(const Slot& s, BlockActs& a) {
+  auto as3 = [&](Tensor t) { return t.view({B_, Tl_, t.size(1)}); };
+  if (masked_)
+    cp_.attention_forward(as3(a.att), a.att_saved.view({B_, nh_, Tl_}), as3(a.qkv), s.pos_all, s.seg_all, nh_, nkv_,
+                          d_.HD());
+  else
+    ops_.attention_forward(as3(a.att), a.att_saved, as3(a.qkv), nh_, nkv_, d_.HD());
 }
 
 void GPT::backward_chunk(int c, int mb, const GradsFinal& final) {
@@ -455,7 +542,13 @@ void GPT::backward_chunk(int c, int mb, const GradsFinal& final) {
   // On entry dres_ = d(loss)/d(chunk output); on exit d(loss)/d(chunk input).
   for (int l = ch.end_layer - 1; l >= ch.first_layer; --l) {
     const int i = l - ch.first_layer;
-    block_backward(l, *s, s->a[i], s->moe[i].get(), s->resid[i], dres_);
+    BlockActs& a = acts(*s, i);
+    MoeActs* m = moe_acts(*s, l, i);
+    // Full recomputation: the layer's forward again from its saved input, with the same
+    // collectives in the same order on every rank. Its output (resid[i + 1] once more) goes to
+    // scratch; its MoE losses and load were counted by the first forward and are dropped here.
+    if (recompute_ == Recompute::Full) block_forward(l, *s, a, m, s->resid[i], rc_out_);
+    block_backward(l, *s, a, m, s->resid[i], dres_);
     if (final) final(layer_params_[local_of_layer_[l]].first, layer_params_[local_of_layer_[l]].second);
   }
   if (ch.embed) {
@@ -499,6 +592,8 @@ void GPT::block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor 
   // mid = x_in + proj(attention(qkv(norm1(x_in))))
   Tensor dmid = tp_.row_output_backward(full_, dres);
   ops_.linear_backward(datt_, g.projw, g.projb, dmid, a.att, w.projw);
+  // Selective recomputation: the attention state again (a.att gets the same values once more).
+  if (recomputes_attention()) attention_core(s, a);
   if (masked_)
     cp_.attention_backward(as3(dqkv_), as3(datt_), as3(a.qkv), as3(a.att), a.att_saved.view({B_, nh_, Tl_}),
                            s.pos_all, s.seg_all, nh_, nkv_, d_.HD());

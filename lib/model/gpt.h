@@ -5,11 +5,13 @@
 // One GPT object is what one rank holds: its tensor-parallel shard of the layers of its model
 // chunks (virtual pipeline stages), the embedding on the first stage and the head on the last.
 // Each chunk runs forward and backward per micro-batch; a chunk keeps one set of activations
-// per micro-batch in flight (pipeline schedules run several forwards before their backwards).
+// per micro-batch in flight (pipeline schedules run several forwards before their backwards);
+// activation recomputation (Recompute) shrinks what each set keeps.
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/buffer.h"
@@ -44,6 +46,16 @@ struct MoeLayout {
   const Comm* expert_tp_ep = nullptr;
   std::vector<int> ep_of_member;    // of expert_tp_ep's members (Mesh::ep_of_member)
 };
+
+// Activation recomputation (engine.recompute), Megatron's granularities. None keeps every
+// layer's saved activations per micro-batch in flight. Selective drops the attention core's
+// saved state (softmax(QK^T) on the CPU backend: B*NH*T*T floats per layer) and recomputes it
+// from the saved qkv before the attention backward; the blockwise path (context parallelism,
+// packed sequences) saves only the log-sum-exp and keeps it, so there selective changes nothing.
+// Full keeps only each layer's input (the residual stream) and runs the layer's forward again,
+// into one scratch shared by all layers, just before its backward.
+enum class Recompute { None, Selective, Full };
+Recompute parse_recompute(const std::string& s);  // "none" | "selective" | "full"
 
 // One micro-batch as a rank's model chunk sees it (host arrays).
 struct MicroBatchInput {
@@ -80,9 +92,15 @@ class GPT {
   Tensor grad(int i) const;
   int64_t num_params() const { return num_params_; }  // elements this rank holds (without padding)
   size_t activation_bytes() const;                   // of every activation set allocated so far (MoE state included)
+  // Before the first forward (activations are sized by it). Default Recompute::None.
+  void set_recompute(Recompute r);
+  Recompute recompute() const { return recompute_; }
 
   // Initialise every parameter from (seed, its name, global element index).
   void init_weights(uint64_t seed);
+  // The fp32 masters (param(i), params_flat()) changed: with a bf16 compute dtype each chunk's bf16
+  // copy is refreshed at its next forward (after the caller waited for the chunk's parameters).
+  void params_changed();
   void zero_grads();
 
   // ---- per chunk and micro-batch (the pipeline stage interface) -----------------------------
@@ -155,13 +173,26 @@ class GPT {
   void setup(const ModelPlacement& pl);
   Slot& acquire(int c, int mb);
   Slot* find(int c, int mb) const;
-  Block weights(const Buffer& buf, int l) const;
+  Block weights(const Buffer& buf, int l, DType dt) const;
+  // The weights forward and backward compute with: the fp32 masters, or their copy in d.act.
+  const Buffer& compute_params() const { return d_.act == DType::F32 ? params_ : cparams_; }
+  void refresh_compute_params(int c);
   Tensor positions(const Slot& s) const;
-  Tensor view_of(const Buffer& buf, const std::string& name) const;
+  Tensor view_of(const Buffer& buf, const std::string& name, DType dt = DType::F32) const;
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor w, Tensor b);
   void norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
                      Tensor w);
-  void block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor x_out);
+  // The saved activations of layer i of a slot's chunk (global layer l): the slot's own, or
+  // under full recomputation the shared scratch.
+  BlockActs& acts(Slot& s, int i);
+  MoeActs* moe_acts(Slot& s, int l, int i);
+  int64_t att_saved_numel() const;
+  bool recomputes_attention() const { return recompute_ == Recompute::Selective && !masked_; }
+  void plan_block(Arena& A, BlockActs& a, bool dense, bool att_saved) const;
+  void alias_full(BlockActs& a) const;
+  // Returns the MoE layer's losses (default ones for a dense layer); the caller counts them.
+  MoeLosses block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor x_out);
+  void attention_core(const Slot& s, BlockActs& a);
   void block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor dres);
   double head_forward(Slot& s, float dloss);
   void head_backward(Slot& s);
@@ -183,12 +214,23 @@ class GPT {
   std::vector<ParamInfo> table_;
   int64_t num_params_ = 0, buffer_numel_ = 0;
   Buffer params_, grads_;
+  Buffer cparams_;           // the compute copy of params_ when d.act is not f32
+  std::vector<char> stale_;  // per chunk: cparams_ lags params_
   std::vector<Chunk> chunks_;
   std::vector<int> local_of_layer_;                // global layer -> index into w_, g_, layer_params_
   std::vector<Block> w_, g_;                       // weights and their gradients per local layer
   std::vector<std::pair<int, int>> layer_params_;  // parameter index range per local layer
   std::pair<int, int> embed_params_{0, 0}, head_params_{0, 0};
+  int head_param_ = -1;  // the head's (or its tied replica's) index in the table
   Tensor wte_, wpe_, nfw_, nfb_, head_, dwte_, dwpe_, dnfw_, dnfb_, dhead_;
+
+  Recompute recompute_ = Recompute::None;
+  // Recomputation's scratch, one layer's worth shared by all layers and micro-batches: full: a
+  // whole BlockActs (+ MoeActs) and the recomputed output; selective: the attention state only.
+  std::unique_ptr<Arena> rc_arena_;
+  BlockActs rc_acts_;
+  MoeActs rc_moe_;
+  Tensor rc_out_;
 
   Arena arena_;  // shared by every chunk: positions and backward scratch
   Tensor positions_;

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "lib/core/tensor.h"
+
 namespace mpigpt {
 
 enum class Family { GPT2, Llama };
@@ -37,6 +39,9 @@ struct GptDims {
   int Vp = 384;       // padded vocabulary (rows of the embedding / logits columns)
   bool tied = true;   // output projection = input embedding
   float eps = 1e-5f;  // norm epsilon
+  // Activations and the compute copies of the weights (bf16 mixed precision: masters, gradients
+  // and optimizer state stay fp32).
+  DType act = DType::F32;
   float rope_theta = 10000.f;
   float init_std = 0.02f;
   MoeDims moe;

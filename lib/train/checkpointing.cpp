@@ -105,7 +105,7 @@ struct Plan {
 // v), each staged by one copy, since HDF5 writes from and reads into host memory.
 class HostState {
  public:
-  explicit HostState(ModelRunner& r) : ops_(r.ops()) {
+  explicit HostState(ModelRunner& r) : ops_(r.ops()), model_(r.model()) {
     const Tensor t[3] = {r.model().params_flat(), r.optimizer().m(), r.optimizer().v()};
     for (int k = 0; k < 3; ++k) {
       dev_[k] = t[k];
@@ -127,10 +127,12 @@ class HostState {
   void upload() {
     for (int k = 0; k < 3; ++k)
       if (!host_[k].empty()) ops_.copy(dev_[k], Tensor(host_[k].data(), dev_[k].shape));
+    model_.params_changed();
   }
 
  private:
   Ops& ops_;
+  GPT& model_;
   Tensor dev_[3];
   float* base_[3] = {};
   std::vector<float> host_[3];

@@ -107,6 +107,7 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, total, seq_, moe);
   // Each micro-batch's MoE aux loss counts with weight 1 / (micro-batches of the global batch).
   model_->set_moe_aux_scale(float(tc.micro_batch) / float(tc.global_batch));
+  model_->set_recompute(parse_recompute(cfg.engine.recompute));
   model_->init_weights(tc.seed);
 
   // Tied embeddings over a pipeline: the last stage's replica starts as stage 0's copy.
@@ -209,7 +210,7 @@ double ModelRunner::run(const std::vector<Action>& actions, const int32_t* token
                         const int32_t* positions, float dloss, bool train, int num_micro) {
   Stage stage(*this, tokens, targets, positions, dloss, train, num_micro);
   model_->reset_moe_loss();
-  run_schedule(actions, stage, mesh_.pp());
+  run_schedule(actions, stage, mesh_.pp(), &ops_);
   // The MoE losses of this pipeline's layers: every stage holds some of them.
   double moe[3] = {model_->moe_loss_sum(), model_->moe_imbalance_sum(), double(model_->moe_forwards())};
   mesh_.pp().allreduce_sum(moe, 3);
@@ -268,6 +269,7 @@ void ModelRunner::optimizer_step(float lr, float grad_scale) {
   opt_->step(lr, grad_scale);
   sync_->gather_params();
   if (esync_) esync_->gather_params();
+  model_->params_changed();
 }
 
 }  // namespace mpigpt

@@ -53,6 +53,7 @@ GptDims make_dims(const Config& cfg, int vocab_size) {
   d.Vp = pad_vocab(d.V, m.vocab_multiple * cfg.parallel.tp);
   d.tied = m.tie_embeddings;
   d.eps = float(m.norm_eps);
+  d.act = cfg.training.precision == "bf16" ? DType::BF16 : DType::F32;
   d.rope_theta = float(m.rope_theta);
   d.init_std = float(m.init_std);
   if (m.num_experts > 0) {
@@ -123,22 +124,25 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   // The loss lives on the last pipeline stage; one rank there logs.
   const Coords& co = mesh.coords();
   const bool last_rank = co.pp == pc.pp - 1 && co.tp == 0 && co.cp == 0 && co.dp == 0;
+  std::unique_ptr<Ops> backend;
   if (cfg.engine.backend == "cuda") {
-    // One rank per GPU, chosen by the rank's place on its node; the errors come first (no GPU,
-    // too few), then the compute ops, which this build does not have yet.
+    // One rank per GPU, chosen by the rank's place on its node (errors: no GPU, too few); then
+    // every group's device communication (NCCL, or staged through MPI) on the compute stream.
     const NodeRanks node = node_ranks();
     const int dev = choose_device(node.local_rank, node.local_size, visible_cuda_devices(),
                                   cfg.engine.allow_device_sharing, node.host);
-    fail("engine.backend = cuda: rank {} would compute on GPU {} of host {}, but the CUDA compute ops are not in "
-         "this build yet; use engine.backend = cpu", mesh.rank(), dev, node.host);
-  }
-  if (cfg.engine.backend != "cpu")
+    backend = make_cuda_ops(dev);
+    mesh.enable_device_comm(cfg.engine.comm == "mpi" ? CommBackend::Mpi : CommBackend::Nccl, backend->stream());
+  } else if (cfg.engine.backend == "cpu") {
+    if (tc.precision != "fp32")
+      fail("training.precision = '{}' needs the CUDA backend; use training.precision = fp32 on the CPU", tc.precision);
+    backend = make_cpu_ops();
+  } else {
     fail("engine.backend = '{}' is not available in this build; use engine.backend = cpu", cfg.engine.backend);
-  if (tc.precision != "fp32")
-    fail("training.precision = '{}' needs the CUDA backend; use training.precision = fp32 on the CPU", tc.precision);
-  if (cfg.engine.recompute != "none")
-    fail("engine.recompute = '{}' is not available on the CPU backend; use engine.recompute = none",
-         cfg.engine.recompute);
+  }
+  // The per-op profiler wraps the backend; everything below sees one Ops.
+  std::unique_ptr<ProfiledOps> profiler = opts.profile_ops ? std::make_unique<ProfiledOps>(*backend) : nullptr;
+  Ops* const ops = profiler ? profiler.get() : backend.get();
   if (cfg.engine.threads > 0) omp_set_num_threads(cfg.engine.threads);
 
   // ---- data -------------------------------------------------------------------------------
@@ -174,12 +178,11 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   const int dp = dp_only.size();
   const int MB = tc.micro_batch, GB = tc.global_batch;
   const int per_rank = GB / dp, num_micro = per_rank / MB;
-  auto ops = make_cpu_ops();
   ModelRunner runner(cfg, d, mesh, *ops);
   LrSchedule sched{tc.lr, tc.min_lr, tc.warmup_iters,
                    tc.decay_iters > 0 ? tc.decay_iters : std::max<int64_t>(tc.train_iters - tc.warmup_iters, 0),
                    parse_decay_style(tc.lr_schedule)};
-  const double peak = tc.peak_tflops > 0 ? tc.peak_tflops * 1e12 : measured_peak_flops(*ops);
+  const double peak = tc.peak_tflops > 0 ? tc.peak_tflops * 1e12 : measured_peak_flops(*backend);
   const double flops_per_step = d.train_flops_per_token() * double(GB) * d.T / mesh.world_size();  // per rank
   if (mesh.rank() == 0 && !opts.quiet) {
     log_line("mesh: {}", mesh.describe());
@@ -281,6 +284,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   for (int64_t it = first_it; it <= tc.train_iters; ++it) {
     if (it == tc.train_iters)
       for (const auto& g : groups) g.second->reset_stats();
+    if (profiler) profiler->reset();
     const auto t0 = Clock::now();
     // This rank's samples of the global batch: the global batch index alone decides them.
     for (int j = 0; j < per_rank; ++j)
@@ -304,6 +308,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
            "training.warmup_iters", it, loss, norm, tc.lr);
     const double lr = sched.at(it);
     runner.optimizer_step(float(lr), clip_scale(norm, tc.clip_grad));
+    ops->synchronize();  // a GPU step ends when its queued work does
     const double ms = ms_since(t0);
     if (it == tc.train_iters)
       for (const auto& g : groups) result.comm_bytes.emplace_back(g.first, g.second->stats().total());
@@ -357,6 +362,9 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       break;
     }
   }
+  result.activation_bytes = int64_t(runner.activation_bytes());
+  result.device_peak_bytes = int64_t(ops->peak_allocated());
+  if (profiler) result.op_times = profiler->report();
   return result;
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "io/config.h"
+#include "lib/kernels/profiled_ops.h"
 #include "lib/model/gpt_dims.h"
 #include "lib/train/checkpointing.h"
 #include "parallel/data_parallel.h"
@@ -16,6 +17,7 @@ namespace mpigpt {
 struct TrainOptions {
   bool synthetic_data = false;  // random tokens instead of data.path (benchmarks)
   bool quiet = false;           // no per-step log lines (benchmarks and tests)
+  bool profile_ops = false;     // time every op of each step (TrainResult::op_times: the last step's)
 };
 
 struct TrainResult {
@@ -33,6 +35,9 @@ struct TrainResult {
   double bubble = 0;           // the pipeline schedule's simulated bubble (backward = 2 x forward)
   int64_t first_iter = 1;      // losses[0] is this iteration's (> 1 after resuming)
   std::vector<SaveStats> saves;
+  int64_t activation_bytes = 0;    // the model's activations and scratch after the last step (as engine.recompute leaves them)
+  int64_t device_peak_bytes = 0;   // the GPU allocator's high-water mark (0 on the CPU)
+  std::vector<OpTime> op_times;    // with TrainOptions::profile_ops: time per op of the last step, largest first
   bool stopped = false;        // SIGTERM ended the run early
 };
 

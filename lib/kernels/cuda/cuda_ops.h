@@ -29,6 +29,7 @@ class CudaOps final : public Ops {
   std::string name() const override;
   void* stream() const override { return stream_; }
   void synchronize() override;
+  size_t peak_allocated() const override { return alloc_->stats().peak_in_use; }
   cudaStream_t cuda_stream() const { return stream_; }
   int device_index() const { return device_; }
   const CachingAllocator& allocator() const { return *alloc_; }
