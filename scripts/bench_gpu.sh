@@ -8,7 +8,8 @@
 #   scripts/bench_gpu.sh [CONFIG.ini ...]      (default: inputs/*_gpu.ini)
 #   MPIGPT=path/to/mpigpt  STEPS=10  WARMUP=3  RECOMPUTE="none full"  MAX_MB=64  LOG=bench_gpu.log
 set -uo pipefail
-MPIGPT=${MPIGPT:-build/mpigpt}
+MPIGPT=${MPIGPT:-build/mpigpt}  # may be a command line, e.g. "bundle/run mpigpt"
+read -ra MPIGPT_CMD <<<"$MPIGPT"
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}
 RECOMPUTE=${RECOMPUTE:-"none full"}
@@ -23,7 +24,7 @@ configs=("$@")
 run_bench() {  # config micro_batch recompute [extra args]
   local cfg=$1 mb=$2 rc=$3
   shift 3
-  out=$("$MPIGPT" bench --config "$cfg" --training.micro_batch "$mb" --training.global_batch "$mb" \
+  out=$("${MPIGPT_CMD[@]}" bench --config "$cfg" --training.micro_batch "$mb" --training.global_batch "$mb" \
         --engine.recompute "$rc" --bench-steps "$STEPS" --bench-warmup "$WARMUP" "$@" 2>&1)
   local status=$?
   { echo "== $cfg micro_batch $mb recompute $rc $*"; echo "$out"; } >>"$LOG"
