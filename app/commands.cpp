@@ -14,13 +14,14 @@ namespace mpigpt::app {
 
 int cmd_version() {
   fmt::print("mpigpt {} ({} build, {})\n", MPIGPT_VERSION, MPIGPT_BUILD_TYPE, MPIGPT_CXX_COMPILER);
-  fmt::print("compute backends: cpu (fp32, OpenBLAS)\n");
 #ifdef MPIGPT_WITH_CUDA
+  fmt::print("compute backends: cpu (fp32, OpenBLAS), cuda (bf16/fp32, cuBLASLt, NCCL loaded at run time; "
+             "architectures {})\n", MPIGPT_CUDA_ARCHS);
   const int n = cuda::device_count();
-  fmt::print("CUDA runtime linked (compute ops not in this build yet); {} device(s) visible\n", n);
+  fmt::print("{} CUDA device(s) visible\n", n);
   for (int i = 0; i < n; ++i) fmt::print("  cuda:{} {}\n", i, cuda::device_description(i));
 #else
-  fmt::print("built without CUDA\n");
+  fmt::print("compute backends: cpu (fp32, OpenBLAS); built without CUDA\n");
 #endif
   return 0;
 }

@@ -339,7 +339,8 @@ GPT::Block GPT::weights(const Buffer& buf, int l, DType dt) const {
   auto v = [&](const char* n) { return view_of(buf, p + n, dt); };
   Block b{v("attn_norm.weight"), v("attn_norm.bias"), v("attn.qkv.weight"), v("attn.qkv.bias"),
           v("attn.proj.weight"), v("attn.proj.bias"), v("mlp_norm.weight"), v("mlp_norm.bias"),
-          v("mlp.fc.weight"),    v("mlp.fc.bias"),    v("mlp.proj.weight"), v("mlp.proj.bias")};
+          v("mlp.fc.weight"),    v("mlp.fc.bias"),    v("mlp.proj.weight"), v("mlp.proj.bias"),
+          false,                 MoeWeights{}};
   if (d_.is_moe(l)) {
     b.is_moe = true;
     MoeWeights& m = b.moe;
