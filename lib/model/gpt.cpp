@@ -327,10 +327,13 @@ size_t GPT::activation_bytes() const {
   return n;
 }
 
+Tensor GPT::at(const Buffer& buf, const ParamInfo& p, DType dt) const {
+  return Tensor(static_cast<char*>(buf.data()) + p.offset * int64_t(dtype_size(dt)), p.shape, dt, ops_.device());
+}
+
 Tensor GPT::view_of(const Buffer& buf, const std::string& name, DType dt) const {
   for (const auto& p : table_)
-    if (p.name == name)
-      return Tensor(static_cast<char*>(buf.data()) + p.offset * int64_t(dtype_size(dt)), p.shape, dt, ops_.device());
+    if (p.name == name) return at(buf, p, dt);
   return Tensor();  // not a parameter of this family (e.g. biases in Llama)
 }
 
@@ -358,15 +361,9 @@ GPT::Block GPT::weights(const Buffer& buf, int l, DType dt) const {
   return b;
 }
 
-Tensor GPT::param(int i) const {
-  const auto& p = table_.at(i);
-  return Tensor(static_cast<float*>(params_.data()) + p.offset, p.shape, DType::F32, ops_.device());
-}
+Tensor GPT::param(int i) const { return at(params_, table_.at(i), DType::F32); }
 
-Tensor GPT::grad(int i) const {
-  const auto& p = table_.at(i);
-  return Tensor(static_cast<float*>(grads_.data()) + p.offset, p.shape, DType::F32, ops_.device());
-}
+Tensor GPT::grad(int i) const { return at(grads_, table_.at(i), DType::F32); }
 
 Tensor GPT::logits() const {
   const Slot* s = find(num_chunks() - 1, 0);
@@ -390,10 +387,7 @@ void GPT::params_changed() { stale_.assign(chunks_.size(), 1); }
 // chunk's range), converted into the compute dtype.
 void GPT::refresh_compute_params(int c) {
   if (d_.act == DType::F32 || !stale_[c]) return;
-  auto convert = [&](int i) {
-    const ParamInfo& p = table_[i];
-    ops_.copy(view_of(cparams_, p.name, d_.act), param(i));
-  };
+  auto convert = [&](int i) { ops_.copy(at(cparams_, table_[i], d_.act), param(i)); };
   for (int i = chunks_[c].first_param; i < chunks_[c].end_param; ++i) convert(i);
   if (chunks_[c].head && (head_param_ < chunks_[c].first_param || head_param_ >= chunks_[c].end_param))
     convert(head_param_);

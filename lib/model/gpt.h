@@ -178,6 +178,8 @@ class GPT {
   const Buffer& compute_params() const { return d_.act == DType::F32 ? params_ : cparams_; }
   void refresh_compute_params(int c);
   Tensor positions(const Slot& s) const;
+  // Parameter p's place in a flat buffer of dtype dt (masters, gradients or the compute copy).
+  Tensor at(const Buffer& buf, const ParamInfo& p, DType dt) const;
   Tensor view_of(const Buffer& buf, const std::string& name, DType dt = DType::F32) const;
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor w, Tensor b);
   void norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
