@@ -30,8 +30,11 @@
 // blockwise ops call after checking their arguments.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
+#include "lib/kernels/cuda/cuda_attention_tc.cuh"
 #include "lib/kernels/cuda/cuda_common.cuh"
 
 namespace mpigpt::cuda {
@@ -598,8 +601,21 @@ void dispatch_head_dim(int HD, F&& body) {
   }
 }
 
+// The bf16 forward and backward for HD 64 and 128 run on tensor cores (cuda_attention_tc.cu) unless
+// the environment variable MPIGPT_ATTENTION_FMA is set to a value other than "0" or "": then they
+// use the scalar fp32-FMA kernels of this file (read on every call, so tests can compare the two).
+bool fma_forced() {
+  const char* e = std::getenv("MPIGPT_ATTENTION_FMA");
+  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
+}
+
 void forward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
   if (p.B == 0 || p.Tq == 0) return;
+  if (dt == DType::BF16 && !fma_forced()) {
+    const AttentionTcForward tc{p.q,    p.k,    p.v,    p.out,  p.lse,  p.qpos, p.qseg, p.kpos, p.kseg,
+                                p.q_stride, p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2};
+    if (attention_forward_tc(tc, dt, causal, stream)) return;
+  }
   dispatch_float(dt, "attention", [&](auto tag) {
     using T = decltype(tag);
     dispatch_head_dim(p.HD, [&](auto hd) {
@@ -619,6 +635,12 @@ void backward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
     const int64_t warps = int64_t(p.B) * p.Tq * p.NH;
     attention_rowdot_kernel<T><<<unsigned((warps + 7) / 8), 256, 0, stream>>>(p);
     MPIGPT_CUDA_LAUNCHED();
+    if (dt == DType::BF16 && !fma_forced()) {
+      const AttentionTcBackward tc{{p.q, p.k, p.v, p.out, p.lse, p.qpos, p.qseg, p.kpos, p.kseg, p.q_stride,
+                                    p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2},
+                                   p.dout, p.dq, p.dk, p.dv, p.D, p.scale, p.accumulate};
+      if (attention_backward_tc(tc, dt, causal, stream)) return;
+    }
     dispatch_head_dim(p.HD, [&](auto hd) {
       constexpr int HDP = decltype(hd)::value;
       launch(causal ? attention_bwd_dq_kernel<T, HDP, true> : attention_bwd_dq_kernel<T, HDP, false>,

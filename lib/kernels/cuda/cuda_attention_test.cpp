@@ -4,7 +4,9 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_testing.h"
@@ -108,10 +110,10 @@ TEST_CASE("cuda attention forward and backward match the CPU backend (f32 and bf
   auto cpu = make_cpu_ops();
   // T = 1; T not a multiple of the 64-row and 32-column tiles; GQA 8/2 and plain 4/4 heads; B > 1;
   // every kernel head dim (16, 32, 64, 80, 96, 128) and padded ones (6: element loads, 48: vector
-  // loads into the 64 kernel).
+  // loads into the 64 kernel). In bf16, HD 64 and 128 run the tensor-core forward (GQA 128 included).
   const std::vector<Geometry> shapes = {
       {1, 1, 4, 2, 64},    {2, 37, 8, 2, 64},  {1, 200, 4, 4, 128}, {2, 70, 2, 1, 32}, {1, 130, 4, 2, 80},
-      {2, 65, 2, 2, 96},   {2, 33, 4, 1, 16},  {2, 7, 4, 2, 6},     {1, 100, 6, 3, 48},
+      {2, 65, 2, 2, 96},   {2, 33, 4, 1, 16},  {2, 7, 4, 2, 6},     {1, 100, 6, 3, 48},  {1, 150, 4, 2, 128},
   };
   for (DType dt : {DType::F32, DType::BF16})
     for (const Geometry& g : shapes) {
@@ -124,6 +126,61 @@ TEST_CASE("cuda attention forward and backward match the CPU backend (f32 and bf
       CAPTURE(g.HD);
       compare(g, dt, *ops, *cpu);
     }
+}
+
+TEST_CASE("cuda attention bf16: the tensor-core path agrees with the fp32-FMA path (MPIGPT_ATTENTION_FMA)") {
+  // For bf16 and HD 64 or 128 the forward and backward run on tensor cores unless
+  // MPIGPT_ATTENTION_FMA is set; both paths must agree within the bf16 tolerances on identical
+  // inputs, and the saved lse (fp32 in both, from the same bf16 scores) within 1e-4 abs + 1e-5 rel.
+  // GQA and plain heads, T off the 64-row tiles, B > 1, T = 1.
+  auto ops = cuda_ops_or_skip();
+  const char* old_env = std::getenv("MPIGPT_ATTENTION_FMA");
+  const std::string saved_env = old_env ? old_env : "";
+  const std::vector<Geometry> shapes = {
+      {2, 130, 4, 2, 64}, {1, 100, 4, 1, 128}, {1, 64, 2, 2, 64}, {2, 1, 2, 1, 128}, {1, 257, 2, 1, 128},
+  };
+  for (const Geometry& g : shapes) {
+    CAPTURE(g.B);
+    CAPTURE(g.T);
+    CAPTURE(g.NH);
+    CAPTURE(g.NKV);
+    CAPTURE(g.HD);
+    const Shape sqkv{g.B, g.T, g.R()}, sout{g.B, g.T, g.C()};
+    const auto qkv = rounded_bf16(random_normal(size_t(g.B * g.T * g.R()), 303, uint64_t(g.T * 1000 + g.HD)));
+    const auto dout = rounded_bf16(random_normal(size_t(g.B * g.T * g.C()), 304, uint64_t(g.T * 1000 + g.HD)));
+    const int64_t nsaved = ops->attention_saved_numel(g.B, g.T, g.NH);
+    auto d_qkv = to_device(*ops, qkv, sqkv, DType::BF16);
+    auto d_dout = to_device(*ops, dout, sout, DType::BF16);
+    std::vector<float> outs[2], lses[2], grads[2];
+    for (int fma = 0; fma < 2; ++fma) {
+      if (fma)
+        setenv("MPIGPT_ATTENTION_FMA", "1", 1);
+      else
+        unsetenv("MPIGPT_ATTENTION_FMA");
+      auto d_out = to_device(*ops, std::vector<float>(size_t(g.B * g.T * g.C()), kNaN), sout, DType::BF16);
+      auto d_saved = to_device(*ops, std::vector<float>(size_t(nsaved), kNaN), {nsaved});
+      ops->attention_forward(d_out.t, d_saved.t, d_qkv.t, g.NH, g.NKV, g.HD);
+      auto d_dqkv = to_device(*ops, std::vector<float>(qkv.size(), kNaN), sqkv, DType::BF16);
+      ops->attention_backward(d_dqkv.t, d_dout.t, d_qkv.t, d_out.t, d_saved.t, g.NH, g.NKV, g.HD);
+      outs[fma] = to_host(*ops, d_out.t);
+      lses[fma] = to_host(*ops, d_saved.t);
+      grads[fma] = to_host(*ops, d_dqkv.t);
+    }
+    if (old_env)
+      setenv("MPIGPT_ATTENTION_FMA", saved_env.c_str(), 1);
+    else
+      unsetenv("MPIGPT_ATTENTION_FMA");
+    const Tolerance tol = tolerance(DType::BF16);
+    auto r = allclose(outs[0], outs[1], tol.out, tol.out);
+    CHECK_MESSAGE(r.ok, "out: ", r.str());
+    r = allclose(lses[0], lses[1], 1e-4, 1e-5);
+    CHECK_MESSAGE(r.ok, "lse: ", r.str());
+    r = allclose(grads[0], grads[1], tol.grad, tol.grad);
+    CHECK_MESSAGE(r.ok, "dqkv: ", r.str());
+    // Informational: bitwise-equal outputs would mean both runs took the same (FMA) path.
+    if (g.T > 1)
+      WARN_MESSAGE(outs[0] != outs[1], "tensor-core and FMA outputs are bitwise equal: is the tensor-core path on?");
+  }
 }
 
 TEST_CASE("cuda attention rejects unsupported head dims and inconsistent shapes") {
