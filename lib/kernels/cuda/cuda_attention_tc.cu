@@ -257,6 +257,28 @@ struct TcBwdLayout {
 // rows [row0, row0 + 16) (those below end) of a strided bf16 matrix (=, or += when acc) scale * the
 // warp's fp32 tile X [16][LDO]; two lanes per row, 2-element stores. The caller syncs the warp
 // after the fragments were stored to X.
+// One warp: S (16 x 16*NCH, fp32, leading dimension lds) = A (16 x HD) B^T, with A's rows and
+// B's 16*NCH rows of HD bf16 each at leading dimension ldb (row-major in shared memory).
+template <int HD, int NCH>
+__device__ __forceinline__ void tc_warp_abt(float* S, int lds, const bf16* A, const bf16* B, int ldb) {
+  using namespace nvcuda;
+  constexpr int KD = HD / 16;
+#pragma unroll
+  for (int n = 0; n < NCH; ++n) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+    for (int k = 0; k < KD; ++k) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> af;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> bf;
+      wmma::load_matrix_sync(af, A + k * 16, ldb);
+      wmma::load_matrix_sync(bf, B + n * 16 * ldb + k * 16, ldb);
+      wmma::mma_sync(acc, af, bf, acc);
+    }
+    wmma::store_matrix_sync(S + n * 16, acc, lds, wmma::mem_row_major);
+  }
+}
+
 template <int HD>
 __device__ __forceinline__ void tc_warp_store_rows(const float* X, bf16* base, int64_t stride, int row0, int end,
                                                    float scale, bool acc) {
@@ -362,20 +384,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
     tc_load_tile<HD>(Vs, V, p.kv_stride, j0, p.Tk);
     __syncthreads();
     // S = Q K^T to the scratch.
-#pragma unroll
-    for (int n = 0; n < NCH; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-      for (int k = 0; k < KD; ++k) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> af;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> bf;
-        wmma::load_matrix_sync(af, Qw + k * 16, LDB);
-        wmma::load_matrix_sync(bf, Ks + n * 16 * LDB + k * 16, LDB);
-        wmma::mma_sync(acc, af, bf, acc);
-      }
-      wmma::store_matrix_sync(Sw + n * 16, acc, LDS, wmma::mem_row_major);
-    }
+    tc_warp_abt<HD, NCH>(Sw, LDS, Qw, Ks, LDB);
     __syncwarp();
     float pr[kTcCols / 2];
 #pragma unroll
@@ -390,20 +399,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
     }
     __syncwarp();  // the scores are read before dP replaces them
     // dP = dO V^T to the scratch.
-#pragma unroll
-    for (int n = 0; n < NCH; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-      for (int k = 0; k < KD; ++k) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> af;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> bf;
-        wmma::load_matrix_sync(af, dOw + k * 16, LDB);
-        wmma::load_matrix_sync(bf, Vs + n * 16 * LDB + k * 16, LDB);
-        wmma::mma_sync(acc, af, bf, acc);
-      }
-      wmma::store_matrix_sync(Sw + n * 16, acc, LDS, wmma::mem_row_major);
-    }
+    tc_warp_abt<HD, NCH>(Sw, LDS, dOw, Vs, LDB);
     __syncwarp();
 #pragma unroll
     for (int c = 0; c < kTcCols / 2; ++c) {
@@ -518,20 +514,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const
       tc_load_tile<HD>(dOs, dO, ldo, i0, p.Tq);
       __syncthreads();
       // S^T = K Q^T to the scratch.
-#pragma unroll
-      for (int n = 0; n < NCH; ++n) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-        for (int k = 0; k < KD; ++k) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> af;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> bf;
-          wmma::load_matrix_sync(af, Kw + k * 16, LDB);
-          wmma::load_matrix_sync(bf, Qs + n * 16 * LDB + k * 16, LDB);
-          wmma::mma_sync(acc, af, bf, acc);
-        }
-        wmma::store_matrix_sync(Sw + n * 16, acc, LDS, wmma::mem_row_major);
-      }
+      tc_warp_abt<HD, NCH>(Sw, LDS, Kw, Qs, LDB);
       __syncwarp();
       float pr[kTcCols / 2];
 #pragma unroll
@@ -547,20 +530,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const
       }
       __syncwarp();  // the scores are read before dP^T replaces them
       // dP^T = V dO^T to the scratch.
-#pragma unroll
-      for (int n = 0; n < NCH; ++n) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-        for (int k = 0; k < KD; ++k) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> af;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> bf;
-          wmma::load_matrix_sync(af, Vw + k * 16, LDB);
-          wmma::load_matrix_sync(bf, dOs + n * 16 * LDB + k * 16, LDB);
-          wmma::mma_sync(acc, af, bf, acc);
-        }
-        wmma::store_matrix_sync(Sw + n * 16, acc, LDS, wmma::mem_row_major);
-      }
+      tc_warp_abt<HD, NCH>(Sw, LDS, Vw, dOs, LDB);
       __syncwarp();
 #pragma unroll
       for (int c = 0; c < kTcCols / 2; ++c) {
