@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "lib/kernels/cpu/cpu_ops.h"
+#include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cpu {
 
@@ -143,18 +144,6 @@ Tensor group_of(const Tensor& t, int64_t g) {
   for (int i = 1; i < t.ndim(); ++i) s.d[i - 1] = t.size(i);
   return Tensor(static_cast<float*>(t.ptr) + g * per, s, t.dtype, t.device);
 }
-void check_groups(const char* op, const Tensor& weight, const Tensor& bias, int64_t M, const int64_t* group_rows) {
-  MPIGPT_CHECK(weight.ndim() == 3, "{}: weight {} must be (G,OC,IC)", op, weight.shape.str());
-  MPIGPT_CHECK(!bias.defined() || bias.numel() == weight.size(0) * weight.size(1),
-               "{}: bias {} must be (G,OC) for weight {}", op, bias.shape.str(), weight.shape.str());
-  MPIGPT_CHECK(group_rows != nullptr, "{}: group_rows is required", op);
-  int64_t total = 0;
-  for (int64_t g = 0; g < weight.size(0); ++g) {
-    MPIGPT_CHECK(group_rows[g] >= 0, "{}: group {} has {} rows", op, g, group_rows[g]);
-    total += group_rows[g];
-  }
-  MPIGPT_CHECK(total == M, "{}: the groups hold {} rows but the input has {}", op, total, M);
-}
 }  // namespace
 
 void CpuOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) {
@@ -164,7 +153,7 @@ void CpuOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tenso
   f32_arg(inp, op, "inp");
   f32_arg(weight, op, "weight");
   const Mat mo = mat_of(out), mi = mat_of(inp);
-  check_groups(op, weight, bias, mi.rows, group_rows);
+  check_grouped_linear(op, weight, bias, mi.rows, group_rows);
   MPIGPT_CHECK(mo.rows == mi.rows && mo.cols == weight.size(1) && mi.cols == weight.size(2),
                "{}: out {} = inp {} @ weight {}^T per group has mismatched shapes", op, out.shape.str(),
                inp.shape.str(), weight.shape.str());
@@ -181,7 +170,7 @@ void CpuOps::grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, 
   f32_arg(dout, op, "dout");
   f32_arg(weight, op, "weight");
   const Mat mo = mat_of(dout);
-  check_groups(op, weight, dbias, mo.rows, group_rows);
+  check_grouped_linear(op, weight, dbias, mo.rows, group_rows);
   MPIGPT_CHECK(mo.cols == weight.size(1), "{}: dout {} must have OC = {} columns", op, dout.shape.str(),
                weight.size(1));
   const int64_t IC = weight.size(2);

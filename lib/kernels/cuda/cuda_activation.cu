@@ -156,8 +156,7 @@ void rope_apply(CudaOps& ops, const char* op, Tensor qkv, Tensor positions, int 
                 float sign) {
   // qkv (N, (NH+2*NKV)*HD) in place, positions (N) i32
   check_device(qkv, op, "qkv");
-  check_device(positions, op, "positions");
-  check_dtype(positions, DType::I32, op, "positions");
+  check_i32(positions, op, "positions");
   const DType dt = data_dtype(op, {{"qkv", qkv}});
   MPIGPT_CHECK(NH > 0 && NKV > 0 && HD > 0 && NH % NKV == 0,
                "{}: need NH, NKV, HD > 0 and NH divisible by NKV, got NH={} NKV={} HD={}", op, NH, NKV, HD);

@@ -36,6 +36,7 @@
 
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
 #include "lib/kernels/cuda/cuda_common.cuh"
+#include "lib/kernels/cuda/cuda_kernel_util.cuh"
 
 namespace mpigpt::cuda {
 
@@ -750,9 +751,8 @@ void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, in
   // out (B,T,NH*HD), saved = lse (B,NH,T) f32, qkv (B,T,(NH+2*NKV)*HD)
   const char* op = "attention_forward";
   check_device(out, op, "out");
-  check_device(saved, op, "saved");
+  check_f32(saved, op, "saved");
   check_device(qkv, op, "qkv");
-  check_dtype(saved, DType::F32, op, "saved");
   const DType dt = data_dtype(op, {{"out", out}, {"qkv", qkv}});
   check_attention_heads(op, NH, NKV, HD);
   const int64_t R = int64_t(NH + 2 * NKV) * HD;
@@ -774,8 +774,7 @@ void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor ou
   check_device(dout, op, "dout");
   check_device(qkv, op, "qkv");
   check_device(out, op, "out");
-  check_device(saved, op, "saved");
-  check_dtype(saved, DType::F32, op, "saved");
+  check_f32(saved, op, "saved");
   const DType dt = data_dtype(op, {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}, {"out", out}});
   check_attention_heads(op, NH, NKV, HD);
   const int64_t R = int64_t(NH + 2 * NKV) * HD;

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
+#include "lib/kernels/cuda/cuda_kernel_util.cuh"
 
 namespace mpigpt::cuda {
 
@@ -30,13 +31,10 @@ void check_block_args(const char* op, const Tensor& out, const Tensor& lse, cons
   check_device(out, op, "out");
   check_device(qkv, op, "qkv");
   check_device(kv, op, "kv");
-  check_device(lse, op, "lse");
-  check_dtype(lse, DType::F32, op, "lse");
+  check_f32(lse, op, "lse");
   for (auto [what, t] : {std::pair{"qpos", qpos}, std::pair{"qseg", qseg}, std::pair{"kpos", kpos},
-                         std::pair{"kseg", kseg}}) {
-    check_device(t, op, what);
-    check_dtype(t, DType::I32, op, what);
-  }
+                         std::pair{"kseg", kseg}})
+    check_i32(t, op, what);
   check_attention_heads(op, NH, NKV, HD);
   const int64_t R = int64_t(NH + 2 * NKV) * HD, RK = int64_t(2 * NKV) * HD;
   MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, Tq, (NH+2*NKV)*HD = {})", op,
@@ -133,11 +131,9 @@ void CudaOps::attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk
   // out, blk_out (B,Tq,NH*HD); lse, blk_lse (B,NH,Tq) f32
   const char* op = "attention_merge";
   check_device(out, op, "out");
-  check_device(lse, op, "lse");
+  check_f32(lse, op, "lse");
   check_device(blk_out, op, "blk_out");
-  check_device(blk_lse, op, "blk_lse");
-  check_dtype(lse, DType::F32, op, "lse");
-  check_dtype(blk_lse, DType::F32, op, "blk_lse");
+  check_f32(blk_lse, op, "blk_lse");
   const DType dt = data_dtype(op, {{"out", out}, {"blk_out", blk_out}});
   MPIGPT_CHECK(lse.ndim() == 3 && blk_lse.shape == lse.shape, "{}: lse {} and blk_lse {} must both be (B, NH, Tq)", op,
                lse.shape.str(), blk_lse.shape.str());

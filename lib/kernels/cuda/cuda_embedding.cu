@@ -150,16 +150,14 @@ void CudaOps::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor t
   const int64_t N = mo.rows, C = mo.cols;
   int64_t rows = 0, max_pos = 0;
   if (dwte.defined()) {
-    check_device(dwte, op, "dwte");
-    check_dtype(dwte, DType::F32, op, "dwte");
+    check_f32(dwte, op, "dwte");
     check_i32(tokens, op, "tokens");
     MPIGPT_CHECK(tokens.numel() == N && rows_cols(dwte).cols == C, "{}: dout {}, tokens {}, dwte {} disagree", op,
                  dout.shape.str(), tokens.shape.str(), dwte.shape.str());
     rows = rows_cols(dwte).rows;
   }
   if (dwpe.defined()) {
-    check_device(dwpe, op, "dwpe");
-    check_dtype(dwpe, DType::F32, op, "dwpe");
+    check_f32(dwpe, op, "dwpe");
     check_i32(positions, op, "positions");
     MPIGPT_CHECK(positions.numel() == N && rows_cols(dwpe).cols == C, "{}: dout {}, positions {}, dwpe {} disagree", op,
                  dout.shape.str(), positions.shape.str(), dwpe.shape.str());

@@ -233,8 +233,7 @@ void check_rows(const Tensor& t, int64_t N, const char* op, const char* what, co
                logits.shape.str());
 }
 void check_targets(const Tensor& targets, int64_t N, const char* op, const Tensor& logits) {
-  check_device(targets, op, "targets");
-  check_dtype(targets, DType::I32, op, "targets");
+  check_i32(targets, op, "targets");
   check_rows(targets, N, op, "targets", logits);
 }
 

@@ -18,6 +18,7 @@
 #include <map>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
+#include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cuda {
 
@@ -390,21 +391,6 @@ void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
   }
 }
 
-namespace {
-void check_groups(const char* op, const Tensor& weight, const Tensor& bias, int64_t M, const int64_t* group_rows) {
-  MPIGPT_CHECK(weight.ndim() == 3, "{}: weight {} must be (G,OC,IC)", op, weight.shape.str());
-  MPIGPT_CHECK(!bias.defined() || bias.numel() == weight.size(0) * weight.size(1),
-               "{}: bias {} must be (G,OC) for weight {}", op, bias.shape.str(), weight.shape.str());
-  MPIGPT_CHECK(group_rows != nullptr, "{}: group_rows (a host array of G row counts) is required", op);
-  int64_t total = 0;
-  for (int64_t g = 0; g < weight.size(0); ++g) {
-    MPIGPT_CHECK(group_rows[g] >= 0, "{}: group {} has {} rows", op, g, group_rows[g]);
-    total += group_rows[g];
-  }
-  MPIGPT_CHECK(total == M, "{}: the groups hold {} rows but the input has {}", op, total, M);
-}
-}  // namespace
-
 void CudaOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) {
   // out (M,OC), inp (M,IC), weight (G,OC,IC), bias (G,OC) optional, data dtype; group g is
   // group_rows[g] (host) consecutive rows through weight[g]
@@ -415,7 +401,7 @@ void CudaOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tens
   check_device_opt(bias, op, "bias");
   const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}, {"bias", bias}});
   const Mat mo = mat_of(out), mi = mat_of(inp);
-  check_groups(op, weight, bias, mi.rows, group_rows);
+  check_grouped_linear(op, weight, bias, mi.rows, group_rows);
   const int64_t G = weight.size(0), OC = weight.size(1), IC = weight.size(2);
   MPIGPT_CHECK(mo.rows == mi.rows && mo.cols == OC && mi.cols == IC,
                "{}: out {} = inp {} @ weight {}^T per group has mismatched shapes", op, out.shape.str(),
@@ -440,7 +426,7 @@ void CudaOps::grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias,
   const DType dt = data_dtype(op, {{"dout", dout}, {"weight", weight}, {"dinp", dinp},
                                    {"inp", dweight.defined() ? inp : Tensor()}});
   const Mat mo = mat_of(dout);
-  check_groups(op, weight, dbias, mo.rows, group_rows);
+  check_grouped_linear(op, weight, dbias, mo.rows, group_rows);
   const int64_t G = weight.size(0), OC = weight.size(1), IC = weight.size(2);
   MPIGPT_CHECK(mo.cols == OC, "{}: dout {} must have OC = {} columns", op, dout.shape.str(), OC);
   MPIGPT_CHECK(!dinp.defined() || (mat_of(dinp).rows == mo.rows && mat_of(dinp).cols == IC),

@@ -198,9 +198,7 @@ void check_len(const char* op, const Tensor& t, const char* name, int64_t n, con
                inp.shape.str());
 }
 void check_f32_opt(const Tensor& t, const char* op, const char* what) {
-  if (!t.defined()) return;
-  check_device(t, op, what);
-  check_dtype(t, DType::F32, op, what);
+  if (t.defined()) check_f32(t, op, what);
 }
 
 // Whether every defined tensor allows 16-byte packs of W elements: aligned starts and C % W == 0.
@@ -322,10 +320,8 @@ void CudaOps::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tens
   check_f32_opt(dbias, op, "dbias");
   check_device(dout, op, "dout");
   check_device(inp, op, "inp");
-  check_device(mean, op, "mean");
-  check_dtype(mean, DType::F32, op, "mean");
-  check_device(rstd, op, "rstd");
-  check_dtype(rstd, DType::F32, op, "rstd");
+  check_f32(mean, op, "mean");
+  check_f32(rstd, op, "rstd");
   check_device(weight, op, "weight");
   const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}, {"inp", inp}, {"weight", weight}});
   const RowsCols rc = norm_dims(op, inp);
@@ -371,8 +367,7 @@ void CudaOps::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor 
   check_f32_opt(dweight, op, "dweight");
   check_device(dout, op, "dout");
   check_device(inp, op, "inp");
-  check_device(rstd, op, "rstd");
-  check_dtype(rstd, DType::F32, op, "rstd");
+  check_f32(rstd, op, "rstd");
   check_device(weight, op, "weight");
   const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}, {"inp", inp}, {"weight", weight}});
   const RowsCols rc = norm_dims(op, inp);

@@ -139,10 +139,7 @@ void CudaOps::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, flo
                     float weight_decay, int64_t step, float grad_scale) {
   // param, grad, m, v (n) f32: the same flat range; one pass reads all four and writes three
   const char* op = "adamw";
-  for (auto [t, what] : {std::pair{param, "param"}, {grad, "grad"}, {m, "m"}, {v, "v"}}) {
-    check_device(t, op, what);
-    check_dtype(t, DType::F32, op, what);
-  }
+  for (auto [t, what] : {std::pair{param, "param"}, {grad, "grad"}, {m, "m"}, {v, "v"}}) check_f32(t, op, what);
   const int64_t n = param.numel();
   MPIGPT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n,
                "adamw: param {}, grad {}, m {}, v {} must have the same number of elements", param.str(), grad.str(),

@@ -110,8 +110,7 @@ void launch_copy_cols(cudaStream_t s, T* dst, int64_t Dd, const T* src, int64_t 
 }
 
 void check_index(const Tensor& index, const char* op) {
-  check_device(index, op, "index");
-  check_dtype(index, DType::I32, op, "index");
+  check_i32(index, op, "index");
 }
 
 }  // namespace
