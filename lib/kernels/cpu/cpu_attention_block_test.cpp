@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "lib/kernels/attention_block_testing.h"
 #include "lib/kernels/ops.h"
 #include "lib/kernels/testing.h"
 
@@ -17,49 +18,8 @@ namespace {
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 const double kInf = std::numeric_limits<double>::infinity();
 
-// One block call's sizes: queries (B,Tq) from qkv (B,Tq,R), keys/values (B,Tk) from kv (B,Tk,RK).
-struct Geo {
-  int64_t B, Tq, Tk;
-  int NH, NKV, HD;
-  int64_t R() const { return int64_t(NH + 2 * NKV) * HD; }
-  int64_t RK() const { return int64_t(2 * NKV) * HD; }
-  int64_t C() const { return int64_t(NH) * HD; }
-};
-
-// Everything one block call reads, over vectors; the tensors are views of them.
-struct Inputs {
-  Geo g;
-  std::vector<float> qkv, kv;
-  std::vector<int32_t> qpos, qseg, kpos, kseg;
-  Tensor tqkv() { return as_tensor(qkv, {g.B, g.Tq, g.R()}); }
-  Tensor tkv() { return as_tensor(kv, {g.B, g.Tk, g.RK()}); }
-  Tensor tqpos() { return as_tensor(qpos, {g.B, g.Tq}); }
-  Tensor tqseg() { return as_tensor(qseg, {g.B, g.Tq}); }
-  Tensor tkpos() { return as_tensor(kpos, {g.B, g.Tk}); }
-  Tensor tkseg() { return as_tensor(kseg, {g.B, g.Tk}); }
-};
-
-int32_t rand_int(uint64_t seed, uint64_t i, int n) { return int32_t(bits_at(seed, 7, i) % uint64_t(n)); }
-
-// Random unit-normal q/k/v, positions in [0, npos) and document ids in [0, nseg).
-Inputs random_inputs(Geo g, uint64_t seed, int npos, int nseg) {
-  Inputs in{g,
-            random_normal(size_t(g.B * g.Tq * g.R()), seed, 0),
-            random_normal(size_t(g.B * g.Tk * g.RK()), seed, 1),
-            {},
-            {},
-            {},
-            {}};
-  for (int64_t i = 0; i < g.B * g.Tq; ++i) {
-    in.qpos.push_back(rand_int(seed, uint64_t(i), npos));
-    in.qseg.push_back(rand_int(seed + 1, uint64_t(i), nseg));
-  }
-  for (int64_t j = 0; j < g.B * g.Tk; ++j) {
-    in.kpos.push_back(rand_int(seed + 2, uint64_t(j), npos));
-    in.kseg.push_back(rand_int(seed + 3, uint64_t(j), nseg));
-  }
-  return in;
-}
+using Geo = BlockGeo;
+using Inputs = BlockInputs;
 
 bool visible(const Inputs& in, int64_t b, int64_t i, int64_t j) {
   const size_t q = size_t(b * in.g.Tq + i), k = size_t(b * in.g.Tk + j);
@@ -200,7 +160,7 @@ size_t split_rows(const Inputs& in, const std::vector<int64_t>& cuts) {
 // The inputs of tests 1, 4 and 5: GQA, random positions in [0,8) and 3 documents, and two queries
 // forced to see nothing: b=0,i=2 is in a document no key belongs to, b=1,i=0 precedes every key.
 Inputs masked_inputs(Geo g, uint64_t seed) {
-  Inputs in = random_inputs(g, seed, 8, 3);
+  Inputs in = random_block_inputs(g, seed, 8, 3);
   in.qseg[2] = 9;
   in.qpos[size_t(g.Tq)] = -1;
   return in;
@@ -298,7 +258,7 @@ TEST_CASE("cpu attention_merge of key blocks equals one block; per-block backwar
   // query 0 (doc 0, pos 8) sees keys 0..8 across every split; 1 (doc 1, pos 11) sees 9..11 only, so
   // earlier blocks are all masked for it; 2 is in no key's document; 3 (doc 0, pos 4) sees 0..4, none
   // of the second half; 4 (doc 0, pos 7) sees 0..7.
-  Inputs in = random_inputs(g, 220, 8, 2);
+  Inputs in = random_block_inputs(g, 220, 8, 2);
   in.qpos[size_t(g.Tq)] = -1;
   for (int64_t j = 0; j < g.Tk; ++j) {
     in.kseg[size_t(j)] = j < 9 ? 0 : 1;

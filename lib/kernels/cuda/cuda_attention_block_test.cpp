@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "lib/kernels/attention_block_testing.h"
 #include "lib/kernels/cuda/cuda_testing.h"
 #include "lib/kernels/ops.h"
 #include "lib/kernels/testing.h"
@@ -20,41 +21,17 @@ namespace {
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 const float kNegInf = -std::numeric_limits<float>::infinity();
 
-// One block call's sizes: queries (B,Tq) from qkv (B,Tq,R), keys/values (B,Tk) from kv (B,Tk,RK).
-struct Geo {
-  int64_t B, Tq, Tk;
-  int NH, NKV, HD;
-  int64_t R() const { return int64_t(NH + 2 * NKV) * HD; }
-  int64_t RK() const { return int64_t(2 * NKV) * HD; }
-  int64_t C() const { return int64_t(NH) * HD; }
-};
-
-// Everything one block call reads, on the host.
-struct Inputs {
-  Geo g;
-  std::vector<float> qkv, kv;
-  std::vector<int32_t> qpos, qseg, kpos, kseg;
-};
-
-int32_t rand_int(uint64_t seed, uint64_t i, int n) { return int32_t(bits_at(seed, 7, i) % uint64_t(n)); }
+using Geo = BlockGeo;
+using Inputs = BlockInputs;
 
 // Unit-normal q/k/v (bf16-rounded for a bf16 run, so that the CPU sees the GPU's inputs),
 // positions in [0, npos) and document ids in [0, nseg). When Tq >= 3, two queries see no key at
 // all: (0, 2) is in a document no key belongs to, (B-1, 0) precedes every key.
 Inputs random_inputs(Geo g, uint64_t seed, int npos, int nseg, DType dt) {
-  Inputs in{g, random_normal(size_t(g.B * g.Tq * g.R()), seed, 0), random_normal(size_t(g.B * g.Tk * g.RK()), seed, 1),
-            {}, {}, {}, {}};
+  Inputs in = random_block_inputs(g, seed, npos, nseg);
   if (dt == DType::BF16) {
     in.qkv = rounded_bf16(in.qkv);
     in.kv = rounded_bf16(in.kv);
-  }
-  for (int64_t i = 0; i < g.B * g.Tq; ++i) {
-    in.qpos.push_back(rand_int(seed, uint64_t(i), npos));
-    in.qseg.push_back(rand_int(seed + 1, uint64_t(i), nseg));
-  }
-  for (int64_t j = 0; j < g.B * g.Tk; ++j) {
-    in.kpos.push_back(rand_int(seed + 2, uint64_t(j), npos));
-    in.kseg.push_back(rand_int(seed + 3, uint64_t(j), nseg));
   }
   if (g.Tq >= 3) {
     in.qseg[2] = 1000;
