@@ -50,6 +50,15 @@ class Ops {
   // dinp (N,IC) = dout @ weight; dweight (OC,IC) += dout^T @ inp; dbias (OC) += sum over rows.
   virtual void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                                Tensor weight) = 0;
+  // The GPT-2 MLP's GELU fused into the products around it (cuBLASLt epilogues on the GPU; the
+  // CPU runs the two ops in turn, which is the reference):
+  // pre (N,OC) = inp @ weight^T + bias (saved for the backward), out (N,OC) = gelu(pre).
+  virtual void linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) = 0;
+  // The backward of a linear layer whose input is act = gelu(pre), straight into pre:
+  // dpre (N,IC) = (dout @ weight) * gelu'(pre), overwritten; dweight += dout^T @ act and dbias +=
+  // the column sums of dout, as linear_backward.
+  virtual void linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act,
+                                    Tensor weight, Tensor pre) = 0;
 
   // ---- embedding ------------------------------------------------------------------------
   // out (N,C) = wte[tokens - vocab_start] (+ wpe[positions] when wpe is given).
@@ -74,6 +83,12 @@ class Ops {
   // dinp (N,C) ACCUMULATES; dweight (C) accumulates.
   virtual void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd,
                                 Tensor weight) = 0;
+  // The residual add fused into the norm after it: sum (N,C) = a + b (sum may alias a or b, in
+  // the data dtype), then the norm of sum as layernorm_forward / rmsnorm_forward.
+  virtual void residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+                                          Tensor weight, Tensor bias, float eps) = 0;
+  virtual void residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                        float eps) = 0;
 
   // ---- activations ------------------------------------------------------------------------
   // GELU, tanh approximation (GPT-2). out, inp same shape; dinp may alias dout.

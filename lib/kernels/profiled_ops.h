@@ -64,6 +64,13 @@ class ProfiledOps final : public Ops {
   void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) override {
     timed("linear_backward", [&] { inner_->linear_backward(dinp, dweight, dbias, dout, inp, weight); });
   }
+  void linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) override {
+    timed("linear_gelu_forward", [&] { inner_->linear_gelu_forward(out, pre, inp, weight, bias); });
+  }
+  void linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
+                            Tensor pre) override {
+    timed("linear_backward_gelu", [&] { inner_->linear_backward_gelu(dpre, dweight, dbias, dout, act, weight, pre); });
+  }
   void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
                          int64_t vocab_start) override {
     timed("embedding_forward", [&] { inner_->embedding_forward(out, tokens, positions, wte, wpe, vocab_start); });
@@ -83,6 +90,15 @@ class ProfiledOps final : public Ops {
   }
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) override {
     timed("rmsnorm_forward", [&] { inner_->rmsnorm_forward(out, rstd, inp, weight, eps); });
+  }
+  void residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                  Tensor bias, float eps) override {
+    timed("residual_layernorm_forward",
+          [&] { inner_->residual_layernorm_forward(sum, out, mean, rstd, a, b, weight, bias, eps); });
+  }
+  void residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                float eps) override {
+    timed("residual_rmsnorm_forward", [&] { inner_->residual_rmsnorm_forward(sum, out, rstd, a, b, weight, eps); });
   }
   void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) override {
     timed("rmsnorm_backward", [&] { inner_->rmsnorm_backward(dinp, dweight, dout, inp, rstd, weight); });

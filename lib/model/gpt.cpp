@@ -177,7 +177,7 @@ void GPT::setup(const ModelPlacement& pl) {
   arena_.plan(&dqkv_, {N_, (nh_ + 2 * nkv_) * HD}, d_.act);
   arena_.plan(&datt_, {N_, nh_ * HD}, d_.act);
   arena_.plan(&dfc_, {N_, g ? Fl : 2 * Fl}, d_.act);
-  arena_.plan(&dact_, {N_, Fl}, d_.act);
+  if (!g) arena_.plan(&dact_, {N_, Fl}, d_.act);  // GELU's backward is fused into the projection's
   arena_.plan(&ce_max_, {N_});
   arena_.plan(&ce_sum_, {N_});
   arena_.plan(&ce_target_, {N_});
@@ -403,6 +403,14 @@ void GPT::norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor 
     ops_.rmsnorm_forward(out, rstd, inp, w, d_.eps);
 }
 
+void GPT::residual_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, Tensor w,
+                                Tensor bias) {
+  if (d_.gpt2())
+    ops_.residual_layernorm_forward(sum, out, mean, rstd, a, b, w, bias, d_.eps);
+  else
+    ops_.residual_rmsnorm_forward(sum, out, rstd, a, b, w, d_.eps);
+}
+
 void GPT::norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
                         Tensor w) {
   if (d_.gpt2())
@@ -496,19 +504,19 @@ MoeLosses GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Ten
   Tensor mid = tp_.row_output_target(a.mid, full_);
   ops_.linear_forward(mid, a.att, w.projw, bias_here ? w.projb : Tensor());
   tp_.row_output_forward(a.mid, mid);
-  ops_.add(a.mid, a.mid, x_in);
-  norm_forward(a.n2, a.n2_mean, a.n2_rstd, a.mid, w.n2w, w.n2b);
+  residual_norm_forward(a.mid, a.n2, a.n2_mean, a.n2_rstd, a.mid, x_in, w.n2w, w.n2b);  // mid += x_in, then norm2
   if (w.is_moe) {  // on this rank's rows (the SP shard); the dispatcher reaches the experts
     const MoeLosses L = moe_->forward(*m, x_out, a.n2, s.moe_index.data(), w.moe);
     ops_.add(x_out, x_out, a.mid);
     return L;
   }
   Tensor n2 = tp_.column_input_forward(a.n2_full, a.n2);
-  ops_.linear_forward(a.fc, n2, w.fcw, w.fcb);
-  if (d_.gpt2())
-    ops_.gelu_forward(a.act, a.fc);
-  else
+  if (d_.gpt2()) {
+    ops_.linear_gelu_forward(a.act, a.fc, n2, w.fcw, w.fcb);
+  } else {
+    ops_.linear_forward(a.fc, n2, w.fcw, w.fcb);
     ops_.swiglu_forward(a.act, a.fc);
+  }
   Tensor out = tp_.row_output_target(x_out, full_);
   ops_.linear_forward(out, a.act, w.fpw, bias_here ? w.fpb : Tensor());
   tp_.row_output_forward(x_out, out);
@@ -575,11 +583,12 @@ void GPT::block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor 
     dn2 = dn_;
   } else {  // x_out = mid + proj(act(fc(norm2(mid))))
     Tensor dout = tp_.row_output_backward(full_, dres);
-    ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
-    if (d_.gpt2())
-      ops_.gelu_backward(dfc_, dact_, a.fc);
-    else
+    if (d_.gpt2()) {
+      ops_.linear_backward_gelu(dfc_, g.fpw, g.fpb, dout, a.act, w.fpw, a.fc);
+    } else {
+      ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
       ops_.swiglu_backward(dfc_, dact_, a.fc);
+    }
     ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, a.n2_full, w.fcw);
     dn2 = tp_.column_input_backward(dn_, full_);
   }

@@ -182,6 +182,9 @@ class GPT {
   Tensor at(const Buffer& buf, const ParamInfo& p, DType dt) const;
   Tensor view_of(const Buffer& buf, const std::string& name, DType dt = DType::F32) const;
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor w, Tensor b);
+  // sum = a + b, then norm_forward of sum (the residual add fused into the norm).
+  void residual_norm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, Tensor w,
+                             Tensor bias);
   void norm_backward(Tensor dinp, Tensor dw, Tensor db, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
                      Tensor w);
   // The saved activations of layer i of a slot's chunk (global layer l): the slot's own, or

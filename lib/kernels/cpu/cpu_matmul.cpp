@@ -110,4 +110,20 @@ void CpuOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor d
   }
 }
 
+// The fused ops of the GPT-2 MLP are, on the reference backend, the two ops in turn: the numbers
+// the GPU's epilogues are checked against.
+void CpuOps::linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) {
+  // pre (N,OC) = inp @ weight^T + bias; out (N,OC) = gelu(pre)
+  linear_forward(pre, inp, weight, bias);
+  gelu_forward(out, pre);
+}
+
+void CpuOps::linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
+                                  Tensor pre) {
+  // dpre (N,IC) = (dout @ weight) * gelu'(pre); dweight += dout^T @ act; dbias += column sums of dout
+  MPIGPT_CHECK(dpre.defined(), "linear_backward_gelu: dpre is required (use linear_backward for the weights alone)");
+  linear_backward(dpre, dweight, dbias, dout, act, weight);
+  gelu_backward(dpre, dpre, pre);
+}
+
 }  // namespace mpigpt::cpu

@@ -193,4 +193,19 @@ void CpuOps::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor i
   if (dW) norm_param_grads(dW, nullptr, dO, X, nullptr, R, N, C);
 }
 
+// The residual add and the norm after it, in turn (the GPU fuses them into one kernel).
+void CpuOps::residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+                                        Tensor weight, Tensor bias, float eps) {
+  // sum (N,C) = a + b; out, mean, rstd = layernorm(sum)
+  add(sum, a, b);
+  layernorm_forward(out, mean, rstd, sum, weight, bias, eps);
+}
+
+void CpuOps::residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                      float eps) {
+  // sum (N,C) = a + b; out, rstd = rmsnorm(sum)
+  add(sum, a, b);
+  rmsnorm_forward(out, rstd, sum, weight, eps);
+}
+
 }  // namespace mpigpt::cpu

@@ -28,6 +28,9 @@ class CpuOps final : public Ops {
   void gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) override;
   void linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) override;
   void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) override;
+  void linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) override;
+  void linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
+                            Tensor pre) override;
 
   // cpu_embedding.cpp
   void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
@@ -42,6 +45,10 @@ class CpuOps final : public Ops {
                           Tensor weight) override;
   void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) override;
   void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) override;
+  void residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                  Tensor bias, float eps) override;
+  void residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                float eps) override;
 
   // cpu_activation.cpp
   void gelu_forward(Tensor out, Tensor inp) override;

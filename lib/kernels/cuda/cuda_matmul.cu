@@ -1,6 +1,6 @@
 // CUDA backend: matrix products through cuBLASLt (gemm, linear forward with the bias epilogue,
-// linear backward, grouped linear for the MoE experts) and the deterministic column-sum kernel of
-// the bias gradient.
+// linear backward, the GELU epilogues of the GPT-2 MLP, grouped linear for the MoE experts) and the
+// deterministic column-sum kernel of the bias gradient.
 //
 // Row-major on column-major: cuBLASLt is column-major, and a row-major (r, c) matrix is the same
 // memory as a column-major (c, r) one, its transpose. So row-major C = op(A) op(B) is computed as
@@ -27,7 +27,7 @@ namespace mpigpt::cuda {
 namespace {
 // Everything the heuristic's answer depends on. Pointer alignments are part of it: cuBLASLt picks
 // vectorised kernels only for pointers that allow them (row slices of a grouped matmul do not).
-using PlanKey = std::array<int64_t, 15>;
+using PlanKey = std::array<int64_t, 17>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -72,6 +72,10 @@ uint32_t alignment(const void* p) {
   return uint32_t(std::min<uintptr_t>(256, a & (~a + 1)));
 }
 
+// The GELU epilogues: Forward D = gelu(AB + bias) with aux = AB + bias (the pre-activation kept
+// for the backward); Backward D = AB * gelu'(aux). aux has D's dtype and layout (ld ldc).
+enum class Gelu { None, Forward, Backward };
+
 // One column-major product D (m,n) = alpha op(A) op(B) + beta C with C = D (ld ldc), op(A) (m,k),
 // op(B) (k,n); bias (m) added by the epilogue when given.
 struct LtMatmul {
@@ -86,13 +90,37 @@ struct LtMatmul {
   DType ab = DType::F32, cd = DType::F32;
   const void* bias = nullptr;
   float alpha = 1.0f, beta = 0.0f;
+  Gelu gelu = Gelu::None;
+  void* aux = nullptr;
 };
+
+uint32_t epilogue_of(const LtMatmul& mm) {
+  switch (mm.gelu) {
+    case Gelu::Forward:
+      return mm.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    case Gelu::Backward:
+      return CUBLASLT_EPILOGUE_DGELU;
+    case Gelu::None:
+      break;
+  }
+  return mm.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// The pointers an epilogue reads or writes, set on the descriptor before the heuristic query (their
+// alignment steers it) and again, to the actual pointers, at each call.
+void set_epilogue_pointers(cublasLtMatmulDesc_t desc, const LtMatmul& mm) {
+  if (mm.bias)
+    MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof(mm.bias)));
+  if (mm.aux)
+    MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &mm.aux,
+                                                 sizeof(mm.aux)));
+}
 
 Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   const PlanKey key = {mm.ta,        mm.tb,         mm.m,          mm.n,          mm.k,
                        mm.lda,       mm.ldb,        mm.ldc,        int64_t(mm.ab), int64_t(mm.cd),
                        mm.bias != nullptr, alignment(mm.A), alignment(mm.B), alignment(mm.C),
-                       mm.bias ? alignment(mm.bias) : 0};
+                       mm.bias ? alignment(mm.bias) : 0, int64_t(mm.gelu), mm.aux ? alignment(mm.aux) : 0};
   auto& cache = ops.matmul_plans();
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second;
@@ -103,14 +131,15 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   const int32_t ta = mm.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = mm.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  if (mm.bias) {
-    // The bias has D's dtype (the default) and length m; its pointer's alignment steers the
-    // heuristic, so it is set before the query (and again, to the actual pointer, at each call).
-    const uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
+  // The bias has D's dtype (the default) and length m; the GELU input matrix (aux) has D's dtype
+  // (the default) and leading dimension.
+  const uint32_t epi = epilogue_of(mm);
+  if (epi != CUBLASLT_EPILOGUE_DEFAULT)
     MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  if (mm.aux)
     MPIGPT_CUBLAS(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof(mm.bias)));
-  }
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &mm.ldc, sizeof(mm.ldc)));
+  set_epilogue_pointers(p.desc, mm);
   // Stored (untransposed) shapes: op(A) is (m,k), so A is (k,m) when transposed.
   MPIGPT_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, cuda_type(mm.ab), uint64_t(mm.ta ? mm.k : mm.m),
                                            uint64_t(mm.ta ? mm.m : mm.k), mm.lda));
@@ -153,21 +182,20 @@ std::string describe(const LtMatmul& mm) {
   return fmt::format("column-major m={} n={} k={} op(A)={} op(B)={} lda={} ldb={} ldc={} A/B {} C/D {}{}; "
                      "alignment A {} B {} C {}",
                      mm.m, mm.n, mm.k, mm.ta ? "T" : "N", mm.tb ? "T" : "N", mm.lda, mm.ldb, mm.ldc,
-                     dtype_name(mm.ab), dtype_name(mm.cd), mm.bias ? ", bias epilogue" : "", alignment(mm.A),
+                     dtype_name(mm.ab), dtype_name(mm.cd),
+                     mm.gelu != Gelu::None ? ", GELU epilogue" : (mm.bias ? ", bias epilogue" : ""), alignment(mm.A),
                      alignment(mm.B), alignment(mm.C));
 }
 
-// Runs the product; false (and nothing queued) when it has a bias and no algorithm supports the
-// bias epilogue for it, so the caller can add the bias itself.
+// Runs the product; false (and nothing queued) when it has an epilogue (bias, GELU) and no
+// algorithm supports it for this product, so the caller can do the epilogue's work itself.
 bool run_matmul(CudaOps& ops, const LtMatmul& mm, const char* op) {
   Plan& p = plan_for(ops, mm);
   if (!p.supported) {
-    if (mm.bias) return false;
+    if (epilogue_of(mm) != CUBLASLT_EPILOGUE_DEFAULT) return false;
     fail("{}: cuBLASLt offers no algorithm for {}", op, describe(mm));
   }
-  if (mm.bias)
-    MPIGPT_CUBLAS(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof(mm.bias)));
+  set_epilogue_pointers(p.desc, mm);
   MPIGPT_CUBLAS(cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta, mm.C, p.c, mm.C,
                                p.c, &p.algo, ops.cublaslt_workspace(), CudaOps::kCublasWorkspace,
                                ops.cuda_stream()));
@@ -262,6 +290,29 @@ Mat mat_of(const Tensor& t) {
   return {rows, t.size(-1)};
 }
 
+// Row-major, contiguous c (M,N) = alpha op(a) op(b) + beta c, with a stored (M,K) or (K,M) when
+// ta, b stored (K,N) or (N,K) when tb, as the column-major product cuBLASLt computes.
+LtMatmul rowmajor_product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* a, const void* b, void* c,
+                          DType ab, DType cd, float alpha, float beta) {
+  LtMatmul mm;
+  mm.ta = tb;  // column-major C^T = op(b)^T op(a)^T: b is the first operand
+  mm.tb = ta;
+  mm.m = N;
+  mm.n = M;
+  mm.k = K;
+  mm.A = b;
+  mm.lda = tb ? K : N;  // b's row length
+  mm.B = a;
+  mm.ldb = ta ? M : K;  // a's row length
+  mm.C = c;
+  mm.ldc = N;
+  mm.ab = ab;
+  mm.cd = cd;
+  mm.alpha = alpha;
+  mm.beta = beta;
+  return mm;
+}
+
 // Row-major, contiguous c (M,N) = alpha op(a) op(b) + beta c (+ bias (N) on every row), with a
 // stored (M,K) or (K,M) when ta, b stored (K,N) or (N,K) when tb. a, b in `ab`, c and bias in `cd`.
 void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* a,
@@ -274,22 +325,7 @@ void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, in
     else
       ops.scale(ct, beta);
   } else {
-    LtMatmul mm;
-    mm.ta = tb;  // column-major C^T = op(b)^T op(a)^T: b is the first operand
-    mm.tb = ta;
-    mm.m = N;
-    mm.n = M;
-    mm.k = K;
-    mm.A = b;
-    mm.lda = tb ? K : N;  // b's row length
-    mm.B = a;
-    mm.ldb = ta ? M : K;  // a's row length
-    mm.C = c;
-    mm.ldc = N;
-    mm.ab = ab;
-    mm.cd = cd;
-    mm.alpha = alpha;
-    mm.beta = beta;
+    LtMatmul mm = rowmajor_product(ta, tb, M, N, K, a, b, c, ab, cd, alpha, beta);
     // The epilogue only for 16-byte aligned biases: some cuBLASLt kernels read the bias vectorised
     // without saying so to the heuristic; the per-group biases of grouped_linear are often not.
     mm.bias = bias && alignment(bias) >= 16 ? bias : nullptr;
@@ -308,8 +344,57 @@ void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, in
   MPIGPT_CUDA_LAUNCHED();
 }
 
+// Row-major c (M,N) = gelu(a (M,K) op(b) + bias) with aux = a op(b) + bias (Gelu::Forward, b
+// stored (N,K)), or c = (a op(b)) * gelu'(aux) (Gelu::Backward, b stored (K,N), no bias), through
+// cuBLASLt's GELU epilogues, all in bf16. False, with nothing queued, where they do not apply:
+// f32 data (the epilogue's GELU is not the CPU's to fp32 rounding; f32 runs are the reference
+// checks, so they take the separate kernels), K = 0, N not a multiple of 8 (cuBLASLt's rule for
+// aux), a bias not 16-byte aligned, or no algorithm for the shape.
+bool gelu_gemm(CudaOps& ops, const char* op, Gelu gelu, int64_t M, int64_t N, int64_t K, const void* a,
+               const void* b, void* c, void* aux, const void* bias, DType dt) {
+  if (dt != DType::BF16 || M == 0 || N == 0 || K == 0 || N % 8 != 0) return false;
+  if (alignment(aux) < 16 || (bias && alignment(bias) < 16)) return false;
+  LtMatmul mm = rowmajor_product(false, gelu == Gelu::Forward, M, N, K, a, b, c, dt, dt, 1.0f, 0.0f);
+  mm.gelu = gelu;
+  mm.aux = aux;
+  mm.bias = bias;
+  return run_matmul(ops, mm, op);
+}
+
 // The i-th element of t as a pointer (row slices of grouped matmuls), for any dtype.
 inline void* at(const Tensor& t, int64_t i) { return static_cast<char*>(t.ptr) + i * int64_t(dtype_size(t.dtype)); }
+
+// The checks of a linear layer's forward: out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC),
+// one data dtype; returns it with the sizes.
+struct LinearDims {
+  DType dt;
+  int64_t N, IC, OC;
+};
+LinearDims check_linear_forward(const char* op, const Tensor& out, const Tensor& inp, const Tensor& weight,
+                                const Tensor& bias) {
+  check_device(out, op, "out");
+  check_device(inp, op, "inp");
+  check_device(weight, op, "weight");
+  check_device_opt(bias, op, "bias");
+  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}, {"bias", bias}});
+  const Mat mo = mat_of(out), mx = mat_of(inp), mw = mat_of(weight);
+  const int64_t N = mx.rows, IC = mx.cols, OC = mw.rows;
+  MPIGPT_CHECK(mw.cols == IC && mo.rows == N && mo.cols == OC,
+               "{}: out {} = inp {} @ weight {}^T has mismatched shapes", op, out.shape.str(), inp.shape.str(),
+               weight.shape.str());
+  MPIGPT_CHECK(!bias.defined() || bias.numel() == OC, "{}: bias {} must have OC = {} elements", op,
+               bias.shape.str(), OC);
+  return {dt, N, IC, OC};
+}
+
+// The checks of dinp (N,IC) = dout (N,OC) @ weight (OC,IC).
+void check_linear_dinp(const char* op, const Tensor& dinp, const Tensor& dout, const Tensor& weight) {
+  check_device(weight, op, "weight");
+  const Mat mw = mat_of(weight), mdx = mat_of(dinp), mo = mat_of(dout);
+  MPIGPT_CHECK(mw.rows == mo.cols && mdx.rows == mo.rows && mdx.cols == mw.cols,
+               "{}: dinp {} = dout {} @ weight {} has mismatched shapes", op, dinp.shape.str(), dout.shape.str(),
+               weight.shape.str());
+}
 
 }  // namespace
 
@@ -336,19 +421,8 @@ void CudaOps::gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, flo
 void CudaOps::linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) {
   // out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC); all in the data dtype, bias optional
   const char* op = "linear_forward";
-  check_device(out, op, "out");
-  check_device(inp, op, "inp");
-  check_device(weight, op, "weight");
-  check_device_opt(bias, op, "bias");
-  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}, {"bias", bias}});
-  const Mat mo = mat_of(out), mx = mat_of(inp), mw = mat_of(weight);
-  const int64_t N = mx.rows, IC = mx.cols, OC = mw.rows;
-  MPIGPT_CHECK(mw.cols == IC && mo.rows == N && mo.cols == OC,
-               "linear_forward: out {} = inp {} @ weight {}^T has mismatched shapes", out.shape.str(),
-               inp.shape.str(), weight.shape.str());
-  MPIGPT_CHECK(!bias.defined() || bias.numel() == OC, "linear_forward: bias {} must have OC = {} elements",
-               bias.shape.str(), OC);
-  rowmajor_gemm(*this, op, false, true, N, OC, IC, inp.ptr, weight.ptr, out.ptr, dt, dt,
+  const LinearDims d = check_linear_forward(op, out, inp, weight, bias);
+  rowmajor_gemm(*this, op, false, true, d.N, d.OC, d.IC, inp.ptr, weight.ptr, out.ptr, d.dt, d.dt,
                 bias.defined() ? bias.ptr : nullptr, 1.0f, 0.0f);
 }
 
@@ -365,13 +439,9 @@ void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
   const Mat mo = mat_of(dout);
   const int64_t N = mo.rows, OC = mo.cols;
   if (dinp.defined()) {
-    check_device(weight, op, "weight");
-    const Mat mw = mat_of(weight), mdx = mat_of(dinp);
-    MPIGPT_CHECK(mw.rows == OC && mdx.rows == N && mdx.cols == mw.cols,
-                 "linear_backward: dinp {} = dout {} @ weight {} has mismatched shapes", dinp.shape.str(),
-                 dout.shape.str(), weight.shape.str());
-    rowmajor_gemm(*this, op, false, false, N, mw.cols, OC, dout.ptr, weight.ptr, dinp.ptr, dt, dt, nullptr, 1.0f,
-                  0.0f);
+    check_linear_dinp(op, dinp, dout, weight);
+    rowmajor_gemm(*this, op, false, false, N, mat_of(weight).cols, OC, dout.ptr, weight.ptr, dinp.ptr, dt, dt,
+                  nullptr, 1.0f, 0.0f);
   }
   if (dweight.defined()) {
     check_device(inp, op, "inp");
@@ -389,6 +459,42 @@ void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
                  dbias.shape.str(), OC, dout.shape.str());
     column_sums_accumulate(*this, ptr<float>(dbias), dout, N, OC);
   }
+}
+
+void CudaOps::linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) {
+  // pre (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC), out (N,OC) = gelu(pre); one data dtype.
+  // bf16: one cuBLASLt call (GELU_AUX_BIAS epilogue); otherwise the product, then the GELU kernel.
+  const char* op = "linear_gelu_forward";
+  const LinearDims d = check_linear_forward(op, out, inp, weight, bias);
+  check_device(pre, op, "pre");
+  check_dtype(pre, d.dt, op, "pre (the data dtype)");
+  MPIGPT_CHECK(mat_of(pre).rows == d.N && mat_of(pre).cols == d.OC, "{}: pre {} must be (N,OC) like out {}", op,
+               pre.shape.str(), out.shape.str());
+  if (gelu_gemm(*this, op, Gelu::Forward, d.N, d.OC, d.IC, inp.ptr, weight.ptr, out.ptr, pre.ptr,
+                bias.defined() ? bias.ptr : nullptr, d.dt))
+    return;
+  linear_forward(pre, inp, weight, bias);
+  gelu_forward(out, pre);
+}
+
+void CudaOps::linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
+                                   Tensor pre) {
+  // dpre (N,IC) = (dout (N,OC) @ weight (OC,IC)) * gelu'(pre (N,IC)), overwritten, data dtype (bf16:
+  // one cuBLASLt call with the DGELU epilogue); dweight, dbias f32 accumulate as in linear_backward.
+  const char* op = "linear_backward_gelu";
+  check_device(dpre, op, "dpre");
+  check_device(dout, op, "dout");
+  check_device(pre, op, "pre");
+  const DType dt = data_dtype(op, {{"dpre", dpre}, {"dout", dout}, {"weight", weight}, {"pre", pre}});
+  check_linear_dinp(op, dpre, dout, weight);
+  MPIGPT_CHECK(pre.numel() == dpre.numel() && mat_of(pre).cols == mat_of(dpre).cols,
+               "{}: pre {} must have the shape of dpre {}", op, pre.shape.str(), dpre.shape.str());
+  const int64_t N = mat_of(dout).rows, OC = mat_of(dout).cols, IC = mat_of(weight).cols;
+  if (!gelu_gemm(*this, op, Gelu::Backward, N, IC, OC, dout.ptr, weight.ptr, dpre.ptr, pre.ptr, nullptr, dt)) {
+    linear_backward(dpre, Tensor(), Tensor(), dout, Tensor(), weight);
+    gelu_backward(dpre, dpre, pre);
+  }
+  linear_backward(Tensor(), dweight, dbias, dout, act, Tensor());
 }
 
 void CudaOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) {

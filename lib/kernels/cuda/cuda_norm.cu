@@ -20,14 +20,28 @@ constexpr int kMaxPartialBlocks = 1024;  // bounds the partial-sum scratch to 10
 // out (N,C), mean/rstd (N) optional, inp (N,C), weight/bias (C) (bias optional); one block per row.
 // The row is read three times (mean, centred variance, output); the second and third reads hit
 // L1/L2, and the two-pass variance keeps rows with a large mean exact, as the CPU reference does.
+// With res (the fused residual add), sum = inp + res is written first, rounded to T as the add op
+// rounds it, and normalised: each thread reads back only the packs it wrote itself, so sum may
+// alias inp or res.
 template <class T, int W, bool kLayer>
-__global__ void norm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* __restrict__ weight,
-                                    const T* __restrict__ bias, int C, float eps) {
+__global__ void norm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* res, T* sum,
+                                    const T* __restrict__ weight, const T* __restrict__ bias, int C, float eps) {
   __shared__ float sh[32];
   const int64_t row = blockIdx.x;
   const T* x = inp + row * C;
   T* o = out + row * C;
   const int P = C / W;
+  if (res) {
+    T* y = sum + row * C;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+      const Pack<T, W> a = load_pack<W>(x + p * W), b = load_pack<W>(res + row * C + p * W);
+      Pack<T, W> r;
+#pragma unroll
+      for (int j = 0; j < W; ++j) r.v[j] = from_f<T>(to_f(a.v[j]) + to_f(b.v[j]));
+      store_pack<W>(y + p * W, r);
+    }
+    x = y;
+  }
   float m = 0.0f;
   if (kLayer) {
     float s = 0.0f;
@@ -209,22 +223,25 @@ bool packs_fit(int64_t C, int W, std::initializer_list<Tensor> ts) {
   return true;
 }
 
+// res and sum: the fused residual add (both undefined for a plain norm).
 template <class T, bool kLayer>
-void launch_forward(cudaStream_t s, Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
-                    float eps, int64_t N, int C) {
+void launch_forward(cudaStream_t s, Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor res, Tensor sum,
+                    Tensor weight, Tensor bias, float eps, int64_t N, int C) {
   constexpr int V = 16 / sizeof(T);
-  const bool vec = packs_fit(C, V, {out, inp, weight, bias});
+  const bool vec = packs_fit(C, V, {out, inp, res, sum, weight, bias});
   const int W = vec ? V : 1;
   const int threads = threads_for(C / W);
   float* M = mean.defined() ? ptr<float>(mean) : nullptr;
   float* R = rstd.defined() ? ptr<float>(rstd) : nullptr;
   const T* Bs = bias.defined() ? ptr<T>(bias) : nullptr;
+  const T* Res = res.defined() ? ptr<T>(res) : nullptr;
+  T* Sum = sum.defined() ? ptr<T>(sum) : nullptr;
   if (vec)
     norm_forward_kernel<T, V, kLayer>
-        <<<unsigned(N), threads, 0, s>>>(ptr<T>(out), M, R, ptr<T>(inp), ptr<T>(weight), Bs, C, eps);
+        <<<unsigned(N), threads, 0, s>>>(ptr<T>(out), M, R, ptr<T>(inp), Res, Sum, ptr<T>(weight), Bs, C, eps);
   else
     norm_forward_kernel<T, 1, kLayer>
-        <<<unsigned(N), threads, 0, s>>>(ptr<T>(out), M, R, ptr<T>(inp), ptr<T>(weight), Bs, C, eps);
+        <<<unsigned(N), threads, 0, s>>>(ptr<T>(out), M, R, ptr<T>(inp), Res, Sum, ptr<T>(weight), Bs, C, eps);
   MPIGPT_CUDA_LAUNCHED();
 }
 
@@ -284,22 +301,27 @@ RowsCols norm_dims(const char* op, const Tensor& inp) {
   return rc;
 }
 
-}  // namespace
-
-void CudaOps::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
-                                float eps) {
-  // out (N,C), mean (N), rstd (N) optional f32, inp (N,C), weight (C), bias (C) optional
-  const char* op = "layernorm_forward";
+// The four forward ops: their checks, then the kernel. res and sum are the fused residual add
+// (undefined for a plain norm), mean and bias are LayerNorm's (undefined for RMSNorm).
+template <bool kLayer>
+void forward_op(CudaOps& ops, const char* op, Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor res,
+                Tensor sum, Tensor weight, Tensor bias, float eps) {
   check_device(out, op, "out");
   check_device(inp, op, "inp");
+  check_device_opt(res, op, "b");
+  check_device_opt(sum, op, "sum");
   check_device(weight, op, "weight");
   check_device_opt(bias, op, "bias");
   check_f32_opt(mean, op, "mean");
   check_f32_opt(rstd, op, "rstd");
-  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}, {"bias", bias}});
+  const DType dt = data_dtype(
+      op, {{"out", out}, {"inp", inp}, {"b", res}, {"sum", sum}, {"weight", weight}, {"bias", bias}});
   const RowsCols rc = norm_dims(op, inp);
   const int64_t N = rc.rows, C = rc.cols;
   check_like(op, inp, out, "out");
+  check_like(op, inp, res, "b");
+  check_like(op, inp, sum, "sum");
+  MPIGPT_CHECK(res.defined() == sum.defined(), "{}: the residual add needs both b and sum", op);
   check_len(op, mean, "mean", N, inp);
   check_len(op, rstd, "rstd", N, inp);
   check_len(op, weight, "weight", C, inp);
@@ -307,8 +329,22 @@ void CudaOps::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp
   if (N == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
-    launch_forward<T, true>(cuda_stream(), out, mean, rstd, inp, weight, bias, eps, N, int(C));
+    launch_forward<T, kLayer>(ops.cuda_stream(), out, mean, rstd, inp, res, sum, weight, bias, eps, N, int(C));
   });
+}
+
+}  // namespace
+
+void CudaOps::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
+                                float eps) {
+  // out (N,C), mean (N), rstd (N) optional f32, inp (N,C), weight (C), bias (C) optional
+  forward_op<true>(*this, "layernorm_forward", out, mean, rstd, inp, Tensor(), Tensor(), weight, bias, eps);
+}
+
+void CudaOps::residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+                                         Tensor weight, Tensor bias, float eps) {
+  // sum (N,C) = a + b (may alias either), then layernorm_forward of sum; one kernel
+  forward_op<true>(*this, "residual_layernorm_forward", out, mean, rstd, a, b, sum, weight, bias, eps);
 }
 
 void CudaOps::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
@@ -342,22 +378,13 @@ void CudaOps::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tens
 
 void CudaOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
   // out (N,C) = inp * rstd * weight, rstd (N) optional f32, inp (N,C), weight (C)
-  const char* op = "rmsnorm_forward";
-  check_device(out, op, "out");
-  check_device(inp, op, "inp");
-  check_device(weight, op, "weight");
-  check_f32_opt(rstd, op, "rstd");
-  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}});
-  const RowsCols rc = norm_dims(op, inp);
-  const int64_t N = rc.rows, C = rc.cols;
-  check_like(op, inp, out, "out");
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
-  if (N == 0) return;
-  dispatch_float(dt, op, [&](auto tag) {
-    using T = decltype(tag);
-    launch_forward<T, false>(cuda_stream(), out, Tensor(), rstd, inp, weight, Tensor(), eps, N, int(C));
-  });
+  forward_op<false>(*this, "rmsnorm_forward", out, Tensor(), rstd, inp, Tensor(), Tensor(), weight, Tensor(), eps);
+}
+
+void CudaOps::residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                       float eps) {
+  // sum (N,C) = a + b (may alias either), then rmsnorm_forward of sum; one kernel
+  forward_op<false>(*this, "residual_rmsnorm_forward", out, Tensor(), rstd, a, b, sum, weight, Tensor(), eps);
 }
 
 void CudaOps::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) {
