@@ -1,0 +1,259 @@
+// The host emulator of the CUDA backend (docs/testing.md): kernel launches and the runtime API.
+//
+// A launch runs its blocks one after another. The threads of a block are fibers (ucontext) on the
+// calling thread, switched only at barriers: a fiber runs until it reaches __syncthreads (or a
+// warp barrier: __syncwarp, a shuffle, both sides of a vote) or returns; then the next runnable
+// fiber runs. A warp barrier opens when every live lane of the warp waits at it, a block barrier
+// when every live thread of the block does; threads that returned no longer count, as on the GPU.
+// Anything else (a barrier that some threads can never reach) is reported as a deadlock and aborts.
+// Shared memory is static storage (blocks never run at once) and dynamic shared memory a buffer
+// filled with 0xff bytes at each launch, as is device memory from cudaMalloc, so reading either
+// before writing it gives NaNs rather than plausible zeros.
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "cuda_runtime.h"
+
+uint3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+namespace emu {
+namespace {
+enum State { Runnable, AtBlockBar, AtWarpBar, Done };
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  State state = Runnable;
+  uint3 tid;
+  int vote_gen = 0;
+};
+std::vector<Fiber> fibers;
+ucontext_t sched;
+int cur = -1;
+std::function<void()>* body = nullptr;
+std::vector<unsigned char> smem;
+unsigned char shfl_buf[32][32][16];  // [warp][lane][bytes]
+int votes[3];
+cudaError_t last_error = cudaSuccess;
+int nthreads = 0;
+
+void trampoline() {
+  (*body)();
+  fibers[cur].state = Done;
+  swapcontext(&fibers[cur].ctx, &sched);
+}
+void yield(State s) {
+  fibers[cur].state = s;
+  swapcontext(&fibers[cur].ctx, &sched);
+}
+int linear(const uint3& t) { return int(t.x + blockDim.x * (t.y + blockDim.y * t.z)); }
+
+void run_block() {
+  for (int i = 0; i < nthreads; ++i) {
+    Fiber& f = fibers[i];
+    f.state = Runnable;
+    f.vote_gen = 0;
+    f.tid = {unsigned(i % blockDim.x), unsigned((i / blockDim.x) % blockDim.y), unsigned(i / (blockDim.x * blockDim.y))};
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, trampoline, 0);
+  }
+  votes[0] = votes[1] = votes[2] = 0;
+  for (;;) {
+    for (int i = 0; i < nthreads; ++i) {  // every runnable fiber up to its next barrier
+      if (fibers[i].state != Runnable) continue;
+      cur = i;
+      threadIdx = fibers[i].tid;
+      swapcontext(&sched, &fibers[i].ctx);
+    }
+    int done = 0, atblock = 0;
+    for (int i = 0; i < nthreads; ++i) {
+      done += fibers[i].state == Done;
+      atblock += fibers[i].state == AtBlockBar;
+    }
+    if (done == nthreads) return;
+    bool released = false;
+    // Warps whose live lanes all wait at the warp barrier go on.
+    for (int w = 0; w * 32 < nthreads; ++w) {
+      int live = 0, at = 0;
+      for (int i = w * 32; i < std::min(nthreads, w * 32 + 32); ++i) {
+        live += fibers[i].state != Done;
+        at += fibers[i].state == AtWarpBar;
+      }
+      if (live > 0 && at == live) {
+        for (int i = w * 32; i < std::min(nthreads, w * 32 + 32); ++i)
+          if (fibers[i].state == AtWarpBar) fibers[i].state = Runnable;
+        released = true;
+      }
+    }
+    if (!released && atblock == nthreads - done) {
+      for (auto& f : fibers)
+        if (f.state == AtBlockBar) f.state = Runnable;
+      released = true;
+    }
+    if (!released) {
+      fprintf(stderr, "cuda emulator: deadlock in block (%u,%u,%u): %d done, %d at __syncthreads, the rest at a warp barrier\n",
+              blockIdx.x, blockIdx.y, blockIdx.z, done, atblock);
+      abort();
+    }
+  }
+}
+}  // namespace
+
+void syncthreads() { yield(AtBlockBar); }
+void syncwarp() { yield(AtWarpBar); }
+int syncthreads_or(int p) {
+  const int g = fibers[cur].vote_gen++;
+  if (p) votes[g % 3] = 1;
+  syncthreads();
+  const int r = votes[g % 3];
+  votes[(g + 2) % 3] = 0;
+  syncthreads();
+  return r;
+}
+void* dyn_smem() { return smem.data(); }
+void shfl_exchange(const void* in, void* out, size_t bytes, int lane_xor) {
+  const int lin = linear(threadIdx), w = lin / 32, lane = lin % 32;
+  std::memcpy(shfl_buf[w][lane], in, bytes);
+  syncwarp();
+  std::memcpy(out, shfl_buf[w][lane ^ lane_xor], bytes);
+  syncwarp();
+}
+void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st*, std::function<void()> fn) {
+  const long n = long(block.x) * block.y * block.z;
+  if (n <= 0 || n > 1024 || smem_bytes > 232448 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 ||
+      grid.z > 65535) {
+    fprintf(stderr, "cuda emulator: invalid launch grid (%u,%u,%u) block (%u,%u,%u) smem %zu\n", grid.x, grid.y, grid.z, block.x,
+            block.y, block.z, smem_bytes);
+    last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  nthreads = int(n);
+  if (fibers.size() < size_t(n)) fibers.resize(size_t(n));
+  for (auto& f : fibers)
+    if (f.stack.empty()) f.stack.resize(256 * 1024);
+  body = &fn;
+  blockDim = block;
+  gridDim = grid;
+  smem.assign(smem_bytes + 16, 0xff);  // NaNs for reads of shared memory nobody wrote
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = {x, y, z};
+        run_block();
+      }
+  body = nullptr;
+}
+}  // namespace emu
+
+// ---- runtime API: one device, host memory, streams and events that are already complete ---------
+static std::map<void*, size_t> allocations;  // cudaMalloc'ed block -> its size
+cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
+  std::memset(p, 0, sizeof(*p));
+  std::strcpy(p->name, "NVIDIA H100 80GB HBM3 (emulated)");
+  p->major = 9;
+  p->minor = 0;
+  p->totalGlobalMem = size_t(80) << 30;
+  p->multiProcessorCount = 4;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
+  *v = a == cudaDevAttrMultiProcessorCount ? 4 : 232448;
+  return cudaSuccess;
+}
+cudaError_t cudaGetLastError() {
+  const cudaError_t e = emu::last_error;
+  emu::last_error = cudaSuccess;
+  return e;
+}
+const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulated error"; }
+const char* cudaGetErrorName(cudaError_t e) { return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated"; }
+// A device of 80 GiB with 70 free, so that requests beyond that fail as out of memory.
+static size_t allocated_total = 0;
+cudaError_t cudaMalloc(void** p, size_t n) {
+  if (n > (size_t(70) << 30) - allocated_total) {
+    emu::last_error = cudaErrorMemoryAllocation;
+    *p = nullptr;
+    return cudaErrorMemoryAllocation;
+  }
+  allocated_total += n;
+  *p = std::aligned_alloc(256, (n + 255) / 256 * 256 + 256);
+  std::memset(*p, 0xff, n);  // garbage, as cudaMalloc's memory is
+  allocations[*p] = n;
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* p) {
+  if (!p) return cudaSuccess;
+  auto it = allocations.find(p);
+  if (it == allocations.end()) return cudaErrorInvalidValue;
+  allocated_total -= it->second;
+  allocations.erase(it);
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void** p, size_t n) {
+  *p = std::malloc(n);
+  return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t* f, size_t* t) {
+  *f = (size_t(70) << 30) - allocated_total;
+  *t = size_t(80) << 30;
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t) {
+  std::memmove(d, s, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k) { return cudaMemcpyAsync(d, s, n, k); }
+cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t) {
+  std::memset(d, v, n);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  *s = reinterpret_cast<cudaStream_t>(new int(0));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  delete reinterpret_cast<int*>(s);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = reinterpret_cast<cudaEvent_t>(new int(0));
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete reinterpret_cast<int*>(e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaDeviceGetPCIBusId(char* s, int n, int) {
+  std::snprintf(s, size_t(n), "0000:00:00.0");
+  return cudaSuccess;
+}
