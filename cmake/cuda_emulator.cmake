@@ -2,9 +2,8 @@
 # rewritten for C++ by lib/kernels/cuda/emulator/rewrite_launches.py and compiled for the CPU
 # against stand-in CUDA headers (lib/kernels/cuda/emulator/include), run the GPU tests of
 # lib/kernels/cuda/*_test.cpp against the CPU backend on any machine, with or without nvcc. One
-# CTest entry per test file, `emulated/<file>`, label `emulated`. Not covered: the tensor-core
-# attention (the emulator declines it, so bf16 attention runs the FMA kernels), cuBLASLt itself
-# (a reference implementation stands in), NCCL, and anything about speed.
+# CTest entry per test file, `emulated/<file>`, label `emulated`. Not covered: cuBLASLt itself (a
+# reference implementation stands in), NCCL, and anything about speed.
 find_program(MPIGPT_EMULATOR_PYTHON3 python3)
 if(NOT MPIGPT_EMULATOR_PYTHON3)
   message(STATUS "mpigpt: no python3, the emulated CUDA tests are not registered")
@@ -15,7 +14,6 @@ set(EMU_SRC ${PROJECT_SOURCE_DIR}/lib/kernels/cuda/emulator)
 set(EMU_GEN ${PROJECT_BINARY_DIR}/emulated)
 file(GLOB emu_cu CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/lib/kernels/cuda/*.cu
      ${PROJECT_SOURCE_DIR}/lib/kernels/cuda/*.cuh)
-list(FILTER emu_cu EXCLUDE REGEX "cuda_attention_tc\\.cu$")
 set(emu_generated)
 foreach(f ${emu_cu})
   get_filename_component(name ${f} NAME)
@@ -36,7 +34,7 @@ endforeach()
 file(GLOB emu_cpu CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/lib/kernels/*.cpp ${PROJECT_SOURCE_DIR}/lib/kernels/cpu/*.cpp)
 list(FILTER emu_cpu EXCLUDE REGEX "_test\\.cpp$")
 add_library(mpigpt_kernels_emulated STATIC ${emu_generated} ${emu_cpu} ${EMU_SRC}/emulator.cpp
-            ${EMU_SRC}/reference_cublaslt.cpp ${EMU_SRC}/tensor_core_off.cpp)
+            ${EMU_SRC}/reference_cublaslt.cpp)
 target_include_directories(mpigpt_kernels_emulated BEFORE PUBLIC ${EMU_GEN}/include ${EMU_SRC}/include)
 target_include_directories(mpigpt_kernels_emulated PRIVATE ${OPENBLAS_INCLUDE_DIR})
 target_compile_definitions(mpigpt_kernels_emulated PUBLIC MPIGPT_WITH_CUDA=1 MPIGPT_CUDA_ARCHS="90")

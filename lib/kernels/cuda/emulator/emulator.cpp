@@ -37,8 +37,11 @@ std::vector<Fiber> fibers;
 ucontext_t sched;
 int cur = -1;
 std::function<void()>* body = nullptr;
-std::vector<unsigned char> smem;
-unsigned char shfl_buf[32][32][16];  // [warp][lane][bytes]
+struct alignas(128) SmemChunk {
+  float v[32];
+};
+std::vector<SmemChunk> smem;  // dynamic shared memory, 128-byte aligned as __align__(128) asks
+unsigned char warp_buf[32][32][256];  // [warp][lane][bytes]: shuffles and all-gathers
 int votes[3];
 cudaError_t last_error = cudaSuccess;
 int nthreads = 0;
@@ -122,9 +125,17 @@ int syncthreads_or(int p) {
 void* dyn_smem() { return smem.data(); }
 void shfl_exchange(const void* in, void* out, size_t bytes, int lane_xor) {
   const int lin = linear(threadIdx), w = lin / 32, lane = lin % 32;
-  std::memcpy(shfl_buf[w][lane], in, bytes);
+  std::memcpy(warp_buf[w][lane], in, bytes);
   syncwarp();
-  std::memcpy(out, shfl_buf[w][lane ^ lane_xor], bytes);
+  std::memcpy(out, warp_buf[w][lane ^ lane_xor], bytes);
+  syncwarp();
+}
+int lane() { return linear(threadIdx) % 32; }
+void warp_allgather(const void* in, void* out, size_t bytes) {
+  const int lin = linear(threadIdx), w = lin / 32;
+  std::memcpy(warp_buf[w][lin % 32], in, bytes);
+  syncwarp();
+  for (int l = 0; l < 32; ++l) std::memcpy(static_cast<char*>(out) + l * bytes, warp_buf[w][l], bytes);
   syncwarp();
 }
 void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st*, std::function<void()> fn) {
@@ -143,7 +154,10 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st*, std::funct
   body = &fn;
   blockDim = block;
   gridDim = grid;
-  smem.assign(smem_bytes + 16, 0xff);  // NaNs for reads of shared memory nobody wrote
+  const float nan = __uint_as_float(0xffffffffu);  // NaNs for reads of shared memory nobody wrote
+  SmemChunk garbage;
+  std::fill(std::begin(garbage.v), std::end(garbage.v), nan);
+  smem.assign(smem_bytes / sizeof(SmemChunk) + 1, garbage);
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {

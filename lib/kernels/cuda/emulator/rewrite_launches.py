@@ -14,7 +14,7 @@ import sys
 
 
 def rewrite(src):
-    src = re.sub(r'extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\[\];',
+    src = re.sub(r'extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+(?:\s+[\w:]+)*?)\s+(\w+)\[\];',
                  r'\1* \2 = reinterpret_cast<\1*>(emu::dyn_smem());', src)
     src = src.replace('__shared__', 'static')
     out = []

@@ -38,8 +38,12 @@ struct alignas(8) float2 {
 struct alignas(8) uint2 {
   unsigned x, y;
 };
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.x), __bfloat162float(v.y)}; }
 
 extern uint3 threadIdx, blockIdx;
@@ -53,6 +57,9 @@ void syncwarp();
 int syncthreads_or(int p);
 void* dyn_smem();
 void shfl_exchange(const void* in, void* out, size_t bytes, int src_lane_xor);
+int lane();  // the calling thread's lane in its warp
+// Warp-collective: out[l] = lane l's `in` (bytes each, at most 256) for the 32 lanes of the warp.
+void warp_allgather(const void* in, void* out, size_t bytes);
 void launch(dim3 grid, dim3 block, size_t smem, ::CUstream_st* stream, std::function<void()> body);
 }  // namespace emu
 
