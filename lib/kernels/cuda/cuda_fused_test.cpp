@@ -3,7 +3,7 @@
 // and the GELU kernel otherwise), the projection's backward with GELU's (the DGELU epilogue in bf16)
 // and the residual add fused into LayerNorm/RMSNorm.
 //
-// Tolerances (the reasoning of cuda_matmul_test.cpp and cuda_norm_test.cpp):
+// Tolerances (the reasoning of cuda_matmul_testing.h and cuda_norm_test.cpp):
 //  - f32: the GELU ops run the two f32 kernels, so they differ from the CPU only in summation order
 //    (atol 5e-7 sqrt(K) scale, rtol 1e-5), plus the GELU kernel's few ulps (covered by rtol).
 //  - bf16: the GPU rounds its result once to bf16 (2^-8 relative), and where the epilogue runs its
@@ -19,7 +19,7 @@
 #include <limits>
 #include <vector>
 
-#include "lib/kernels/cuda/cuda_testing.h"
+#include "lib/kernels/cuda/cuda_matmul_testing.h"
 
 using namespace mpigpt;
 using namespace mpigpt::testing;
@@ -27,24 +27,6 @@ using namespace mpigpt::testing;
 namespace {
 
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-struct Tol {
-  double atol, rtol;
-};
-Tol tol_for(DType out, int64_t K, double scale) {
-  if (out == DType::BF16) return {1e-2 * scale, 1e-2};
-  return {5e-7 * std::sqrt(double(std::max<int64_t>(K, 1))) * scale, 1e-5};
-}
-
-void check_close(const std::vector<float>& got, const std::vector<float>& want, Tol t, const char* what) {
-  auto r = allclose(got, want, t.atol, t.rtol);
-  CHECK_MESSAGE(r.ok, what, ": ", r.str());
-}
-
-std::vector<float> input(size_t n, uint64_t seed, uint64_t stream, DType dt, float stddev = 1.0f, float mean = 0.0f) {
-  auto v = random_normal(n, seed, stream, stddev, mean);
-  return dt == DType::BF16 ? rounded_bf16(v) : v;
-}
 
 struct Dims {
   int64_t N, IC, OC;

@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "lib/kernels/cuda/cuda_testing.h"
+#include "lib/kernels/cuda/cuda_matmul_testing.h"
 
 using namespace mpigpt;
 using namespace mpigpt::testing;
@@ -18,38 +18,6 @@ using namespace mpigpt::testing;
 namespace {
 
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-// Tolerances of a GPU result against the CPU's computed from the SAME inputs (bf16 inputs are
-// rounded with round_bf16 before the CPU sees them, so both sides multiply identical numbers; a
-// product of two bf16 values is exact in fp32). `scale` is the typical size of an output (sqrt(K)
-// for sums of K products of unit normals).
-//  - f32 outputs (f32 data, and the f32 weight/bias gradients of bf16 data): both sides accumulate
-//    in fp32 (CUBLAS_COMPUTE_32F, no TF32) and differ only in summation order, whose error grows
-//    like sqrt(K) * 2^-24 * scale; the worst of a few thousand elements stays below ~2e-7 sqrt(K)
-//    scale, so atol = 5e-7 sqrt(K) scale and rtol = 1e-5.
-//  - bf16 outputs: the GPU rounds its fp32 result once to bf16 (relative error <= 2^-8 = 0.39%),
-//    twice where the bias is added after the product (a bias pointer the epilogue cannot take);
-//    atol/rtol 1e-2 (~2.5 x 2^-8) covers both, with the absolute part at the output's scale for
-//    elements that cancel to near zero. The fp32 accumulation error (~1e-6) is negligible here.
-struct Tol {
-  double atol, rtol;
-};
-Tol tol_for(DType out, int64_t K, double scale) {
-  if (out == DType::BF16) return {1e-2 * scale, 1e-2};
-  return {5e-7 * std::sqrt(double(std::max<int64_t>(K, 1))) * scale, 1e-5};
-}
-double scale_of(int64_t K) { return std::sqrt(double(std::max<int64_t>(K, 1))); }
-
-void check_close(const std::vector<float>& got, const std::vector<float>& want, Tol t, const char* what) {
-  auto r = allclose(got, want, t.atol, t.rtol);
-  CHECK_MESSAGE(r.ok, what, ": ", r.str());
-}
-
-// Random normal host data, rounded to bf16 when the GPU will hold it in bf16.
-std::vector<float> input(size_t n, uint64_t seed, uint64_t stream, DType dt, float stddev = 1.0f) {
-  auto v = random_normal(n, seed, stream, stddev);
-  return dt == DType::BF16 ? rounded_bf16(v) : v;
-}
 
 // The group g of a (G, rows, cols) host array.
 std::vector<float> group(const std::vector<float>& v, int64_t g, int64_t per) {
