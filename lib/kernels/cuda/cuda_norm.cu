@@ -333,6 +333,36 @@ void forward_op(CudaOps& ops, const char* op, Tensor out, Tensor mean, Tensor rs
   });
 }
 
+// The two backward ops: their checks, then the kernels. mean and dbias are LayerNorm's
+// (undefined for RMSNorm).
+template <bool kLayer>
+void backward_op(CudaOps& ops, const char* op, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                 Tensor mean, Tensor rstd, Tensor weight) {
+  check_device_opt(dinp, op, "dinp");
+  check_f32_opt(dweight, op, "dweight");
+  check_f32_opt(dbias, op, "dbias");
+  check_device(dout, op, "dout");
+  check_device(inp, op, "inp");
+  if (kLayer) check_f32(mean, op, "mean");
+  check_f32(rstd, op, "rstd");
+  check_device(weight, op, "weight");
+  const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}, {"inp", inp}, {"weight", weight}});
+  const RowsCols rc = norm_dims(op, inp);
+  const int64_t N = rc.rows, C = rc.cols;
+  check_like(op, inp, dout, "dout");
+  check_like(op, inp, dinp, "dinp");
+  check_len(op, mean, "mean", N, inp);
+  check_len(op, rstd, "rstd", N, inp);
+  check_len(op, weight, "weight", C, inp);
+  check_len(op, dweight, "dweight", C, inp);
+  check_len(op, dbias, "dbias", C, inp);
+  if (N == 0 || (!dinp.defined() && !dweight.defined() && !dbias.defined())) return;
+  dispatch_float(dt, op, [&](auto tag) {
+    using T = decltype(tag);
+    launch_backward<T, kLayer>(ops, dinp, dweight, dbias, dout, inp, mean, rstd, weight, N, int(C), op);
+  });
+}
+
 }  // namespace
 
 void CudaOps::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
@@ -350,30 +380,7 @@ void CudaOps::residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Te
 void CudaOps::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
                                  Tensor rstd, Tensor weight) {
   // dinp (N,C) +=, dweight (C) += f32, dbias (C) += f32; dout, inp (N,C); mean, rstd (N) f32; weight (C)
-  const char* op = "layernorm_backward";
-  check_device_opt(dinp, op, "dinp");
-  check_f32_opt(dweight, op, "dweight");
-  check_f32_opt(dbias, op, "dbias");
-  check_device(dout, op, "dout");
-  check_device(inp, op, "inp");
-  check_f32(mean, op, "mean");
-  check_f32(rstd, op, "rstd");
-  check_device(weight, op, "weight");
-  const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}, {"inp", inp}, {"weight", weight}});
-  const RowsCols rc = norm_dims(op, inp);
-  const int64_t N = rc.rows, C = rc.cols;
-  check_like(op, inp, dout, "dout");
-  check_like(op, inp, dinp, "dinp");
-  check_len(op, mean, "mean", N, inp);
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
-  check_len(op, dweight, "dweight", C, inp);
-  check_len(op, dbias, "dbias", C, inp);
-  if (N == 0 || (!dinp.defined() && !dweight.defined() && !dbias.defined())) return;
-  dispatch_float(dt, op, [&](auto tag) {
-    using T = decltype(tag);
-    launch_backward<T, true>(*this, dinp, dweight, dbias, dout, inp, mean, rstd, weight, N, int(C), op);
-  });
+  backward_op<true>(*this, "layernorm_backward", dinp, dweight, dbias, dout, inp, mean, rstd, weight);
 }
 
 void CudaOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
@@ -389,26 +396,7 @@ void CudaOps::residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tens
 
 void CudaOps::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) {
   // dinp (N,C) +=, dweight (C) += f32; dout, inp (N,C); rstd (N) f32; weight (C)
-  const char* op = "rmsnorm_backward";
-  check_device_opt(dinp, op, "dinp");
-  check_f32_opt(dweight, op, "dweight");
-  check_device(dout, op, "dout");
-  check_device(inp, op, "inp");
-  check_f32(rstd, op, "rstd");
-  check_device(weight, op, "weight");
-  const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}, {"inp", inp}, {"weight", weight}});
-  const RowsCols rc = norm_dims(op, inp);
-  const int64_t N = rc.rows, C = rc.cols;
-  check_like(op, inp, dout, "dout");
-  check_like(op, inp, dinp, "dinp");
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
-  check_len(op, dweight, "dweight", C, inp);
-  if (N == 0 || (!dinp.defined() && !dweight.defined())) return;
-  dispatch_float(dt, op, [&](auto tag) {
-    using T = decltype(tag);
-    launch_backward<T, false>(*this, dinp, dweight, Tensor(), dout, inp, Tensor(), rstd, weight, N, int(C), op);
-  });
+  backward_op<false>(*this, "rmsnorm_backward", dinp, dweight, Tensor(), dout, inp, Tensor(), rstd, weight);
 }
 
 }  // namespace mpigpt::cuda
