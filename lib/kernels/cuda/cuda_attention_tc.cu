@@ -1,584 +1,541 @@
-// CUDA backend: the bf16 tensor-core attention forward (causal and explicitly masked), for head dims
-// 64 and 128. Same contract and algorithm as cuda_attention.cu's attention_fwd_kernel (online
-// softmax in fp32 and base 2, lse saved in natural log, -inf lse and 0 output for a query with no
-// visible key) but the two products run on tensor cores through nvcuda::wmma: bf16 16x16x16
-// fragments with fp32 accumulators.
+// CUDA backend: the bf16 tensor-core attention, forward and backward (causal and explicitly
+// masked), for head dims 64 and 128. Same contract and algorithm as cuda_attention.cu's fp32-FMA
+// kernels (online softmax in fp32 and base 2, lse saved in natural log, -inf lse and 0 output for a
+// query with no visible key; the backward recomputes P from the lse), FlashAttention-2 style on
+// mma.sync (cuda_mma.cuh): the score, probability and output tiles stay in registers, and shared
+// memory holds only the bf16 Q, K, V (and dO) tiles that ldmatrix feeds to the products.
 //
-// Layout: 128 threads = 4 warps; the block owns 64 queries, each warp 16 of them. Per key tile of
-// 64: K and V tiles go to shared memory as bf16; each warp computes its S = Q K^T (16 x 64) into
-// accumulator fragments and stores it to a per-warp fp32 scratch; the softmax is then done from
-// shared memory with two lanes per row (lane 2r + t holds row r's columns 2c + t), which writes P
-// as bf16 to a per-warp tile and rescales the row's output; the output O (16 x HD, fp32) lives in
-// a per-warp shared tile that each tile's O += P V loads into accumulator fragments and stores
-// back. The row sum l (hence lse, which the backward uses to recompute P) is taken over the fp32 P;
-// only the P V product sees P rounded to bf16.
-//
-// Every wmma pointer is 32-byte aligned (the tile strides below keep every region and fragment
-// origin on a 32-byte boundary) and every leading dimension a multiple of 8 (bf16) or 4 (fp32).
+// Layout: 128 threads = 4 warps, each owning 16 rows of the block's 64 (queries in the forward and
+// the dQ kernel, keys in the dK/dV kernel). Lane l holds rows g = l/4 and g+8 of its warp's 16, at
+// columns 2t and 2t+1 (t = l%4) of every 8-column tile: the row max and sum of the softmax reduce
+// over the four lanes of a group. P is rounded to bf16 only as the operand of the next product; the
+// row sum l (hence lse) is taken over the fp32 P.
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
 
-#include <mma.h>
+#include <cuda_pipeline_primitives.h>
 
 #include <cmath>
 #include <cstdint>
+
+#include "lib/kernels/cuda/cuda_mma.cuh"
 
 namespace mpigpt::cuda {
 
 namespace {
 
+using mma::acc_to_a;
+using mma::load_a;
+using mma::mma_bf16;
+using mma::warp_abt;
+using mma::warp_acc_times;
+
 constexpr int kTcThreads = 128;  // 4 warps
-constexpr int kTcRows = 64;      // queries per block, 16 per warp
-constexpr int kTcCols = 64;      // keys per tile
+constexpr int kTcRows = 64;      // rows per block, 16 per warp
 constexpr float kTcLn2 = 0.6931471805599453f;
+constexpr float kTcLog2e = 1.4426950408889634f;
 
+// Shared tiles: bf16 rows of HD elements and 8 of padding (the row stride of HD + 8 elements puts
+// the eight rows an ldmatrix reads in distinct 16-byte bank groups).
 template <int HD>
-struct TcLayout {
-  static constexpr int LDB = HD + 8;        // bf16 Q, K, V tiles (row stride in elements)
-  static constexpr int LDS = kTcCols + 4;   // fp32 S scratch
-  static constexpr int LDP = kTcCols + 8;   // bf16 P tile
-  static constexpr int LDO = HD + 4;        // fp32 O tile
-  static constexpr size_t q_bytes = size_t(kTcRows) * LDB * 2;
-  static constexpr size_t kv_bytes = size_t(kTcCols) * LDB * 2;
-  static constexpr size_t s_bytes = size_t(kTcRows) * LDS * 4;
-  static constexpr size_t p_bytes = size_t(kTcRows) * LDP * 2;
-  static constexpr size_t o_bytes = size_t(kTcRows) * LDO * 4;
-  static constexpr size_t mask_bytes = size_t(2 * kTcRows + 2 * kTcCols) * 4;
-  static constexpr size_t smem = q_bytes + 2 * kv_bytes + s_bytes + p_bytes + o_bytes + mask_bytes;
-  static_assert(q_bytes % 32 == 0 && kv_bytes % 32 == 0 && s_bytes % 32 == 0 && p_bytes % 32 == 0 &&
-                    o_bytes % 32 == 0,
-                "regions must keep 32-byte alignment");
-  static_assert((16 * LDB * 2) % 32 == 0 && (16 * LDS * 4) % 32 == 0 && (16 * LDP * 2) % 32 == 0 &&
-                    (16 * LDO * 4) % 32 == 0,
-                "16-row fragment origins must be 32-byte aligned");
-};
+constexpr int kLd = HD + 8;
+template <int HD>
+__host__ __device__ constexpr size_t tile_bytes(int rows) {
+  return size_t(rows) * kLd<HD> * 2;
+}
+// The other dimension's tile width: the key tile of the forward and the dQ kernel, the query tile of
+// the dK/dV kernel. 32 at HD 128 keeps the backward's register tiles (two 16 x HD accumulators and
+// two 16 x tile score tiles per warp) within the register file.
+template <int HD>
+constexpr int kFwdCols = 64;
+template <int HD>
+constexpr int kBwdCols = HD == 128 ? 32 : 64;
 
-// dst [64][LDB] (bf16, shared) = rows [row0, row0 + 64) of the strided bf16 matrix src (HD columns);
-// rows at or past end are zero. 16-byte chunks: src, stride and HD are multiples of 8 elements.
-template <int HD>
-__device__ __forceinline__ void tc_load_tile(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {
-  constexpr int kChunks = HD / 8, LDB = TcLayout<HD>::LDB;
-  for (int idx = threadIdx.x; idx < 64 * kChunks; idx += kTcThreads) {
+// dst [ROWS][HD + 8] (shared) = rows [row0, row0 + ROWS) of the strided bf16 matrix src (HD
+// columns); rows at or past end are zero. 16-byte chunks: src, stride and HD are multiples of 8.
+template <int HD, int ROWS>
+__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {
+  constexpr int kChunks = HD / 8, LD = kLd<HD>;
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kTcThreads) {
     const int r = idx / kChunks, c = (idx - r * kChunks) * 8, row = row0 + r;
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
     if (row < end) x = *reinterpret_cast<const uint4*>(src + int64_t(row) * stride + c);
-    *reinterpret_cast<uint4*>(dst + r * LDB + c) = x;
+    *reinterpret_cast<uint4*>(dst + r * LD + c) = x;
   }
 }
 
-// out (B,Tq,NH*HD) bf16, lse (B,NH,Tq) for the 64 queries [i0, i0+64) of head h, batch row b.
+// The same through asynchronous copies (cp.async, one 16-byte chunk each) into the current batch;
+// rows past end are zeroed by plain stores. The caller commits the batch and waits for it.
+template <int HD, int ROWS>
+__device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {
+  constexpr int kChunks = HD / 8, LD = kLd<HD>;
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kTcThreads) {
+    const int r = idx / kChunks, c = (idx - r * kChunks) * 8, row = row0 + r;
+    if (row < end)
+      __pipeline_memcpy_async(dst + r * LD + c, src + int64_t(row) * stride + c, 16);
+    else
+      *reinterpret_cast<uint4*>(dst + r * LD + c) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// The 32-bit mask vectors of N positions [x0, x0 + N) of batch row b (0 past end).
+template <int N>
+__device__ __forceinline__ void load_mask(int* pos_s, int* seg_s, const int32_t* pos, const int32_t* seg, int b,
+                                          int T, int x0) {
+  for (int x = threadIdx.x; x < N; x += kTcThreads) {
+    const int i = x0 + x;
+    pos_s[x] = i < T ? pos[int64_t(b) * T + i] : 0;
+    seg_s[x] = i < T ? seg[int64_t(b) * T + i] : 0;
+  }
+}
+
+// Rows row_a and row_a + 8 (those below end) of a strided bf16 matrix (=, or += when acc) = the
+// accumulator tile times scale[0] (row_a) or scale[1] (row_a + 8); lane t writes columns 2t, 2t+1
+// of every 8-column tile.
+template <int DT>
+__device__ __forceinline__ void store_rows(const float (&x)[DT][4], bf16* base, int64_t stride, int row_a, int end,
+                                           const float (&scale)[2], bool acc) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int row = row_a + 8 * rr;
+    if (row >= end) continue;
+    bf16* dst = base + int64_t(row) * stride + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      float a = x[dt][2 * rr] * scale[rr], z = x[dt][2 * rr + 1] * scale[rr];
+      __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(dst + dt * 8);
+      if (acc) {
+        const float2 old = __bfloat1622float2(*q);
+        a += old.x;
+        z += old.y;
+      }
+      *q = __floats2bfloat162_rn(a, z);
+    }
+  }
+}
+
+// The key tiles of the forward and the dQ kernel, K and V in shared memory at KVs (a K tile of KC
+// rows, then its V tile). Causal tiles go through a two-buffer cp.async pipeline: kv_first issues
+// tile 0, and kv_next, at the top of iteration n, issues tile n+1 into the other buffer (whose
+// readers finished at the barrier that ends iteration n-1) and waits for tile n.
+template <int HD, int KC>
+__device__ __forceinline__ void kv_first(bf16* KVs, const bf16* K, const bf16* V, int64_t stride, int Tk) {
+  load_tile_async<HD, KC>(KVs, K, stride, 0, Tk);
+  load_tile_async<HD, KC>(KVs + KC * kLd<HD>, V, stride, 0, Tk);
+  __pipeline_commit();
+}
+template <int HD, int KC>
+__device__ __forceinline__ void kv_next(bf16* KVs, const bf16* K, const bf16* V, int64_t stride, int Tk, int n,
+                                        int j0, int kend) {
+  if (j0 + KC < kend) {
+    bf16* next = KVs + ((n + 1) & 1) * 2 * KC * kLd<HD>;
+    load_tile_async<HD, KC>(next, K, stride, j0 + KC, Tk);
+    load_tile_async<HD, KC>(next + KC * kLd<HD>, V, stride, j0 + KC, Tk);
+  }
+  __pipeline_commit();
+  __pipeline_wait_prior(1);
+  __syncthreads();
+}
+// Masked tiles (one buffer): the key mask of [j0, j0 + KC) to kpos_s/kseg_s and a block vote (thread
+// x checks block row x/2 against half of the keys; rows at or past Tq, or with lse2_s -inf when
+// given, count as seeing nothing). Loads K and V and returns true when some row sees some key;
+// returns false, loading nothing, otherwise.
+template <int HD, int KC>
+__device__ __forceinline__ bool kv_masked(bf16* KVs, const bf16* K, const bf16* V, const AttentionTcForward& p, int b,
+                                          int i0, int j0, const int* qpos_s, const int* qseg_s, int* kpos_s,
+                                          int* kseg_s, const float* lse2_s) {
+  __syncthreads();  // the previous tile's readers of the K/V tiles and the key mask are done
+  load_mask<KC>(kpos_s, kseg_s, p.kpos, p.kseg, b, p.Tk, j0);
+  __syncthreads();
+  bool any = false;
+  const int rr = threadIdx.x >> 1, x0 = (threadIdx.x & 1) * (KC / 2);
+  if (i0 + rr < p.Tq && (!lse2_s || lse2_s[rr] != -INFINITY)) {
+    const int qp = qpos_s[rr], qs = qseg_s[rr];
+    for (int x = x0; x < x0 + KC / 2; ++x) any = any || (j0 + x < p.Tk && kseg_s[x] == qs && kpos_s[x] <= qp);
+  }
+  if (!__syncthreads_or(any)) return false;
+  load_tile<HD, KC>(KVs, K, p.kv_stride, j0, p.Tk);
+  load_tile<HD, KC>(KVs + KC * kLd<HD>, V, p.kv_stride, j0, p.Tk);
+  __syncthreads();
+  return true;
+}
+
+// out (B,Tq,NH*HD), lse (B,NH,Tq) for the 64 queries [i0, i0+64) of head h, batch row b.
 // grid (ceil(Tq/64), NH, B).
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const AttentionTcForward p) {
-  using namespace nvcuda;
-  using L = TcLayout<HD>;
-  constexpr int LDB = L::LDB, LDS = L::LDS, LDP = L::LDP, LDO = L::LDO, KD = HD / 16;
+  constexpr int LD = kLd<HD>, KS = HD / 16, DT = HD / 8, KC = kFwdCols<HD>, NT = KC / 8;
+  constexpr int NB = kCausal ? 2 : 1;  // K/V buffers: causal tiles are prefetched one ahead
   extern __shared__ __align__(128) unsigned char attn_tc_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(attn_tc_smem);
-  bf16* Ks = reinterpret_cast<bf16*>(attn_tc_smem + L::q_bytes);
-  bf16* Vs = reinterpret_cast<bf16*>(attn_tc_smem + L::q_bytes + L::kv_bytes);
-  float* Ss = reinterpret_cast<float*>(attn_tc_smem + L::q_bytes + 2 * L::kv_bytes);
-  bf16* Ps = reinterpret_cast<bf16*>(attn_tc_smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes);
-  float* Os = reinterpret_cast<float*>(attn_tc_smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes + L::p_bytes);
-  int* qpos_s = reinterpret_cast<int*>(attn_tc_smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes + L::p_bytes +
-                                       L::o_bytes);
+  bf16* KVs = reinterpret_cast<bf16*>(attn_tc_smem + tile_bytes<HD>(kTcRows));  // [NB] x (K tile, V tile)
+  int* qpos_s = reinterpret_cast<int*>(attn_tc_smem + tile_bytes<HD>(kTcRows) + 2 * NB * tile_bytes<HD>(KC));
   int* qseg_s = qpos_s + kTcRows;
   int* kpos_s = qseg_s + kTcRows;
-  int* kseg_s = kpos_s + kTcCols;
+  int* kseg_s = kpos_s + KC;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int r = lane >> 1, half = lane & 1;  // this lane's row of the warp's 16, and its column parity
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int h = blockIdx.y, b = blockIdx.z, kh = h / (p.NH / p.NKV);
   const int i0 = int(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kTcRows;
-  const int wr = warp * 16;  // the warp's first row within the block
-  bf16* Qw = Qs + wr * LDB;
-  float* Sw = Ss + wr * LDS;
-  bf16* Pw = Ps + wr * LDP;
-  float* Ow = Os + wr * LDO;
+  const int wr = warp * 16;                 // the warp's first row within the block
+  const int rows[2] = {i0 + wr + g, i0 + wr + g + 8};  // this lane's two queries
   const int64_t kv_off = int64_t(b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
   const bf16* K = static_cast<const bf16*>(p.k) + kv_off;
   const bf16* V = static_cast<const bf16*>(p.v) + kv_off;
 
-  tc_load_tile<HD>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
-                   p.q_stride, i0, p.Tq);
-  for (int idx = lane; idx < 16 * LDO; idx += 32) Ow[idx] = 0.f;
-  if constexpr (!kCausal) {
-    if (threadIdx.x < kTcRows) {
-      const int i = i0 + threadIdx.x;
-      qpos_s[threadIdx.x] = i < p.Tq ? p.qpos[int64_t(b) * p.Tq + i] : 0;
-      qseg_s[threadIdx.x] = i < p.Tq ? p.qseg[int64_t(b) * p.Tq + i] : 0;
-    }
-  }
+  if constexpr (kCausal) kv_first<HD, KC>(KVs, K, V, p.kv_stride, p.Tk);  // on its way while Q loads
+  load_tile<HD, kTcRows>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
+                         p.q_stride, i0, p.Tq);
+  if constexpr (!kCausal) load_mask<kTcRows>(qpos_s, qseg_s, p.qpos, p.qseg, b, p.Tq, i0);
   __syncthreads();
 
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> qf[KD];
+  uint32_t qa[KS][4];  // the warp's Q rows as A fragments, for every key tile
 #pragma unroll
-  for (int k = 0; k < KD; ++k) wmma::load_matrix_sync(qf[k], Qw + k * 16, LDB);
-
-  const int i = i0 + wr + r;  // this lane's query
-  const bool row_ok = i < p.Tq;
-  int myqpos = 0, myqseg = 0;
+  for (int kk = 0; kk < KS; ++kk) load_a<LD>(qa[kk], Qs + wr * LD, kk);
+  int myqpos[2] = {0, 0}, myqseg[2] = {0, 0};
   if constexpr (!kCausal) {
-    myqpos = qpos_s[wr + r];
-    myqseg = qseg_s[wr + r];
+    for (int rr = 0; rr < 2; ++rr) {
+      myqpos[rr] = qpos_s[wr + g + 8 * rr];
+      myqseg[rr] = qseg_s[wr + g + 8 * rr];
+    }
   }
-  float m = -INFINITY, l = 0.f;  // running max (base 2) and this lane's share of the running sum
+  float o[DT][4] = {};
+  float m[2] = {-INFINITY, -INFINITY};  // running row max (base 2)
+  float l[2] = {0.f, 0.f};              // this lane's share of the running row sum
 
   const int kend = kCausal ? min(p.Tk, i0 + kTcRows) : p.Tk;
-  for (int j0 = 0; j0 < kend; j0 += kTcCols) {
-    __syncthreads();  // the previous tile's readers of Ks, Vs and the key mask are done
-    if constexpr (!kCausal) {
-      if (threadIdx.x < kTcCols) {
-        const int j = j0 + threadIdx.x;
-        kpos_s[threadIdx.x] = j < p.Tk ? p.kpos[int64_t(b) * p.Tk + j] : 0;
-        kseg_s[threadIdx.x] = j < p.Tk ? p.kseg[int64_t(b) * p.Tk + j] : 0;
+  for (int j0 = 0, n = 0; j0 < kend; j0 += KC, ++n) {
+    const bf16* Ks = KVs + (n % NB) * 2 * KC * LD;
+    const bf16* Vs = Ks + KC * LD;
+    if constexpr (kCausal)
+      kv_next<HD, KC>(KVs, K, V, p.kv_stride, p.Tk, n, j0, kend);
+    else if (!kv_masked<HD, KC>(KVs, K, V, p, b, i0, j0, qpos_s, qseg_s, kpos_s, kseg_s, nullptr))
+      continue;  // nothing visible in this tile
+
+    float s[NT][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bk[4];
+        mma::load_b_nk<LD>(bk, Ks, np * 16, kk);
+        mma_bf16(s[2 * np], qa[kk], bk[0], bk[1]);
+        mma_bf16(s[2 * np + 1], qa[kk], bk[2], bk[3]);
       }
-      __syncthreads();
-      // Block vote: thread t checks block row t/2 against half of the tile's keys.
-      bool any = false;
-      {
-        const int rr = threadIdx.x >> 1, x0 = (threadIdx.x & 1) * (kTcCols / 2);
-        if (i0 + rr < p.Tq) {
-          const int qp = qpos_s[rr], qs = qseg_s[rr];
-          for (int x = x0; x < x0 + kTcCols / 2; ++x)
-            any = any || (j0 + x < p.Tk && kseg_s[x] == qs && kpos_s[x] <= qp);
+    }
+    // Scale to base 2 and mask. A causal tile entirely at or below the warp's first query and inside
+    // Tk needs no mask (rows past Tq are computed from zero Q rows and never written).
+    const bool unmasked = kCausal && j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1), j = j0 + x;
+        bool vis = true;
+        if (!unmasked) {
+          vis = j < p.Tk;
+          if constexpr (kCausal)
+            vis = vis && j <= rows[rr];
+          else
+            vis = vis && kseg_s[x] == myqseg[rr] && kpos_s[x] <= myqpos[rr];
         }
+        s[nt][e] = vis ? s[nt][e] * p.scale_log2 : -INFINITY;
+        mx[rr] = fmaxf(mx[rr], s[nt][e]);
       }
-      if (!__syncthreads_or(any)) continue;  // nothing visible in this tile
     }
-    tc_load_tile<HD>(Ks, K, p.kv_stride, j0, p.Tk);
-    tc_load_tile<HD>(Vs, V, p.kv_stride, j0, p.Tk);
-    __syncthreads();
-
-    // S = Q K^T (16 x 64 per warp) to the warp's fp32 scratch. K^T as a col-major matrix_b is K row-major.
+    float alpha[2], base[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int n = 0; n < kTcCols / 16; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc;
-      wmma::fill_fragment(sacc, 0.f);
+    for (int rr = 0; rr < 2; ++rr) {
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+      const float mnew = fmaxf(m[rr], mx[rr]);
+      base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
+      alpha[rr] = exp2f(m[rr] - base[rr]);
+      m[rr] = mnew;
+    }
 #pragma unroll
-      for (int k = 0; k < KD; ++k) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> kf;
-        wmma::load_matrix_sync(kf, Ks + n * 16 * LDB + k * 16, LDB);
-        wmma::mma_sync(sacc, qf[k], kf, sacc);
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
+        sum[e >> 1] += s[nt][e];
       }
-      wmma::store_matrix_sync(Sw + n * 16, sacc, LDS, wmma::mem_row_major);
     }
-    __syncwarp();
-
-    // Online softmax of row r over columns 2c + half; P (bf16) to the warp's tile, O rescaled.
-    float sv[kTcCols / 2];
-    float mx = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < kTcCols / 2; ++c) {
-      const int x = 2 * c + half, j = j0 + x;
-      bool vis = row_ok && j < p.Tk;
-      if constexpr (kCausal)
-        vis = vis && j <= i;
-      else
-        vis = vis && kseg_s[x] == myqseg && kpos_s[x] <= myqpos;
-      sv[c] = vis ? Sw[r * LDS + x] * p.scale_log2 : -INFINITY;
-      mx = fmaxf(mx, sv[c]);
+    for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][0] *= alpha[0];
+      o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1];
+      o[dt][3] *= alpha[1];
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float mnew = fmaxf(m, mx);
-    const float base = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
-    const float alpha = exp2f(m - base);
-    m = mnew;
-    float sum = 0.f;
-#pragma unroll
-    for (int c = 0; c < kTcCols / 2; ++c) {
-      const float pr = exp2f(sv[c] - base);
-      Pw[r * LDP + 2 * c + half] = __float2bfloat16_rn(pr);
-      sum += pr;
-    }
-    l = l * alpha + sum;
-    if (alpha != 1.f) {
-#pragma unroll 8
-      for (int c = 0; c < HD / 2; ++c) Ow[r * LDO + 2 * c + half] *= alpha;
-    }
-    __syncwarp();
-
-    // O += P V.
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> pf[kTcCols / 16];
-#pragma unroll
-    for (int k = 0; k < kTcCols / 16; ++k) wmma::load_matrix_sync(pf[k], Pw + k * 16, LDP);
-#pragma unroll
-    for (int n = 0; n < KD; ++n) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc;
-      wmma::load_matrix_sync(oacc, Ow + n * 16, LDO, wmma::mem_row_major);
-#pragma unroll
-      for (int k = 0; k < kTcCols / 16; ++k) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> vf;
-        wmma::load_matrix_sync(vf, Vs + k * 16 * LDB + n * 16, LDB);
-        wmma::mma_sync(oacc, pf[k], vf, oacc);
-      }
-      wmma::store_matrix_sync(Ow + n * 16, oacc, LDO, wmma::mem_row_major);
-    }
-    __syncwarp();  // O complete before the next tile's rescale (and the epilogue) read it
+    warp_acc_times<NT, DT, LD>(o, s, Vs);  // O += P V
+    if constexpr (kCausal) __syncthreads();  // this buffer's readers are done before it is refilled
   }
 
-  const float total = l + __shfl_xor_sync(0xffffffffu, l, 1);
-  if (!row_ok) return;
-  const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible key: out 0 exactly
-  bf16* O = static_cast<bf16*>(p.out) + (int64_t(b) * p.Tq + i) * (int64_t(p.NH) * HD) + int64_t(h) * HD;
-#pragma unroll 4
-  for (int c = 0; c < HD / 4; ++c) {
-    const int e = (2 * c + half) * 2;
-    const float a = total > 0.f ? Ow[r * LDO + e] * inv : 0.f;
-    const float z = total > 0.f ? Ow[r * LDO + e + 1] * inv : 0.f;
-    *reinterpret_cast<__nv_bfloat162*>(O + e) = __floats2bfloat162_rn(a, z);
+  float inv[2], lse[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float total = l[rr] + __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    inv[rr] = total > 0.f ? 1.f / total : 0.f;  // no visible key: out 0 exactly
+    lse[rr] = total > 0.f ? (m[rr] + log2f(total)) * kTcLn2 : -INFINITY;
   }
-  if (half == 0) p.lse[(int64_t(b) * p.NH + h) * p.Tq + i] = total > 0.f ? (m + log2f(total)) * kTcLn2 : -INFINITY;
+  store_rows<DT>(o, static_cast<bf16*>(p.out) + int64_t(b) * p.Tq * (int64_t(p.NH) * HD) + int64_t(h) * HD,
+                 int64_t(p.NH) * HD, rows[0], p.Tq, inv, false);
+  if (t == 0) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr)
+      if (rows[rr] < p.Tq) p.lse[(int64_t(b) * p.NH + h) * p.Tq + rows[rr]] = lse[rr];
+  }
 }
 
 // ---- backward -----------------------------------------------------------------------------------
 //
-// Same split as cuda_attention.cu (a dQ kernel per query tile, a dK/dV kernel per key tile summing
-// over the query heads of its kv head; no atomics, so deterministic), on tensor cores: each warp
-// owns 16 rows (queries, resp. keys) and keeps its gradient accumulators in wmma fragments; the
-// 16 x 64 score and dP tiles go through the per-warp fp32 scratch, where two lanes per row form
-// P (from the saved lse) and dS = P (dP - D), written as bf16 for the next products.
-
-constexpr float kTcLog2e = 1.4426950408889634f;
-
-template <int HD>
-struct TcBwdLayout {
-  static constexpr int LDB = HD + 8, LDS = kTcCols + 4, LDP = kTcCols + 8, LDO = HD + 4;
-  static constexpr size_t tile_bytes = size_t(64) * LDB * 2;  // a bf16 tile of 64 rows
-  static constexpr size_t s_bytes = size_t(kTcRows) * LDS * 4;
-  static constexpr size_t p_bytes = size_t(kTcRows) * LDP * 2;
-  static constexpr size_t vec_bytes = size_t(64) * 4 * 6;       // six int/float vectors of 64
-  static constexpr size_t dq_smem = 4 * tile_bytes + s_bytes + p_bytes + vec_bytes;
-  static constexpr size_t dkdv_smem = 4 * tile_bytes + s_bytes + 2 * p_bytes + vec_bytes;
-  // The epilogue's per-warp fp32 16 x LDO tiles reuse two bf16 tiles.
-  static_assert(size_t(kTcRows) * LDO * 4 <= 2 * tile_bytes, "epilogue scratch must fit in two tiles");
-  static_assert(tile_bytes % 32 == 0 && s_bytes % 32 == 0 && p_bytes % 32 == 0, "32-byte alignment");
-};
-
-// rows [row0, row0 + 16) (those below end) of a strided bf16 matrix (=, or += when acc) scale * the
-// warp's fp32 tile X [16][LDO]; two lanes per row, 2-element stores. The caller syncs the warp
-// after the fragments were stored to X.
-// One warp: S (16 x 16*NCH, fp32, leading dimension lds) = A (16 x HD) B^T, with A's rows and
-// B's 16*NCH rows of HD bf16 each at leading dimension ldb (row-major in shared memory).
-template <int HD, int NCH>
-__device__ __forceinline__ void tc_warp_abt(float* S, int lds, const bf16* A, const bf16* B, int ldb) {
-  using namespace nvcuda;
-  constexpr int KD = HD / 16;
-#pragma unroll
-  for (int n = 0; n < NCH; ++n) {
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-    for (int k = 0; k < KD; ++k) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> af;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> bf;
-      wmma::load_matrix_sync(af, A + k * 16, ldb);
-      wmma::load_matrix_sync(bf, B + n * 16 * ldb + k * 16, ldb);
-      wmma::mma_sync(acc, af, bf, acc);
-    }
-    wmma::store_matrix_sync(S + n * 16, acc, lds, wmma::mem_row_major);
-  }
-}
-
-template <int HD>
-__device__ __forceinline__ void tc_warp_store_rows(const float* X, bf16* base, int64_t stride, int row0, int end,
-                                                   float scale, bool acc) {
-  constexpr int LDO = HD + 4;
-  const int lane = threadIdx.x & 31, r = lane >> 1, half = lane & 1, row = row0 + r;
-  if (row >= end) return;
-  bf16* dst = base + int64_t(row) * stride;
-#pragma unroll 4
-  for (int c = 0; c < HD / 4; ++c) {
-    const int e = (2 * c + half) * 2;
-    float a = X[r * LDO + e] * scale, z = X[r * LDO + e + 1] * scale;
-    __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(dst + e);
-    if (acc) {
-      const float2 old = __bfloat1622float2(*q);
-      a += old.x;
-      z += old.y;
-    }
-    *q = __floats2bfloat162_rn(a, z);
-  }
-}
+// A dQ kernel per query tile and a dK/dV kernel per key tile summing over the query heads of its kv
+// head (no atomics, so deterministic), as in cuda_attention.cu. The dQ kernel works on S and dP
+// (queries as rows); the dK/dV kernel on their transposes S^T = K Q^T and dP^T = V dO^T (keys as
+// rows), so that every product takes its register operand from an accumulator tile:
+//   dQ = dS K,  dV = P^T dO,  dK = dS^T Q   with dS = P (dP - D).
 
 // dq (=, or +=) for the 64 queries [i0, i0+64) of head h, batch row b: dQ = dS K / sqrt(HD).
 // grid (ceil(Tq/64), NH, B).
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const AttentionTcBackward pb) {
-  using namespace nvcuda;
-  using L = TcBwdLayout<HD>;
-  constexpr int LDB = L::LDB, LDS = L::LDS, LDP = L::LDP, LDO = L::LDO, KD = HD / 16, NCH = kTcCols / 16;
+  constexpr int LD = kLd<HD>, KS = HD / 16, DT = HD / 8, KC = kBwdCols<HD>, NT = KC / 8;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_tc_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(attn_tc_smem);
-  bf16* dOs = reinterpret_cast<bf16*>(attn_tc_smem + L::tile_bytes);
-  bf16* Ks = reinterpret_cast<bf16*>(attn_tc_smem + 2 * L::tile_bytes);
-  bf16* Vs = reinterpret_cast<bf16*>(attn_tc_smem + 3 * L::tile_bytes);
-  float* Ss = reinterpret_cast<float*>(attn_tc_smem + 4 * L::tile_bytes);
-  bf16* Ps = reinterpret_cast<bf16*>(attn_tc_smem + 4 * L::tile_bytes + L::s_bytes);
-  float* lse2_s = reinterpret_cast<float*>(attn_tc_smem + 4 * L::tile_bytes + L::s_bytes + L::p_bytes);
-  int* qpos_s = reinterpret_cast<int*>(lse2_s + 64);
-  int* qseg_s = qpos_s + 64;
-  int* kpos_s = qseg_s + 64;
-  int* kseg_s = kpos_s + 64;
+  bf16* dOs = reinterpret_cast<bf16*>(attn_tc_smem + tile_bytes<HD>(kTcRows));
+  constexpr int NB = kCausal ? 2 : 1;  // K/V buffers, as in the forward
+  bf16* KVs = reinterpret_cast<bf16*>(attn_tc_smem + 2 * tile_bytes<HD>(kTcRows));
+  float* lse2_s =
+      reinterpret_cast<float*>(attn_tc_smem + 2 * tile_bytes<HD>(kTcRows) + 2 * NB * tile_bytes<HD>(KC));
+  int* qpos_s = reinterpret_cast<int*>(lse2_s + kTcRows);
+  int* qseg_s = qpos_s + kTcRows;
+  int* kpos_s = qseg_s + kTcRows;
+  int* kseg_s = kpos_s + KC;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, half = lane & 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int h = blockIdx.y, b = blockIdx.z, kh = h / (p.NH / p.NKV);
   const int i0 = int(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kTcRows;
   const int wr = warp * 16;
+  const int rows[2] = {i0 + wr + g, i0 + wr + g + 8};
   const int64_t ldo = int64_t(p.NH) * HD;
-  float* Sw = Ss + wr * LDS;
-  bf16* Pw = Ps + wr * LDP;
   const int64_t kv_off = int64_t(b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
   const bf16* K = static_cast<const bf16*>(p.k) + kv_off;
   const bf16* V = static_cast<const bf16*>(p.v) + kv_off;
-  tc_load_tile<HD>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
-                   p.q_stride, i0, p.Tq);
-  tc_load_tile<HD>(dOs, static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(h) * HD, ldo, i0,
-                   p.Tq);
+  if constexpr (kCausal) kv_first<HD, KC>(KVs, K, V, p.kv_stride, p.Tk);
+  load_tile<HD, kTcRows>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
+                         p.q_stride, i0, p.Tq);
+  load_tile<HD, kTcRows>(dOs, static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(h) * HD, ldo,
+                         i0, p.Tq);
+  if constexpr (!kCausal) load_mask<kTcRows>(qpos_s, qseg_s, p.qpos, p.qseg, b, p.Tq, i0);
   if (threadIdx.x < kTcRows) {
-    const int x = threadIdx.x, ii = i0 + x;
-    lse2_s[x] = ii < p.Tq ? p.lse[(int64_t(b) * p.NH + h) * p.Tq + ii] * kTcLog2e : -INFINITY;
+    const int ii = i0 + threadIdx.x;
+    // -inf for a query past Tq or one that saw no key: no gradient flows through it.
+    lse2_s[threadIdx.x] = ii < p.Tq ? p.lse[(int64_t(b) * p.NH + h) * p.Tq + ii] * kTcLog2e : -INFINITY;
+  }
+  float lse2[2], Dr[2];
+  int myqpos[2] = {0, 0}, myqseg[2] = {0, 0};
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr)
+    Dr[rr] = rows[rr] < p.Tq ? pb.D[(int64_t(b) * p.NH + h) * p.Tq + rows[rr]] : 0.f;
+  __syncthreads();
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    lse2[rr] = lse2_s[wr + g + 8 * rr];
     if constexpr (!kCausal) {
-      qpos_s[x] = ii < p.Tq ? p.qpos[int64_t(b) * p.Tq + ii] : 0;
-      qseg_s[x] = ii < p.Tq ? p.qseg[int64_t(b) * p.Tq + ii] : 0;
+      myqpos[rr] = qpos_s[wr + g + 8 * rr];
+      myqseg[rr] = qseg_s[wr + g + 8 * rr];
     }
   }
-  const int i = i0 + wr + r;
-  const float Dr = i < p.Tq ? pb.D[(int64_t(b) * p.NH + h) * p.Tq + i] : 0.f;
-  __syncthreads();
-  const float lse2 = lse2_s[wr + r];
-  const bool row_ok = lse2 != -INFINITY;  // a real query with some visible key (a -inf lse gets no gradient)
-  int myqpos = 0, myqseg = 0;
-  if constexpr (!kCausal) {
-    myqpos = qpos_s[wr + r];
-    myqseg = qseg_s[wr + r];
-  }
-  const bf16* Qw = Qs + wr * LDB;
-  const bf16* dOw = dOs + wr * LDB;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> dq[KD];
-#pragma unroll
-  for (int n = 0; n < KD; ++n) wmma::fill_fragment(dq[n], 0.f);
+  float dq[DT][4] = {};
 
   const int kend = kCausal ? min(p.Tk, i0 + kTcRows) : p.Tk;
-  for (int j0 = 0; j0 < kend; j0 += kTcCols) {
-    __syncthreads();  // the previous tile's readers of Ks, Vs and the key mask are done
-    if constexpr (!kCausal) {
-      if (threadIdx.x < kTcCols) {
-        const int j = j0 + threadIdx.x;
-        kpos_s[threadIdx.x] = j < p.Tk ? p.kpos[int64_t(b) * p.Tk + j] : 0;
-        kseg_s[threadIdx.x] = j < p.Tk ? p.kseg[int64_t(b) * p.Tk + j] : 0;
-      }
-      __syncthreads();
-      bool any = false;
-      {
-        const int rr = threadIdx.x >> 1, x0 = (threadIdx.x & 1) * (kTcCols / 2);
-        if (lse2_s[rr] != -INFINITY) {
-          const int qp = qpos_s[rr], qs = qseg_s[rr];
-          for (int x = x0; x < x0 + kTcCols / 2; ++x)
-            any = any || (j0 + x < p.Tk && kseg_s[x] == qs && kpos_s[x] <= qp);
-        }
-      }
-      if (!__syncthreads_or(any)) continue;
-    }
-    tc_load_tile<HD>(Ks, K, p.kv_stride, j0, p.Tk);
-    tc_load_tile<HD>(Vs, V, p.kv_stride, j0, p.Tk);
-    __syncthreads();
-    // S = Q K^T to the scratch.
-    tc_warp_abt<HD, NCH>(Sw, LDS, Qw, Ks, LDB);
-    __syncwarp();
-    float pr[kTcCols / 2];
+  for (int j0 = 0, n = 0; j0 < kend; j0 += KC, ++n) {
+    const bf16* Ks = KVs + (n % NB) * 2 * KC * LD;
+    const bf16* Vs = Ks + KC * LD;
+    if constexpr (kCausal)
+      kv_next<HD, KC>(KVs, K, V, p.kv_stride, p.Tk, n, j0, kend);
+    else if (!kv_masked<HD, KC>(KVs, K, V, p, b, i0, j0, qpos_s, qseg_s, kpos_s, kseg_s, lse2_s))
+      continue;
+
+    float s[NT][4] = {}, dp[NT][4] = {};
+    warp_abt<KS, NT, LD>(s, Qs + wr * LD, Ks);   // S = Q K^T
+    warp_abt<KS, NT, LD>(dp, dOs + wr * LD, Vs);  // dP = dO V^T
 #pragma unroll
-    for (int c = 0; c < kTcCols / 2; ++c) {
-      const int x = 2 * c + half, j = j0 + x;
-      bool vis = row_ok && j < p.Tk;
-      if constexpr (kCausal)
-        vis = vis && j <= i;
-      else
-        vis = vis && kseg_s[x] == myqseg && kpos_s[x] <= myqpos;
-      pr[c] = vis ? exp2f(Sw[r * LDS + x] * p.scale_log2 - lse2) : 0.f;
-    }
-    __syncwarp();  // the scores are read before dP replaces them
-    // dP = dO V^T to the scratch.
-    tc_warp_abt<HD, NCH>(Sw, LDS, dOw, Vs, LDB);
-    __syncwarp();
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int c = 0; c < kTcCols / 2; ++c) {
-      const int x = 2 * c + half;
-      const float ds = pr[c] != 0.f ? pr[c] * (Sw[r * LDS + x] - Dr) : 0.f;
-      Pw[r * LDP + x] = __float2bfloat16_rn(ds);
-    }
-    __syncwarp();
-    // dQ += dS K.
-#pragma unroll
-    for (int k = 0; k < NCH; ++k) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> af;
-      wmma::load_matrix_sync(af, Pw + k * 16, LDP);
-#pragma unroll
-      for (int n = 0; n < KD; ++n) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> bf;
-        wmma::load_matrix_sync(bf, Ks + k * 16 * LDB + n * 16, LDB);
-        wmma::mma_sync(dq[n], af, bf, dq[n]);
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
+        bool vis = lse2[rr] != -INFINITY && j < p.Tk;
+        if constexpr (kCausal)
+          vis = vis && j <= rows[rr];
+        else
+          vis = vis && kseg_s[j - j0] == myqseg[rr] && kpos_s[j - j0] <= myqpos[rr];
+        const float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
+        s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;  // dS
       }
     }
+    warp_acc_times<NT, DT, LD>(dq, s, Ks);  // dQ += dS K
+    if constexpr (kCausal) __syncthreads();  // this buffer's readers are done before it is refilled
   }
-  __syncthreads();  // every warp is done with Ks and Vs, which the epilogue reuses
-  float* Xw = reinterpret_cast<float*>(Ks) + wr * LDO;
-#pragma unroll
-  for (int n = 0; n < KD; ++n) wmma::store_matrix_sync(Xw + n * 16, dq[n], LDO, wmma::mem_row_major);
-  __syncwarp();
-  tc_warp_store_rows<HD>(Xw, static_cast<bf16*>(pb.dq) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
-                         p.q_stride, i0 + wr, p.Tq, pb.scale, pb.accumulate);
+  const float scale[2] = {pb.scale, pb.scale};
+  store_rows<DT>(dq, static_cast<bf16*>(pb.dq) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD, p.q_stride,
+                 rows[0], p.Tq, scale, pb.accumulate);
 }
 
 // dk, dv (=, or +=) for the 64 keys [j0, j0+64) of kv head kh, summed over its NH/NKV query heads:
 // dK = dS^T Q / sqrt(HD), dV = P^T dO. grid (ceil(Tk/64), NKV, B).
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const AttentionTcBackward pb) {
-  using namespace nvcuda;
-  using L = TcBwdLayout<HD>;
-  constexpr int LDB = L::LDB, LDS = L::LDS, LDP = L::LDP, LDO = L::LDO, KD = HD / 16, NCH = kTcCols / 16;
+  constexpr int LD = kLd<HD>, KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_tc_smem[];
   bf16* Ks = reinterpret_cast<bf16*>(attn_tc_smem);
-  bf16* Vs = reinterpret_cast<bf16*>(attn_tc_smem + L::tile_bytes);
-  bf16* Qs = reinterpret_cast<bf16*>(attn_tc_smem + 2 * L::tile_bytes);
-  bf16* dOs = reinterpret_cast<bf16*>(attn_tc_smem + 3 * L::tile_bytes);
-  float* Ss = reinterpret_cast<float*>(attn_tc_smem + 4 * L::tile_bytes);
-  bf16* Pts = reinterpret_cast<bf16*>(attn_tc_smem + 4 * L::tile_bytes + L::s_bytes);
-  bf16* dSts = reinterpret_cast<bf16*>(attn_tc_smem + 4 * L::tile_bytes + L::s_bytes + L::p_bytes);
-  float* lse2_s = reinterpret_cast<float*>(attn_tc_smem + 4 * L::tile_bytes + L::s_bytes + 2 * L::p_bytes);
-  float* D_s = lse2_s + 64;
-  int* qpos_s = reinterpret_cast<int*>(D_s + 64);
-  int* qseg_s = qpos_s + 64;
-  int* kpos_b = qseg_s + 64;  // the block's keys
-  int* kseg_b = kpos_b + 64;
+  bf16* Vs = reinterpret_cast<bf16*>(attn_tc_smem + tile_bytes<HD>(kTcRows));
+  constexpr int NB = kCausal ? 2 : 1;  // Q/dO buffers: causal tiles are prefetched one ahead
+  bf16* QdOs = reinterpret_cast<bf16*>(attn_tc_smem + 2 * tile_bytes<HD>(kTcRows));  // [NB] x (Q, dO)
+  float* lse2_s =
+      reinterpret_cast<float*>(attn_tc_smem + 2 * tile_bytes<HD>(kTcRows) + 2 * NB * tile_bytes<HD>(QC));
+  float* D_s = lse2_s + QC;
+  int* qpos_s = reinterpret_cast<int*>(D_s + QC);
+  int* qseg_s = qpos_s + QC;
+  int* kpos_b = qseg_s + QC;  // the block's keys
+  int* kseg_b = kpos_b + kTcRows;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, half = lane & 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int kh = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * kTcRows, G = p.NH / p.NKV;
   const int wr = warp * 16;
+  const int keys[2] = {j0 + wr + g, j0 + wr + g + 8};  // this lane's two keys
   const int64_t ldo = int64_t(p.NH) * HD;
-  float* Sw = Ss + wr * LDS;
-  bf16* Ptw = Pts + wr * LDP;
-  bf16* dStw = dSts + wr * LDP;
   const int64_t kv_off = int64_t(b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
-  tc_load_tile<HD>(Ks, static_cast<const bf16*>(p.k) + kv_off, p.kv_stride, j0, p.Tk);
-  tc_load_tile<HD>(Vs, static_cast<const bf16*>(p.v) + kv_off, p.kv_stride, j0, p.Tk);
+  load_tile<HD, kTcRows>(Ks, static_cast<const bf16*>(p.k) + kv_off, p.kv_stride, j0, p.Tk);
+  load_tile<HD, kTcRows>(Vs, static_cast<const bf16*>(p.v) + kv_off, p.kv_stride, j0, p.Tk);
+  if constexpr (!kCausal) load_mask<kTcRows>(kpos_b, kseg_b, p.kpos, p.kseg, b, p.Tk, j0);
+  __syncthreads();
+  int mykpos[2] = {0, 0}, mykseg[2] = {0, 0};
   if constexpr (!kCausal) {
-    if (threadIdx.x < kTcRows) {
-      const int j = j0 + threadIdx.x;
-      kpos_b[threadIdx.x] = j < p.Tk ? p.kpos[int64_t(b) * p.Tk + j] : 0;
-      kseg_b[threadIdx.x] = j < p.Tk ? p.kseg[int64_t(b) * p.Tk + j] : 0;
+    for (int rr = 0; rr < 2; ++rr) {
+      mykpos[rr] = kpos_b[wr + g + 8 * rr];
+      mykseg[rr] = kseg_b[wr + g + 8 * rr];
     }
   }
-  const int j = j0 + wr + r;  // this lane's key
-  const bool key_ok = j < p.Tk;
-  const bf16* Kw = Ks + wr * LDB;
-  const bf16* Vw = Vs + wr * LDB;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> dk[KD], dv[KD];
-#pragma unroll
-  for (int n = 0; n < KD; ++n) {
-    wmma::fill_fragment(dk[n], 0.f);
-    wmma::fill_fragment(dv[n], 0.f);
-  }
+  float dk[DT][4] = {}, dv[DT][4] = {};
+  // The query tiles, head by head: tile n is head kh*G + n/nq, queries istart + (n%nq)*QC.
   const int istart = kCausal ? j0 : 0;  // causal: queries before the first key see none of the tile
-  for (int g = 0; g < G; ++g) {
-    const int h = kh * G + g;
-    const bf16* Q = static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD;
-    const bf16* dO = static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(h) * HD;
-    const int64_t row0 = (int64_t(b) * p.NH + h) * p.Tq;
-    for (int i0 = istart; i0 < p.Tq; i0 += kTcCols) {
-      __syncthreads();  // the previous tile's readers of Qs, dOs and the query data are done
-      if (threadIdx.x < kTcCols) {
-        const int x = threadIdx.x, ii = i0 + x;
-        lse2_s[x] = ii < p.Tq ? p.lse[row0 + ii] * kTcLog2e : -INFINITY;  // -inf: no gradient through the query
-        D_s[x] = ii < p.Tq ? pb.D[row0 + ii] : 0.f;
-        if constexpr (!kCausal) {
-          qpos_s[x] = ii < p.Tq ? p.qpos[int64_t(b) * p.Tq + ii] : 0;
-          qseg_s[x] = ii < p.Tq ? p.qseg[int64_t(b) * p.Tq + ii] : 0;
-        }
-      }
-      __syncthreads();
-      if constexpr (!kCausal) {
-        bool any = false;
-        {
-          const int kr = threadIdx.x >> 1, x0 = (threadIdx.x & 1) * (kTcCols / 2);
-          if (j0 + kr < p.Tk) {
-            const int kp = kpos_b[kr], ks = kseg_b[kr];
-            for (int x = x0; x < x0 + kTcCols / 2; ++x)
-              any = any || (lse2_s[x] != -INFINITY && qseg_s[x] == ks && kp <= qpos_s[x]);
-          }
-        }
-        if (!__syncthreads_or(any)) continue;
-      }
-      tc_load_tile<HD>(Qs, Q, p.q_stride, i0, p.Tq);
-      tc_load_tile<HD>(dOs, dO, ldo, i0, p.Tq);
-      __syncthreads();
-      // S^T = K Q^T to the scratch.
-      tc_warp_abt<HD, NCH>(Sw, LDS, Kw, Qs, LDB);
-      __syncwarp();
-      float pr[kTcCols / 2];
-#pragma unroll
-      for (int c = 0; c < kTcCols / 2; ++c) {
-        const int x = 2 * c + half;
-        bool vis = key_ok && lse2_s[x] != -INFINITY;
-        if constexpr (kCausal)
-          vis = vis && j <= i0 + x;
-        else
-          vis = vis && qseg_s[x] == kseg_b[wr + r] && kpos_b[wr + r] <= qpos_s[x];
-        pr[c] = vis ? exp2f(Sw[r * LDS + x] * p.scale_log2 - lse2_s[x]) : 0.f;
-        Ptw[r * LDP + x] = __float2bfloat16_rn(pr[c]);
-      }
-      __syncwarp();  // the scores are read before dP^T replaces them
-      // dP^T = V dO^T to the scratch.
-      tc_warp_abt<HD, NCH>(Sw, LDS, Vw, dOs, LDB);
-      __syncwarp();
-#pragma unroll
-      for (int c = 0; c < kTcCols / 2; ++c) {
-        const int x = 2 * c + half;
-        const float ds = pr[c] != 0.f ? pr[c] * (Sw[r * LDS + x] - D_s[x]) : 0.f;
-        dStw[r * LDP + x] = __float2bfloat16_rn(ds);
-      }
-      __syncwarp();
-      // dV += P^T dO, dK += dS^T Q.
-#pragma unroll
-      for (int k = 0; k < NCH; ++k) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> pf, sf;
-        wmma::load_matrix_sync(pf, Ptw + k * 16, LDP);
-        wmma::load_matrix_sync(sf, dStw + k * 16, LDP);
-#pragma unroll
-        for (int n = 0; n < KD; ++n) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> bf;
-          wmma::load_matrix_sync(bf, dOs + k * 16 * LDB + n * 16, LDB);
-          wmma::mma_sync(dv[n], pf, bf, dv[n]);
-          wmma::load_matrix_sync(bf, Qs + k * 16 * LDB + n * 16, LDB);
-          wmma::mma_sync(dk[n], sf, bf, dk[n]);
-        }
-      }
+  const int nq = istart < p.Tq ? (p.Tq - istart + QC - 1) / QC : 0;
+  auto q_src = [&](int n) {
+    return static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(kh * G + n / nq) * HD;
+  };
+  auto do_src = [&](int n) {
+    return static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(kh * G + n / nq) * HD;
+  };
+  if constexpr (kCausal) {
+    if (nq > 0) {
+      load_tile_async<HD, QC>(QdOs, q_src(0), p.q_stride, istart, p.Tq);
+      load_tile_async<HD, QC>(QdOs + QC * LD, do_src(0), ldo, istart, p.Tq);
+      __pipeline_commit();
     }
   }
-  __syncthreads();  // every warp is done with Qs and dOs, which the epilogue reuses
-  float* Xw = reinterpret_cast<float*>(Qs) + wr * LDO;
-  bf16* dK = static_cast<bf16*>(pb.dk) + kv_off;
-  bf16* dV = static_cast<bf16*>(pb.dv) + kv_off;
+  for (int n = 0; n < G * nq; ++n) {
+    const int i0 = istart + (n % nq) * QC;
+    const int64_t row0 = (int64_t(b) * p.NH + kh * G + n / nq) * p.Tq;
+    const bf16* Qs = QdOs + (n % NB) * 2 * QC * LD;
+    const bf16* dOs = Qs + QC * LD;
+    if constexpr (!kCausal) __syncthreads();  // the previous tile's readers of the query data are done
+    if (threadIdx.x < QC) {
+      const int x = threadIdx.x, ii = i0 + x;
+      lse2_s[x] = ii < p.Tq ? p.lse[row0 + ii] * kTcLog2e : -INFINITY;  // -inf: no gradient through the query
+      D_s[x] = ii < p.Tq ? pb.D[row0 + ii] : 0.f;
+    }
+    if constexpr (kCausal) {
+      // Prefetch tile n+1 into the other buffer (whose readers finished at the barrier ending
+      // iteration n-1), then wait for tile n.
+      if (n + 1 < G * nq) {
+        bf16* next = QdOs + ((n + 1) % NB) * 2 * QC * LD;
+        const int inext = istart + ((n + 1) % nq) * QC;
+        load_tile_async<HD, QC>(next, q_src(n + 1), p.q_stride, inext, p.Tq);
+        load_tile_async<HD, QC>(next + QC * LD, do_src(n + 1), ldo, inext, p.Tq);
+      }
+      __pipeline_commit();
+      __pipeline_wait_prior(1);
+      __syncthreads();
+    } else {
+      load_mask<QC>(qpos_s, qseg_s, p.qpos, p.qseg, b, p.Tq, i0);
+      __syncthreads();
+      bool any = false;
+      const int kr = threadIdx.x >> 1, x0 = (threadIdx.x & 1) * (QC / 2);
+      if (j0 + kr < p.Tk) {
+        const int kp = kpos_b[kr], ks = kseg_b[kr];
+        for (int x = x0; x < x0 + QC / 2; ++x)
+          any = any || (lse2_s[x] != -INFINITY && qseg_s[x] == ks && kp <= qpos_s[x]);
+      }
+      if (!__syncthreads_or(any)) continue;
+      load_tile<HD, QC>(QdOs, q_src(n), p.q_stride, i0, p.Tq);
+      load_tile<HD, QC>(QdOs + QC * LD, do_src(n), ldo, i0, p.Tq);
+      __syncthreads();
+    }
+
+    float st[NT][4] = {}, dpt[NT][4] = {};
+    warp_abt<KS, NT, LD>(st, Ks + wr * LD, Qs);   // S^T = K Q^T
+    warp_abt<KS, NT, LD>(dpt, Vs + wr * LD, dOs);  // dP^T = V dO^T
 #pragma unroll
-  for (int n = 0; n < KD; ++n) wmma::store_matrix_sync(Xw + n * 16, dk[n], LDO, wmma::mem_row_major);
-  __syncwarp();
-  tc_warp_store_rows<HD>(Xw, dK, p.kv_stride, j0 + wr, p.Tk, pb.scale, pb.accumulate);
-  __syncwarp();
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-  for (int n = 0; n < KD; ++n) wmma::store_matrix_sync(Xw + n * 16, dv[n], LDO, wmma::mem_row_major);
-  __syncwarp();
-  tc_warp_store_rows<HD>(Xw, dV, p.kv_stride, j0 + wr, p.Tk, 1.f, pb.accumulate);
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
+        bool vis = keys[rr] < p.Tk && lse2_s[x] != -INFINITY;
+        if constexpr (kCausal)
+          vis = vis && keys[rr] <= i0 + x;
+        else
+          vis = vis && qseg_s[x] == mykseg[rr] && mykpos[rr] <= qpos_s[x];
+        const float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - lse2_s[x]) : 0.f;
+        st[nt][e] = pr;                                             // P^T
+        dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
+      }
+    }
+    warp_acc_times<NT, DT, LD>(dv, st, dOs);  // dV += P^T dO
+    warp_acc_times<NT, DT, LD>(dk, dpt, Qs);  // dK += dS^T Q
+    if constexpr (kCausal) __syncthreads();  // this buffer's and the query data's readers are done
+  }
+  const float kscale[2] = {pb.scale, pb.scale}, vscale[2] = {1.f, 1.f};
+  store_rows<DT>(dk, static_cast<bf16*>(pb.dk) + kv_off, p.kv_stride, keys[0], p.Tk, kscale, pb.accumulate);
+  store_rows<DT>(dv, static_cast<bf16*>(pb.dv) + kv_off, p.kv_stride, keys[0], p.Tk, vscale, pb.accumulate);
+}
+
+template <int HD, bool kCausal>
+constexpr size_t fwd_smem() {
+  return tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kFwdCols<HD>) +
+         size_t(2 * kTcRows + 2 * kFwdCols<HD>) * 4;
+}
+template <int HD, bool kCausal>
+constexpr size_t dq_smem() {
+  return 2 * tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kBwdCols<HD>) +
+         size_t(3 * kTcRows + 2 * kBwdCols<HD>) * 4;
+}
+template <int HD, bool kCausal>
+constexpr size_t dkdv_smem() {
+  return 2 * tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kBwdCols<HD>) +
+         size_t(4 * kBwdCols<HD> + 2 * kTcRows) * 4;
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// Above 48 KiB a kernel must opt in to its dynamic shared memory (per device, so on every call).
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  MPIGPT_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
 template <int HD>
 void launch_tc(const AttentionTcForward& p, bool causal, cudaStream_t stream) {
   auto kernel = causal ? attention_fwd_tc_kernel<HD, true> : attention_fwd_tc_kernel<HD, false>;
-  constexpr size_t smem = TcLayout<HD>::smem;
-  // Above 48 KiB a kernel must opt in to its dynamic shared memory (per device, so on every call).
-  MPIGPT_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const size_t smem = causal ? fwd_smem<HD, true>() : fwd_smem<HD, false>();
+  allow_smem(kernel, smem);
   const dim3 grid(unsigned((p.Tq + kTcRows - 1) / kTcRows), unsigned(p.NH), unsigned(p.B));
   kernel<<<grid, kTcThreads, smem, stream>>>(p);
   MPIGPT_CUDA_LAUNCHED();
@@ -588,14 +545,15 @@ template <int HD>
 void launch_bwd_tc(const AttentionTcBackward& p, bool causal, cudaStream_t stream) {
   auto dq = causal ? attention_bwd_dq_tc_kernel<HD, true> : attention_bwd_dq_tc_kernel<HD, false>;
   auto dkdv = causal ? attention_bwd_dkdv_tc_kernel<HD, true> : attention_bwd_dkdv_tc_kernel<HD, false>;
-  constexpr size_t dq_smem = TcBwdLayout<HD>::dq_smem, dkdv_smem = TcBwdLayout<HD>::dkdv_smem;
-  MPIGPT_CUDA(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dq_smem)));
-  MPIGPT_CUDA(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dkdv_smem)));
+  const size_t dq_bytes = causal ? dq_smem<HD, true>() : dq_smem<HD, false>();
+  allow_smem(dq, dq_bytes);
+  const size_t dkdv_bytes = causal ? dkdv_smem<HD, true>() : dkdv_smem<HD, false>();
+  allow_smem(dkdv, dkdv_bytes);
   const dim3 gq(unsigned((p.f.Tq + kTcRows - 1) / kTcRows), unsigned(p.f.NH), unsigned(p.f.B));
   const dim3 gk(unsigned((p.f.Tk + kTcRows - 1) / kTcRows), unsigned(p.f.NKV), unsigned(p.f.B));
-  dq<<<gq, kTcThreads, dq_smem, stream>>>(p);
+  dq<<<gq, kTcThreads, dq_bytes, stream>>>(p);
   MPIGPT_CUDA_LAUNCHED();
-  dkdv<<<gk, kTcThreads, dkdv_smem, stream>>>(p);
+  dkdv<<<gk, kTcThreads, dkdv_bytes, stream>>>(p);
   MPIGPT_CUDA_LAUNCHED();
 }
 

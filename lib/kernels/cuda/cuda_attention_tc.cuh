@@ -1,5 +1,5 @@
-// CUDA backend, private: the bf16 tensor-core (wmma) attention forward of cuda_attention_tc.cu,
-// which cuda_attention.cu's forward tries before its scalar fp32 kernels.
+// CUDA backend, private: the bf16 tensor-core attention of cuda_attention_tc.cu (mma.sync, tiles
+// in registers), forward and backward, which cuda_attention.cu tries before its fp32-FMA kernels.
 #pragma once
 
 #include <cstdint>

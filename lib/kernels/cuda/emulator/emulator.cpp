@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <deque>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -32,6 +33,14 @@ struct Fiber {
   State state = Runnable;
   uint3 tid;
   int vote_gen = 0;
+  // Asynchronous copies (cuda_pipeline_primitives.h): the open batch and the committed ones, oldest
+  // first; each copy keeps its destination and the source bytes taken at issue.
+  struct Copy {
+    void* dst;
+    std::vector<char> bytes;
+  };
+  std::vector<Copy> open;
+  std::deque<std::vector<Copy>> committed;
 };
 std::vector<Fiber> fibers;
 ucontext_t sched;
@@ -45,6 +54,8 @@ unsigned char warp_buf[32][32][256];  // [warp][lane][bytes]: shuffles and all-g
 int votes[3];
 cudaError_t last_error = cudaSuccess;
 int nthreads = 0;
+long launch_count = 0;
+size_t smem_size = 0;  // the launch's dynamic shared memory bytes
 
 void trampoline() {
   (*body)();
@@ -62,6 +73,8 @@ void run_block() {
     Fiber& f = fibers[i];
     f.state = Runnable;
     f.vote_gen = 0;
+    f.open.clear();
+    f.committed.clear();
     f.tid = {unsigned(i % blockDim.x), unsigned((i / blockDim.x) % blockDim.y), unsigned(i / (blockDim.x * blockDim.y))};
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack.data();
@@ -84,8 +97,13 @@ void run_block() {
     }
     if (done == nthreads) return;
     bool released = false;
-    // Warps whose live lanes all wait at the warp barrier go on.
-    for (int w = 0; w * 32 < nthreads; ++w) {
+    // One warp whose live lanes all wait at the warp barrier goes on: the first such warp in this
+    // launch's order, so that one warp runs ahead of the others up to the block barrier (warp 0
+    // first on even launches, the last warp first on odd ones). A kernel that lets one warp
+    // overwrite shared data that another may still read, without a block barrier between, fails.
+    const int nwarps = (nthreads + 31) / 32;
+    for (int k = 0; k < nwarps && !released; ++k) {
+      const int w = launch_count % 2 == 0 ? k : nwarps - 1 - k;
       int live = 0, at = 0;
       for (int i = w * 32; i < std::min(nthreads, w * 32 + 32); ++i) {
         live += fibers[i].state != Done;
@@ -123,6 +141,31 @@ int syncthreads_or(int p) {
   return r;
 }
 void* dyn_smem() { return smem.data(); }
+void pipeline_copy(void* dst, const void* src, size_t bytes) {
+  const auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(smem.data());
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || d % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes != 0 ||
+      d < s || d + bytes > s + smem_size) {
+    fprintf(stderr, "cuda emulator: __pipeline_memcpy_async of %zu bytes from %p to %p: needs 4, 8 or 16 bytes, both "
+            "aligned to the size, into the block's dynamic shared memory\n", bytes, src, dst);
+    abort();
+  }
+  Fiber::Copy c{dst, std::vector<char>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes)};
+  std::memset(dst, 0xff, bytes);
+  fibers[cur].open.push_back(std::move(c));
+}
+void pipeline_commit() {
+  Fiber& f = fibers[cur];
+  f.committed.push_back(std::move(f.open));
+  f.open.clear();
+}
+void pipeline_wait_prior(size_t prior) {
+  Fiber& f = fibers[cur];
+  while (f.committed.size() > prior) {
+    for (auto& c : f.committed.front()) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
+    f.committed.pop_front();
+  }
+}
+size_t dyn_smem_bytes() { return smem_size; }
 void shfl_exchange(const void* in, void* out, size_t bytes, int lane_xor) {
   const int lin = linear(threadIdx), w = lin / 32, lane = lin % 32;
   std::memcpy(warp_buf[w][lane], in, bytes);
@@ -158,6 +201,7 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st*, std::funct
   SmemChunk garbage;
   std::fill(std::begin(garbage.v), std::end(garbage.v), nan);
   smem.assign(smem_bytes / sizeof(SmemChunk) + 1, garbage);
+  smem_size = smem_bytes;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
@@ -165,6 +209,7 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st*, std::funct
         run_block();
       }
   body = nullptr;
+  ++launch_count;
 }
 }  // namespace emu
 

@@ -56,6 +56,7 @@ void syncthreads();
 void syncwarp();
 int syncthreads_or(int p);
 void* dyn_smem();
+size_t dyn_smem_bytes();  // the launch's dynamic shared memory size
 void shfl_exchange(const void* in, void* out, size_t bytes, int src_lane_xor);
 int lane();  // the calling thread's lane in its warp
 // Warp-collective: out[l] = lane l's `in` (bytes each, at most 256) for the 32 lanes of the warp.

@@ -1,0 +1,154 @@
+// CUDA backend, private: warp-level tensor-core primitives with a documented register layout (PTX
+// `mma.sync.m16n8k16` for bf16 with fp32 accumulators, and `ldmatrix`), for kernels that keep their
+// tiles in registers (the attention of cuda_attention_tc.cu). nvcuda::wmma cannot: its fragment
+// layout is opaque, so every element-wise step between two products went through shared memory.
+//
+// The layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), for lane l
+// of a warp with g = l / 4 and t = l % 4; a register holds two bf16, the lower-indexed column in
+// its low 16 bits:
+//   A (16 x 16, row-major), four registers: a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
+//                                          a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]
+//   B (16 x 8), two registers:  b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]
+//   C, D (16 x 8 fp32), four floats: c[0], c[1] = C[g][2t, 2t+1], c[2], c[3] = C[g+8][2t, 2t+1]
+// ldmatrix (.x4) loads four 8 x 8 bf16 matrices from shared memory: lanes 8m..8m+7 give the
+// addresses of matrix m's eight rows (16-byte aligned), and each lane receives r[m] = row g,
+// columns 2t, 2t+1 of matrix m; with .trans it receives the transposed element pair
+// (rows 2t and 2t+1 of column g).
+//
+// Compiled as C++ by the host emulator (docs/testing.md), the same functions come from its
+// mma_ptx.h, which implements these layouts independently of the kernels.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "lib/kernels/cuda/cuda_common.cuh"
+
+#ifndef __CUDACC__
+#include "mma_ptx.h"
+#endif
+
+namespace mpigpt::cuda::mma {
+
+// (lo, hi) rounded to bf16 in one register, lo in the low half.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u;
+}
+
+// ldmatrix .x4: `row` is this lane's row address (matrix lane / 8, row lane % 8) in shared memory.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* row) {
+#ifdef __CUDACC__
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+#else
+  emu::ptx::ldmatrix(r, 4, false, row);
+#endif
+}
+
+// ldmatrix .x4 .trans.
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* row) {
+#ifdef __CUDACC__
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a)
+               : "memory");
+#else
+  emu::ptx::ldmatrix(r, 4, true, row);
+#endif
+}
+
+// d (16 x 8, fp32) += A (16 x 16) B (16 x 8), bf16 operands.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef __CUDACC__
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  emu::ptx::mma_m16n8k16_bf16(d, a, b0, b1);
+#endif
+}
+
+// ---- warp tiles built on them --------------------------------------------------------------------
+// A warp tile is 16 rows; shared-memory tiles are bf16, row-major with leading dimension LD
+// (elements; LD * 2 a multiple of 16 bytes). An accumulator tile of 16 x 8*NT is float acc[NT][4].
+
+// The A fragment of k-step kk (columns 16kk..16kk+15) of the 16 rows starting at `rows`.
+template <int LD>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* rows, int kk) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  ldsm_x4(a, rows + (r + 8 * (m & 1)) * LD + kk * 16 + 8 * (m >> 1));
+}
+
+// B fragments of B = X^T for the two n-tiles n0..n0+7 (b[0], b[1]) and n0+8..n0+15 (b[2], b[3]),
+// k-step kk, where X is stored with n as its row: B[k][n] = X[n][k].
+template <int LD>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const bf16* X, int n0, int kk) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  ldsm_x4(b, X + (n0 + r + 8 * (m >> 1)) * LD + kk * 16 + 8 * (m & 1));
+}
+
+// The same for B stored with k as its row: B[k][n] = X[k][n].
+template <int LD>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* X, int n0, int kk) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  ldsm_x4_t(b, X + (kk * 16 + r + 8 * (m & 1)) * LD + n0 + 8 * (m >> 1));
+}
+
+// acc (16 x 8NT) += A X^T: A the warp's 16 rows of 16KS columns at `rows`, X (8NT rows of 16KS
+// columns) at X, both in shared memory with leading dimension LD.
+template <int KS, int NT, int LD>
+__device__ __forceinline__ void warp_abt(float (&acc)[NT][4], const bf16* rows, const bf16* X) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    uint32_t a[4];
+    load_a<LD>(a, rows, kk);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      load_b_nk<LD>(b, X, np * 16, kk);
+      mma_bf16(acc[2 * np], a, b[0], b[1]);
+      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// The A fragment of k-step s from an accumulator tile (its columns 16s..16s+15), rounded to bf16:
+// an accumulator's registers are exactly an A operand's, two n-tiles side by side.
+template <int NT>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&acc)[NT][4], int s) {
+  a[0] = pack_bf16(acc[2 * s][0], acc[2 * s][1]);
+  a[1] = pack_bf16(acc[2 * s][2], acc[2 * s][3]);
+  a[2] = pack_bf16(acc[2 * s + 1][0], acc[2 * s + 1][1]);
+  a[3] = pack_bf16(acc[2 * s + 1][2], acc[2 * s + 1][3]);
+}
+
+// out (16 x 8DT) += P Y: P the accumulator tile p (16 x 8NP, rounded to bf16 here), Y (8NP rows of
+// 8DT columns) in shared memory with leading dimension LD.
+template <int NP, int DT, int LD>
+__device__ __forceinline__ void warp_acc_times(float (&out)[DT][4], const float (&p)[NP][4], const bf16* Y) {
+  static_assert(NP % 2 == 0 && DT % 2 == 0, "tiles come in pairs");
+#pragma unroll
+  for (int s = 0; s < NP / 2; ++s) {
+    uint32_t a[4];
+    acc_to_a<NP>(a, p, s);
+#pragma unroll
+    for (int dp = 0; dp < DT / 2; ++dp) {
+      uint32_t b[4];
+      load_b_kn<LD>(b, Y, dp * 16, s);
+      mma_bf16(out[2 * dp], a, b[0], b[1]);
+      mma_bf16(out[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+}  // namespace mpigpt::cuda::mma
