@@ -46,7 +46,8 @@ TEST_CASE("NCCL, one rank: Comm's calls that reach NCCL, ordered against the com
   REQUIRE(c.uses_nccl());
   const int64_t n = int64_t(kValues.size());
   for (DType dt : {DType::F32, DType::BF16}) {
-    CAPTURE(dtype_name(dt));
+    const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+    CAPTURE(dtype);
     SUBCASE("reduce-scatter and all-gather, blocking and not") {
       for (bool blocking : {true, false}) {
         CAPTURE(blocking);
@@ -95,7 +96,8 @@ TEST_CASE("NCCL, one rank: every collective of comm_nccl.h, in place and out of 
   dc.group = nccl_comm(MPI_COMM_SELF, 0, 1);
   const int64_t n = int64_t(kValues.size());
   for (DType dt : {DType::F32, DType::BF16}) {
-    CAPTURE(dtype_name(dt));
+    const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+    CAPTURE(dtype);
     DeviceTensor t = to_device(*ops, kValues, {n}, dt);
     ops->scale(t.t, 2.0f);
     nccl_allreduce(dc, t.t, ReduceOp::Sum).wait();

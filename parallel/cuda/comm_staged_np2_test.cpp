@@ -66,7 +66,8 @@ TEST_CASE("staged: every call on device tensors equals the host path") {
     CHECK_FALSE(c.uses_nccl());
     for (DType dt : {DType::F32, DType::BF16}) {
       CAPTURE(with_stream);
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       auto same = [&](const std::vector<std::vector<float>>& in, const Op& op) { same_as_host(*ops, c, dt, in, op); };
       same({ramp(6, r)}, [&](auto& t) { c.allreduce_sum(t[0]); });
       same({ramp(6, r)}, [&](auto& t) { c.allreduce_max(t[0]); });

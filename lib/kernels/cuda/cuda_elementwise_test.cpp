@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_testing.h"
@@ -52,7 +53,8 @@ TEST_CASE("cuda embedding forward/backward match the CPU (vocabulary slice, toke
   }
   for (DType dt : kDtypes) {
     for (int64_t C : {int64_t(16), int64_t(13)}) {  // packs, scalar
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(C);
       const auto wte = in_dtype(random_normal(size_t(rows * C), 301, 0), dt);
       const auto wpe = in_dtype(random_normal(size_t(maxT * C), 301, 1), dt);
@@ -105,7 +107,8 @@ TEST_CASE("cuda gelu forward/backward match the CPU; dinp may alias dout") {
   auto cpu = make_cpu_ops();
   for (DType dt : kDtypes) {
     for (int64_t n : {int64_t(4096), int64_t(1001)}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(n);
       auto x = in_dtype(random_normal(size_t(n), 311, 0, 3.0f), dt);  // reaches both tails
       auto g = in_dtype(random_normal(size_t(n), 311, 1), dt);
@@ -132,7 +135,8 @@ TEST_CASE("cuda swiglu forward/backward match the CPU; dinp may alias inp") {
   const int64_t N = 6;
   for (DType dt : kDtypes) {
     for (int64_t F : {int64_t(24), int64_t(7)}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(F);
       auto x = in_dtype(random_normal(size_t(N * 2 * F), 321, 0, 2.0f), dt);
       auto g = in_dtype(random_normal(size_t(N * F), 321, 1), dt);
@@ -162,7 +166,8 @@ TEST_CASE("cuda rope forward/backward match the CPU at large positions; value he
   for (int64_t n = 0; n < N; ++n) pos[size_t(n)] = int32_t((n * 997) % 5003);  // angles up to ~5000 rad
   for (DType dt : kDtypes) {
     for (int HD : {16, 6}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(HD);
       const int64_t R = int64_t(NH + 2 * NKV) * HD;
       const auto x0 = in_dtype(random_normal(size_t(N * R), 331, 0), dt);
@@ -200,7 +205,8 @@ TEST_CASE("cuda copy_cols matches the CPU, also within one matrix (overlapping a
   };
   for (DType dt : kDtypes) {
     for (Cols k : {Cols{8, 16, 8}, Cols{1, 3, 5}}) {  // packs, scalar
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(k.src_col);
       const auto src = in_dtype(random_normal(size_t(N * Ds), 341, 0), dt);
       const auto dst0 = in_dtype(random_normal(size_t(N * Dd), 341, 1), dt);
@@ -212,7 +218,8 @@ TEST_CASE("cuda copy_cols matches the CPU, also within one matrix (overlapping a
     }
     // One matrix as both dst and src: overlapping ranges need memmove semantics (the CPU's).
     for (Cols k : {Cols{3, 0, 8}, Cols{0, 3, 8}, Cols{8, 0, 8}}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(k.dst_col);
       const auto m0 = in_dtype(random_normal(size_t(N * Dd), 342, 0), dt);
       auto want = m0;
@@ -232,7 +239,8 @@ TEST_CASE("cuda gather_rows and scatter_add_rows match the CPU (repeated and per
   const std::vector<int32_t> perm = {4, 0, 5, 2, 1, 3};              // M = N: every row once
   for (DType dt : kDtypes) {
     for (int64_t C : {int64_t(16), int64_t(5)}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(C);
       const auto inp = in_dtype(random_normal(size_t(N * C), 351, 0), dt);
       auto inp_h = inp;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_matmul_testing.h"
@@ -42,7 +43,8 @@ TEST_CASE("cuda linear_gelu_forward matches the CPU's linear then GELU, with and
   for (DType dt : {DType::F32, DType::BF16}) {
     for (Dims d : kDims) {
       for (bool with_bias : {true, false}) {
-        CAPTURE(dtype_name(dt));
+        const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+        CAPTURE(dtype);
         CAPTURE(d.N);
         CAPTURE(d.IC);
         CAPTURE(d.OC);
@@ -87,7 +89,8 @@ TEST_CASE("cuda linear_backward_gelu matches the CPU: dpre overwrites, dweight a
     // The projection (OC outputs) whose input act = gelu(pre) has IC features: the epilogue needs
     // IC % 8 == 0.
     for (Dims d : kDims) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(d.N);
       CAPTURE(d.IC);
       CAPTURE(d.OC);
@@ -130,7 +133,8 @@ TEST_CASE("cuda residual norms equal the GPU's add then norm bit for bit and the
       for (Shape2 s : {Shape2{37, 768}, Shape2{5, 13}, Shape2{64, 2048}}) {
         for (int alias = 0; alias < 3; ++alias) {  // sum separate, sum == a, sum == b
           CAPTURE(layer);
-          CAPTURE(dtype_name(dt));
+          const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+          CAPTURE(dtype);
           CAPTURE(s.N);
           CAPTURE(s.C);
           CAPTURE(alias);

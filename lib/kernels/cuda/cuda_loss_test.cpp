@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_testing.h"
@@ -66,7 +67,8 @@ TEST_CASE("cuda crossentropy_forward_backward matches the CPU (ignored rows, pad
   // 29 of 32: packs; 29 of 37: scalar; GPT-2: a 50k row over 1024 threads.
   for (Sizes s : {Sizes{16, 29, 32, 2.0f}, Sizes{16, 29, 37, 2.0f}, Sizes{4, 50257, 50304, 3.0f}}) {
     for (DType dt : kDtypes) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(s.V);
       CAPTURE(s.Vp);
       const int64_t N = s.N, V = s.V, Vp = s.Vp;
@@ -152,7 +154,8 @@ TEST_CASE("cuda vocab-parallel crossentropy: 1 to 4 shards match the CPU's fused
       auto g_t = to_device(*ops, targets, {N});
 
       for (int ranks : {1, 2, 3, 4}) {
-        CAPTURE(dtype_name(dt));
+        const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+        CAPTURE(dtype);
         CAPTURE(V);
         CAPTURE(ranks);
         const int64_t Vl = Vp / ranks;

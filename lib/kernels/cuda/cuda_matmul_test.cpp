@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_matmul_testing.h"
@@ -36,7 +37,8 @@ TEST_CASE("cuda gemm matches the CPU: every transpose, alpha/beta, beta = 0 over
     for (Dims d : {Dims{5, 7, 3}, Dims{33, 65, 129}, Dims{1, 1, 1}, Dims{64, 48, 32}, Dims{17, 100, 9}}) {
       for (int t = 0; t < 4; ++t) {
         const bool ta = t & 1, tb = t & 2;
-        CAPTURE(dtype_name(dt));
+        const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+        CAPTURE(dtype);
         CAPTURE(d.M);
         CAPTURE(d.N);
         CAPTURE(d.K);
@@ -74,7 +76,8 @@ TEST_CASE("cuda linear forward matches the CPU, with and without bias, f32 and b
   for (DType dt : {DType::F32, DType::BF16}) {
     for (Dims d : {Dims{15, 7, 9}, Dims{64, 96, 200}, Dims{33, 17, 31}, Dims{128, 64, 64}, Dims{1, 5, 3}}) {
       for (bool with_bias : {true, false}) {
-        CAPTURE(dtype_name(dt));
+        const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+        CAPTURE(dtype);
         CAPTURE(d.N);
         CAPTURE(d.IC);
         CAPTURE(d.OC);
@@ -113,7 +116,8 @@ TEST_CASE("cuda linear backward matches the CPU: dinp overwrites, dweight and db
   // {1000, 40, 24}: a tall dout whose bias gradient is summed in row chunks, then the chunks added.
   for (DType dt : {DType::F32, DType::BF16}) {
     for (Dims d : {Dims{15, 7, 9}, Dims{33, 17, 31}, Dims{1000, 40, 24}, Dims{256, 96, 200}, Dims{1, 3, 5}}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(d.N);
       CAPTURE(d.IC);
       CAPTURE(d.OC);
@@ -175,7 +179,8 @@ TEST_CASE("cuda grouped linear matches the CPU per group, with an empty group, f
       const int64_t G = int64_t(cs.rows.size()), IC = cs.IC, OC = cs.OC;
       int64_t M = 0;
       for (int64_t r : cs.rows) M += r;
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(IC);
       CAPTURE(OC);
       CAPTURE(M);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_testing.h"
@@ -64,7 +65,8 @@ TEST_CASE("cuda moe_router_forward matches the CPU (softmax/sigmoid, normalize, 
       for (int64_t K : {int64_t(1), int64_t(2), int64_t(6)}) {
         for (bool sigmoid : {false, true}) {
           for (bool normalize : {false, true}) {
-            CAPTURE(dtype_name(dt));
+            const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+            CAPTURE(dtype);
             CAPTURE(E);
             CAPTURE(K);
             CAPTURE(sigmoid);
@@ -110,7 +112,8 @@ TEST_CASE("cuda moe_router_backward matches the CPU (gates, probs and lse paths)
         for (bool sigmoid : {false, true}) {
           for (bool normalize : {false, true}) {
             for (bool extras : {true, false}) {  // with dprobs and dlse, or the gates path alone
-              CAPTURE(dtype_name(dt));
+              const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+              CAPTURE(dtype);
               CAPTURE(E);
               CAPTURE(K);
               CAPTURE(sigmoid);
@@ -155,7 +158,8 @@ TEST_CASE("cuda moe_combine and its backward match the CPU") {
   const int64_t M = int64_t(slot.size());
   for (DType dt : kDtypes) {
     for (int64_t C : {int64_t(16), int64_t(5)}) {  // packs, scalar
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       CAPTURE(C);
       const auto rows = in_dtype(random_normal(size_t(M * C), 950, 0), dt);
       const auto gates = random_normal(size_t(N * K), 950, 1);

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_testing.h"
@@ -47,7 +48,8 @@ struct Wanted {
 // all accumulating onto nonzero initial values. layer: LayerNorm (else RMSNorm).
 void norm_case(Ops& gpu, Ops& cpu, bool layer, DType dt, int64_t N, int64_t C, uint64_t seed) {
   CAPTURE(layer);
-  CAPTURE(dtype_name(dt));
+  const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+  CAPTURE(dtype);
   CAPTURE(N);
   CAPTURE(C);
   const float eps = 1e-5f;

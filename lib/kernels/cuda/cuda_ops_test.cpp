@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_testing.h"
@@ -157,7 +158,8 @@ TEST_CASE("cuda ops: fill, scale and add in f32 and bf16 match the host computat
     CAPTURE(n);
     auto xa = random_normal(size_t(n), 11, 0), xb = random_normal(size_t(n), 11, 1);
     for (DType dt : {DType::F32, DType::BF16}) {
-      CAPTURE(dtype_name(dt));
+      const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+      CAPTURE(dtype);
       const bool bf = dt == DType::BF16;
       auto ra = bf ? rounded_bf16(xa) : xa, rb = bf ? rounded_bf16(xb) : xb;
       auto a = to_device(*ops, xa, {n}, dt), b = to_device(*ops, xb, {n}, dt);

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_testing.h"
@@ -55,7 +56,8 @@ TEST_CASE("cuda sum and sum_squares: double accumulation, bitwise reproducible")
   for (DType dt : {DType::F32, DType::BF16}) {
     for (int64_t n : {int64_t(1), int64_t(1000), int64_t(200003), int64_t(3000001)}) {
       for (int64_t offset : {int64_t(0), int64_t(1)}) {  // aligned (packs + tail) and misaligned (scalar)
-        CAPTURE(dtype_name(dt));
+        const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
+        CAPTURE(dtype);
         CAPTURE(n);
         CAPTURE(offset);
         auto x = random_normal(static_cast<size_t>(n + offset), 711, 0, 2.0f, 0.25f);
