@@ -2,7 +2,8 @@
 # rewritten for C++ by lib/kernels/cuda/emulator/rewrite_launches.py and compiled for the CPU
 # against stand-in CUDA headers (lib/kernels/cuda/emulator/include), run the GPU tests of
 # lib/kernels/cuda/*_test.cpp against the CPU backend on any machine, with or without nvcc. One
-# CTest entry per test file, `emulated/<file>`, label `emulated`. Not covered: cuBLASLt itself (a
+# CTest entry per test file, `emulated/<file>`, label `emulated`; and the whole program on them
+# (mpigpt_emulated), which trains the CUDA regression layouts. Not covered: cuBLASLt itself (a
 # reference implementation stands in), NCCL, and anything about speed.
 find_program(MPIGPT_EMULATOR_PYTHON3 python3)
 if(NOT MPIGPT_EMULATOR_PYTHON3)
@@ -54,3 +55,46 @@ foreach(src ${emu_tests})
   set_tests_properties(emulated/${name} PROPERTIES LABELS emulated
     ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
 endforeach()
+
+# The whole program on the emulated kernels: mpigpt_emulated is `mpigpt` built again with the
+# layers above the kernels (parallel, model, optim, io, train, app) compiled against the
+# emulator's headers, so that training with engine.backend = cuda runs on any machine. The
+# regression tests below train the CUDA layouts with it (engine.comm = mpi: NCCL is not emulated).
+set(emu_app_srcs)
+foreach(dir parallel lib/model lib/optim io lib/train app)
+  file(GLOB_RECURSE srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${dir}/*.cpp)
+  list(FILTER srcs EXCLUDE REGEX "(_test\\.cpp$|/cuda/.*\\.cpp$)")
+  list(APPEND emu_app_srcs ${srcs})
+endforeach()
+add_executable(mpigpt_emulated ${emu_app_srcs})
+target_include_directories(mpigpt_emulated PRIVATE ${PROJECT_SOURCE_DIR} ${HDF5_C_INCLUDE_DIRS})
+target_link_libraries(mpigpt_emulated PRIVATE mpigpt_kernels_emulated MPI::MPI_C Boost::program_options
+                      nlohmann_json::nlohmann_json ICU::uc ${HDF5_C_LIBRARIES} ${CMAKE_DL_LIBS})
+
+# The CUDA loss-curve regression (regression/regression.cmake) on mpigpt_emulated, a few steps each:
+#  - emulated/regression/loss_curves_cuda: fp32, one rank and tp2 / pp2 / dp2 / cp2 / ep2 with
+#    engine.comm = mpi, against the CPU curves with the CPU suite's tolerance (3 steps);
+#  - emulated/regression/loss_curve_cuda_bf16: GPT-2 in bf16 mixed precision against the fp32 CPU
+#    curve within 2e-2 (10 steps), with one head of 64 channels, so that the bf16 tensor-core
+#    attention runs in training too (the regression model's heads have 16).
+if(DEFINED REGRESSION_DIR)
+  set(tiny_ini ${PROJECT_SOURCE_DIR}/regression/tiny.ini)
+  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${tiny_ini})
+  file(READ ${tiny_ini} tiny)
+  string(REPLACE "num_heads = 4" "num_heads = 1" tiny_hd64 "${tiny}")
+  if(tiny_hd64 STREQUAL tiny)
+    message(FATAL_ERROR "cuda_emulator.cmake: regression/tiny.ini no longer says 'num_heads = 4'")
+  endif()
+  file(WRITE ${REGRESSION_DIR}/tiny_hd64.ini "${tiny_hd64}")
+  set(emu_run ${MPIGPT_PYTHON3} ${PROJECT_SOURCE_DIR}/regression/run.py --binary $<TARGET_FILE:mpigpt_emulated>
+      --data ${REGRESSION_DIR}/data/fortunes --mpirun "${REGRESSION_MPIRUN}" --with-one-rank)
+  add_test(NAME emulated/regression/loss_curves_cuda COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated --steps 3
+           --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$" --families gpt2,llama,gpt2-moe,llama-moe
+           --layout-args "${REGRESSION_CUDA_ARGS}")
+  add_test(NAME emulated/regression/loss_curve_cuda_bf16 COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_bf16
+           --config ${REGRESSION_DIR}/tiny_hd64.ini --steps 10 --layouts "^$" --families gpt2 --skip-reference
+           --tol 2e-2 --layout-args "--engine.backend cuda --engine.comm mpi --training.precision bf16")
+  set_tests_properties(emulated/regression/loss_curves_cuda emulated/regression/loss_curve_cuda_bf16 PROPERTIES
+    FIXTURES_REQUIRED regression_data LABELS "emulated;regression" TIMEOUT 900 PROCESSORS 2
+    ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+endif()

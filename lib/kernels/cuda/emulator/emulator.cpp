@@ -1,7 +1,8 @@
 // The host emulator of the CUDA backend (docs/testing.md): kernel launches and the runtime API.
 //
-// A launch runs its blocks one after another. The threads of a block are fibers (ucontext) on the
-// calling thread, switched only at barriers: a fiber runs until it reaches __syncthreads (or a
+// A launch runs its blocks one after another. The threads of a block are fibers on the calling
+// thread (on x86-64 a six-register stack switch, elsewhere ucontext, whose every switch is a
+// system call), switched only at barriers: a fiber runs until it reaches __syncthreads (or a
 // warp barrier: __syncwarp, a shuffle, both sides of a vote) or returns; then the next runnable
 // fiber runs. A warp barrier opens when every live lane of the warp waits at it, a block barrier
 // when every live thread of the block does; threads that returned no longer count, as on the GPU.
@@ -13,9 +14,9 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <deque>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <vector>
 
@@ -24,11 +25,69 @@
 uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
+#if defined(__x86_64__)
+// mpigpt_emu_switch(&from, to): saves the callee-saved registers on the current stack, stores its
+// stack pointer to *from and resumes the context whose stack pointer is `to` (System V ABI).
+extern "C" void mpigpt_emu_switch(void** from, void* to);
+asm(R"(
+  .text
+  .globl mpigpt_emu_switch
+  .type mpigpt_emu_switch, @function
+mpigpt_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size mpigpt_emu_switch, .-mpigpt_emu_switch
+)");
+#endif
+
 namespace emu {
 namespace {
+
+// A fiber's execution context: start(entry) makes it begin at entry() on the given stack, and
+// switch_to saves the current context in `from` and resumes `to`.
+#if defined(__x86_64__)
+struct Context {
+  void* sp = nullptr;
+};
+void start(Context& c, std::vector<char>& stack, void (*entry)()) {
+  auto top = reinterpret_cast<uintptr_t>(stack.data() + stack.size()) & ~uintptr_t(15);
+  void** sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;                          // entry's return address: it never returns
+  *--sp = reinterpret_cast<void*>(entry);   // where the switch's `ret` goes
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12-r15
+  c.sp = sp;
+}
+void switch_to(Context& from, Context& to) { mpigpt_emu_switch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+void start(Context& c, std::vector<char>& stack, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack.data();
+  c.uc.uc_stack.ss_size = stack.size();
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 enum State { Runnable, AtBlockBar, AtWarpBar, Done };
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   std::vector<char> stack;
   State state = Runnable;
   uint3 tid;
@@ -43,7 +102,7 @@ struct Fiber {
   std::deque<std::vector<Copy>> committed;
 };
 std::vector<Fiber> fibers;
-ucontext_t sched;
+Context sched;
 int cur = -1;
 std::function<void()>* body = nullptr;
 struct alignas(128) SmemChunk {
@@ -60,11 +119,11 @@ size_t smem_size = 0;  // the launch's dynamic shared memory bytes
 void trampoline() {
   (*body)();
   fibers[cur].state = Done;
-  swapcontext(&fibers[cur].ctx, &sched);
+  switch_to(fibers[cur].ctx, sched);
 }
 void yield(State s) {
   fibers[cur].state = s;
-  swapcontext(&fibers[cur].ctx, &sched);
+  switch_to(fibers[cur].ctx, sched);
 }
 int linear(const uint3& t) { return int(t.x + blockDim.x * (t.y + blockDim.y * t.z)); }
 
@@ -76,11 +135,7 @@ void run_block() {
     f.open.clear();
     f.committed.clear();
     f.tid = {unsigned(i % blockDim.x), unsigned((i / blockDim.x) % blockDim.y), unsigned(i / (blockDim.x * blockDim.y))};
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, trampoline, 0);
+    start(f.ctx, f.stack, trampoline);
   }
   votes[0] = votes[1] = votes[2] = 0;
   for (;;) {
@@ -88,7 +143,7 @@ void run_block() {
       if (fibers[i].state != Runnable) continue;
       cur = i;
       threadIdx = fibers[i].tid;
-      swapcontext(&sched, &fibers[i].ctx);
+      switch_to(sched, fibers[i].ctx);
     }
     int done = 0, atblock = 0;
     for (int i = 0; i < nthreads; ++i) {
