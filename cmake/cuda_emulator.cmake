@@ -71,12 +71,26 @@ target_include_directories(mpigpt_emulated PRIVATE ${PROJECT_SOURCE_DIR} ${HDF5_
 target_link_libraries(mpigpt_emulated PRIVATE mpigpt_kernels_emulated MPI::MPI_C Boost::program_options
                       nlohmann_json::nlohmann_json ICU::uc ${HDF5_C_LIBRARIES} ${CMAKE_DL_LIBS})
 
+# Its NCCL: libnccl.so.2 over MPI (emulator/nccl_mpi.cpp), in a folder of its own that the tests
+# put first on LD_LIBRARY_PATH, where parallel/nccl_loader.cpp's dlopen finds it. It calls back
+# into the program's emulator (emu::set_async_hooks), which the program therefore exports.
+add_library(mpigpt_emulated_nccl SHARED ${EMU_SRC}/nccl_mpi.cpp)
+target_include_directories(mpigpt_emulated_nccl PRIVATE ${EMU_SRC}/include)
+target_link_libraries(mpigpt_emulated_nccl PRIVATE MPI::MPI_C)
+set_target_properties(mpigpt_emulated_nccl PROPERTIES OUTPUT_NAME nccl SOVERSION 2
+                      LIBRARY_OUTPUT_DIRECTORY ${EMU_GEN}/nccl)
+set_target_properties(mpigpt_emulated PROPERTIES ENABLE_EXPORTS ON)
+add_dependencies(mpigpt_emulated mpigpt_emulated_nccl)
+
 # The CUDA loss-curve regression (regression/regression.cmake) on mpigpt_emulated, a few steps each:
 #  - emulated/regression/loss_curves_cuda: fp32, one rank and tp2 / pp2 / dp2 / cp2 / ep2 with
 #    engine.comm = mpi, against the CPU curves with the CPU suite's tolerance (3 steps);
 #  - emulated/regression/loss_curve_cuda_bf16: GPT-2 in bf16 mixed precision against the fp32 CPU
 #    curve within 2e-2 (10 steps), with one head of 64 channels, so that the bf16 tensor-core
-#    attention runs in training too (the regression model's heads have 16).
+#    attention runs in training too (the regression model's heads have 16);
+#  - emulated/regression/loss_curves_nccl: fp32 over engine.comm = nccl (the stand-in), one
+#    emulated device per rank, for the layouts that use every NCCL path (p2p pipelines and rings,
+#    all-to-all, tp/sp/dp collectives, the distributed optimizer's overlapped buckets), 2 steps.
 if(DEFINED REGRESSION_DIR)
   set(tiny_ini ${PROJECT_SOURCE_DIR}/regression/tiny.ini)
   set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${tiny_ini})
@@ -94,7 +108,15 @@ if(DEFINED REGRESSION_DIR)
   add_test(NAME emulated/regression/loss_curve_cuda_bf16 COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_bf16
            --config ${REGRESSION_DIR}/tiny_hd64.ini --steps 10 --layouts "^$" --families gpt2 --skip-reference
            --tol 2e-2 --layout-args "--engine.backend cuda --engine.comm mpi --training.precision bf16")
-  set_tests_properties(emulated/regression/loss_curves_cuda emulated/regression/loss_curve_cuda_bf16 PROPERTIES
+  add_test(NAME emulated/regression/loss_curves_nccl COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_nccl --steps 2
+           --layouts "^(dp2|tp2|pp2-vpp2|tp2-sp|cp2|cp2-allgather|tp2-pp2-dp2-distopt-overlap|dp4-distopt-buckets|moe-ep2|moe-cp2-tp2-sp-distopt)$"
+           --families gpt2,llama,gpt2-moe,llama-moe
+           --layout-args "--engine.backend cuda --engine.comm nccl")
+  set_tests_properties(emulated/regression/loss_curves_cuda emulated/regression/loss_curve_cuda_bf16
+                       emulated/regression/loss_curves_nccl PROPERTIES
     FIXTURES_REQUIRED regression_data LABELS "emulated;regression" TIMEOUT 900 PROCESSORS 2
     ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+  # NCCL wants a device per rank: eight emulated ones, and the stand-in library first on the path.
+  set_property(TEST emulated/regression/loss_curves_nccl APPEND PROPERTY ENVIRONMENT
+               "LD_LIBRARY_PATH=${EMU_GEN}/nccl" "MPIGPT_EMULATED_DEVICES=8")
 endif()

@@ -236,7 +236,16 @@ void warp_allgather(const void* in, void* out, size_t bytes) {
   for (int l = 0; l < 32; ++l) std::memcpy(static_cast<char*>(out) + l * bytes, warp_buf[w][l], bytes);
   syncwarp();
 }
-void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st*, std::function<void()> fn) {
+namespace {
+const AsyncHooks* async_hooks = nullptr;
+}  // namespace
+void set_async_hooks(const AsyncHooks* hooks) { async_hooks = hooks; }
+void complete_stream(::CUstream_st* stream) {
+  if (async_hooks) async_hooks->complete(stream, ~0ull);
+}
+
+void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st* stream, std::function<void()> fn) {
+  complete_stream(stream);  // the kernel may read what the stream's earlier operations deliver
   const long n = long(block.x) * block.y * block.z;
   if (n <= 0 || n > 1024 || smem_bytes > 232448 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 ||
       grid.z > 65535) {
@@ -270,13 +279,27 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st*, std::funct
 
 // ---- runtime API: one device, host memory, streams and events that are already complete ---------
 static std::map<void*, size_t> allocations;  // cudaMalloc'ed block -> its size
+// MPIGPT_EMULATED_DEVICES devices (default 1), with bus ids 0000:01:00.0, 0000:02:00.0, ..., so
+// that ranks on devices of their own may use the NCCL stand-in; they share the host's memory.
+static int device_count() {
+  static const int n = [] {
+    const char* e = std::getenv("MPIGPT_EMULATED_DEVICES");
+    return e && std::atoi(e) > 0 ? std::atoi(e) : 1;
+  }();
+  return n;
+}
+static int current_device = 0;
 cudaError_t cudaGetDeviceCount(int* n) {
-  *n = 1;
+  *n = device_count();
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= device_count()) return cudaErrorInvalidDevice;
+  current_device = d;
+  return cudaSuccess;
+}
 cudaError_t cudaGetDevice(int* d) {
-  *d = 0;
+  *d = current_device;
   return cudaSuccess;
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
@@ -335,12 +358,14 @@ cudaError_t cudaMemGetInfo(size_t* f, size_t* t) {
   *t = size_t(80) << 30;
   return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t) {
+cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t stream) {
+  emu::complete_stream(stream);
   std::memmove(d, s, n);
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k) { return cudaMemcpyAsync(d, s, n, k); }
-cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t) {
+cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t stream) {
+  emu::complete_stream(stream);
   std::memset(d, v, n);
   return cudaSuccess;
 }
@@ -352,22 +377,42 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   delete reinterpret_cast<int*>(s);
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  emu::complete_stream(stream);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() {
+  emu::complete_stream(nullptr);
+  return cudaSuccess;
+}
 
 
+// An event: the stream and the number of its issued operations when it was recorded.
+struct CUevent_st {
+  cudaStream_t stream = nullptr;
+  unsigned long long upto = 0;
+};
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
-  *e = reinterpret_cast<cudaEvent_t>(new int(0));
+  *e = new CUevent_st;
   return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  delete reinterpret_cast<int*>(e);
+  delete e;
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
-cudaError_t cudaDeviceGetPCIBusId(char* s, int n, int) {
-  std::snprintf(s, size_t(n), "0000:00:00.0");
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
+  e->stream = stream;
+  e->upto = emu::async_hooks ? emu::async_hooks->issued(stream) : 0;
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  return !emu::async_hooks || emu::async_hooks->done(e->stream, e->upto) ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t e, unsigned) {
+  if (emu::async_hooks) emu::async_hooks->complete(e->stream, e->upto);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetPCIBusId(char* s, int n, int device) {
+  std::snprintf(s, size_t(n), "0000:%02x:00.0", device + 1);
   return cudaSuccess;
 }

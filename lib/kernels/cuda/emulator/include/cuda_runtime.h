@@ -4,7 +4,8 @@
 // atomics, vector types, fast-math intrinsics) and the runtime API subset of CudaOps, all served
 // by emulator.cpp: every launch runs its blocks one after another, each CUDA thread of a block as
 // a fiber, so barriers and shuffles behave as on the GPU (in a fixed interleaving). Streams are
-// the host: every call completes before it returns.
+// the host: every call completes before it returns, except the NCCL stand-in's operations, which
+// finish where the stream's later work, an event wait or a synchronisation needs them.
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -62,6 +63,20 @@ int lane();  // the calling thread's lane in its warp
 // Warp-collective: out[l] = lane l's `in` (bytes each, at most 256) for the 32 lanes of the warp.
 void warp_allgather(const void* in, void* out, size_t bytes);
 void launch(dim3 grid, dim3 block, size_t smem, ::CUstream_st* stream, std::function<void()> body);
+
+// Work that is not done when it is issued: the NCCL stand-in (nccl_mpi.cpp) issues its operations
+// as nonblocking MPI and registers these hooks; the runtime calls them where a GPU would order
+// work after it. `issued` numbers a stream's operations so far; `complete` finishes a stream's
+// operations up to number `upto` in order (a null stream: every stream's, all of them); `done`
+// says, without waiting, whether they are finished.
+struct AsyncHooks {
+  unsigned long long (*issued)(::CUstream_st* stream);
+  void (*complete)(::CUstream_st* stream, unsigned long long upto);
+  bool (*done)(::CUstream_st* stream, unsigned long long upto);
+};
+void set_async_hooks(const AsyncHooks* hooks);
+// Finishes the stream's issued work (a null stream: all streams') before what comes next on it.
+void complete_stream(::CUstream_st* stream);
 }  // namespace emu
 
 inline void __syncthreads() { emu::syncthreads(); }
