@@ -114,6 +114,43 @@ __device__ __forceinline__ void store_rows(const float (&x)[DT][4], bf16* base, 
   }
 }
 
+// What the forward and the dQ kernel know of their block of 64 queries: grid (ceil(Tq/64), NH, B),
+// causal blocks in reverse order (the longest first); the lane's fragment coordinates g and t
+// (cuda_mma.cuh), its warp's first row wr, its two queries, and the kv head's K and V.
+struct QueryBlock {
+  int g, t, h, b, i0, wr;
+  int rows[2];
+  const bf16* K;
+  const bf16* V;
+};
+template <int HD, bool kCausal>
+__device__ __forceinline__ QueryBlock query_block(const AttentionTcForward& p) {
+  QueryBlock q;
+  const int lane = threadIdx.x & 31;
+  q.g = lane >> 2;
+  q.t = lane & 3;
+  q.h = blockIdx.y;
+  q.b = blockIdx.z;
+  q.i0 = int(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kTcRows;
+  q.wr = (threadIdx.x >> 5) * 16;
+  q.rows[0] = q.i0 + q.wr + q.g;
+  q.rows[1] = q.rows[0] + 8;
+  const int kh = q.h / (p.NH / p.NKV);
+  const int64_t kv_off = int64_t(q.b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
+  q.K = static_cast<const bf16*>(p.k) + kv_off;
+  q.V = static_cast<const bf16*>(p.v) + kv_off;
+  return q;
+}
+
+// The mask entries of the lane's two rows (wr + g and wr + g + 8 of the block's vectors).
+__device__ __forceinline__ void lane_rows(int (&pos)[2], int (&seg)[2], const int* pos_s, const int* seg_s, int wr,
+                                          int g) {
+  for (int rr = 0; rr < 2; ++rr) {
+    pos[rr] = pos_s[wr + g + 8 * rr];
+    seg[rr] = seg_s[wr + g + 8 * rr];
+  }
+}
+
 // The key tiles of the forward and the dQ kernel, K and V in shared memory at KVs (a K tile of KC
 // rows, then its V tile). Causal tiles go through a two-buffer cp.async pipeline: kv_first issues
 // tile 0, and kv_next, at the top of iteration n, issues tile n+1 into the other buffer (whose
@@ -174,14 +211,10 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
   int* kpos_s = qseg_s + kTcRows;
   int* kseg_s = kpos_s + KC;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int h = blockIdx.y, b = blockIdx.z, kh = h / (p.NH / p.NKV);
-  const int i0 = int(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kTcRows;
-  const int wr = warp * 16;                 // the warp's first row within the block
-  const int rows[2] = {i0 + wr + g, i0 + wr + g + 8};  // this lane's two queries
-  const int64_t kv_off = int64_t(b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
-  const bf16* K = static_cast<const bf16*>(p.k) + kv_off;
-  const bf16* V = static_cast<const bf16*>(p.v) + kv_off;
+  const QueryBlock qb = query_block<HD, kCausal>(p);
+  const int g = qb.g, t = qb.t, h = qb.h, b = qb.b, i0 = qb.i0, wr = qb.wr;
+  const int rows[2] = {qb.rows[0], qb.rows[1]};  // this lane's two queries
+  const bf16 *K = qb.K, *V = qb.V;
 
   if constexpr (kCausal) kv_first<HD, KC>(KVs, K, V, p.kv_stride, p.Tk);  // on its way while Q loads
   load_tile<HD, kTcRows>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
@@ -193,12 +226,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) load_a<LD>(qa[kk], Qs + wr * LD, kk);
   int myqpos[2] = {0, 0}, myqseg[2] = {0, 0};
-  if constexpr (!kCausal) {
-    for (int rr = 0; rr < 2; ++rr) {
-      myqpos[rr] = qpos_s[wr + g + 8 * rr];
-      myqseg[rr] = qseg_s[wr + g + 8 * rr];
-    }
-  }
+  if constexpr (!kCausal) lane_rows(myqpos, myqseg, qpos_s, qseg_s, wr, g);
   float o[DT][4] = {};
   float m[2] = {-INFINITY, -INFINITY};  // running row max (base 2)
   float l[2] = {0.f, 0.f};              // this lane's share of the running row sum
@@ -318,15 +346,11 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
   int* kpos_s = qseg_s + kTcRows;
   int* kseg_s = kpos_s + KC;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int h = blockIdx.y, b = blockIdx.z, kh = h / (p.NH / p.NKV);
-  const int i0 = int(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kTcRows;
-  const int wr = warp * 16;
-  const int rows[2] = {i0 + wr + g, i0 + wr + g + 8};
+  const QueryBlock qb = query_block<HD, kCausal>(p);
+  const int g = qb.g, t = qb.t, h = qb.h, b = qb.b, i0 = qb.i0, wr = qb.wr;
+  const int rows[2] = {qb.rows[0], qb.rows[1]};
+  const bf16 *K = qb.K, *V = qb.V;
   const int64_t ldo = int64_t(p.NH) * HD;
-  const int64_t kv_off = int64_t(b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
-  const bf16* K = static_cast<const bf16*>(p.k) + kv_off;
-  const bf16* V = static_cast<const bf16*>(p.v) + kv_off;
   if constexpr (kCausal) kv_first<HD, KC>(KVs, K, V, p.kv_stride, p.Tk);
   load_tile<HD, kTcRows>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
                          p.q_stride, i0, p.Tq);
@@ -345,13 +369,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
     Dr[rr] = rows[rr] < p.Tq ? pb.D[(int64_t(b) * p.NH + h) * p.Tq + rows[rr]] : 0.f;
   __syncthreads();
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    lse2[rr] = lse2_s[wr + g + 8 * rr];
-    if constexpr (!kCausal) {
-      myqpos[rr] = qpos_s[wr + g + 8 * rr];
-      myqseg[rr] = qseg_s[wr + g + 8 * rr];
-    }
-  }
+  for (int rr = 0; rr < 2; ++rr) lse2[rr] = lse2_s[wr + g + 8 * rr];
+  if constexpr (!kCausal) lane_rows(myqpos, myqseg, qpos_s, qseg_s, wr, g);
   float dq[DT][4] = {};
 
   const int kend = kCausal ? min(p.Tk, i0 + kTcRows) : p.Tk;
@@ -418,12 +437,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const
   if constexpr (!kCausal) load_mask<kTcRows>(kpos_b, kseg_b, p.kpos, p.kseg, b, p.Tk, j0);
   __syncthreads();
   int mykpos[2] = {0, 0}, mykseg[2] = {0, 0};
-  if constexpr (!kCausal) {
-    for (int rr = 0; rr < 2; ++rr) {
-      mykpos[rr] = kpos_b[wr + g + 8 * rr];
-      mykseg[rr] = kseg_b[wr + g + 8 * rr];
-    }
-  }
+  if constexpr (!kCausal) lane_rows(mykpos, mykseg, kpos_b, kseg_b, wr, g);
   float dk[DT][4] = {}, dv[DT][4] = {};
   // The query tiles, head by head: tile n is head kh*G + n/nq, queries istart + (n%nq)*QC.
   const int istart = kCausal ? j0 : 0;  // causal: queries before the first key see none of the tile
