@@ -32,8 +32,7 @@ endforeach()
 
 # The CPU backend is compiled again here: the mpigpt_kernels archive of a CUDA build holds the
 # real CUDA objects, whose symbols the emulated ones replace.
-file(GLOB emu_cpu CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/lib/kernels/*.cpp ${PROJECT_SOURCE_DIR}/lib/kernels/cpu/*.cpp)
-list(FILTER emu_cpu EXCLUDE REGEX "_test\\.cpp$")
+mpigpt_cpp_sources(emu_cpu ${PROJECT_SOURCE_DIR}/lib/kernels)
 add_library(mpigpt_kernels_emulated STATIC ${emu_generated} ${emu_cpu} ${EMU_SRC}/emulator.cpp
             ${EMU_SRC}/reference_cublaslt.cpp)
 target_include_directories(mpigpt_kernels_emulated BEFORE PUBLIC ${EMU_GEN}/include ${EMU_SRC}/include)
@@ -59,11 +58,11 @@ endforeach()
 # The whole program on the emulated kernels: mpigpt_emulated is `mpigpt` built again with the
 # layers above the kernels (parallel, model, optim, io, train, app) compiled against the
 # emulator's headers, so that training with engine.backend = cuda runs on any machine. The
-# regression tests below train the CUDA layouts with it (engine.comm = mpi: NCCL is not emulated).
+# regression tests below train the CUDA layouts with it, over staged MPI and over the NCCL
+# stand-in.
 set(emu_app_srcs)
 foreach(dir parallel lib/model lib/optim io lib/train app)
-  file(GLOB_RECURSE srcs CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${dir}/*.cpp)
-  list(FILTER srcs EXCLUDE REGEX "(_test\\.cpp$|/cuda/.*\\.cpp$)")
+  mpigpt_cpp_sources(srcs ${PROJECT_SOURCE_DIR}/${dir})
   list(APPEND emu_app_srcs ${srcs})
 endforeach()
 add_executable(mpigpt_emulated ${emu_app_srcs})
