@@ -1,10 +1,11 @@
 # The host emulator of the CUDA backend (docs/testing.md): the kernels of lib/kernels/cuda/*.cu,
 # rewritten for C++ by lib/kernels/cuda/emulator/rewrite_launches.py and compiled for the CPU
-# against stand-in CUDA headers (lib/kernels/cuda/emulator/include), run the GPU tests of
-# lib/kernels/cuda/*_test.cpp against the CPU backend on any machine, with or without nvcc. One
-# CTest entry per test file, `emulated/<file>`, label `emulated`; and the whole program on them
-# (mpigpt_emulated), which trains the CUDA regression layouts. Not covered: cuBLASLt itself (a
-# reference implementation stands in), NCCL, and anything about speed.
+# against stand-in CUDA headers (lib/kernels/cuda/emulator/include), run the GPU tests
+# (lib/kernels/cuda/*_test.cpp against the CPU backend, parallel/cuda/*_test.cpp) on any machine,
+# with or without nvcc. One CTest entry per test file, `emulated/<file>`, label `emulated`; and the
+# whole program on them (mpigpt_emulated), which trains the CUDA regression layouts. Not covered:
+# cuBLASLt and NCCL themselves (a reference implementation and a stand-in over MPI take their
+# places), and anything about speed.
 find_program(MPIGPT_EMULATOR_PYTHON3 python3)
 if(NOT MPIGPT_EMULATOR_PYTHON3)
   message(STATUS "mpigpt: no python3, the emulated CUDA tests are not registered")
@@ -44,31 +45,44 @@ target_link_libraries(mpigpt_kernels_emulated PUBLIC mpigpt_core ${OPENBLAS_LIBR
 # anonymous-namespace types for a header's).
 set_source_files_properties(${emu_generated} PROPERTIES COMPILE_OPTIONS "-include;cuda_runtime.h;-Wno-unknown-pragmas;-Wno-subobject-linkage")
 
-file(GLOB emu_tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/lib/kernels/cuda/*_test.cpp)
-add_executable(mpigpt_emulated_tests ${PROJECT_SOURCE_DIR}/cmake/test_main.cpp ${emu_tests})
-target_link_libraries(mpigpt_emulated_tests PRIVATE mpigpt_kernels_emulated MPI::MPI_C doctest::doctest)
-foreach(src ${emu_tests})
-  file(RELATIVE_PATH rel ${PROJECT_SOURCE_DIR} ${src})
-  string(REGEX REPLACE "_test\\.cpp$" "" name ${rel})
-  add_test(NAME emulated/${name} COMMAND $<TARGET_FILE:mpigpt_emulated_tests> --source-file=*${rel} --no-version=true)
-  set_tests_properties(emulated/${name} PROPERTIES LABELS emulated
-    ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
-endforeach()
-
 # The whole program on the emulated kernels: mpigpt_emulated is `mpigpt` built again with the
 # layers above the kernels (parallel, model, optim, io, train, app) compiled against the
 # emulator's headers, so that training with engine.backend = cuda runs on any machine. The
 # regression tests below train the CUDA layouts with it, over staged MPI and over the NCCL
 # stand-in.
-set(emu_app_srcs)
-foreach(dir parallel lib/model lib/optim io lib/train app)
+set(emu_layer_srcs)
+foreach(dir parallel lib/model lib/optim io lib/train)
   mpigpt_cpp_sources(srcs ${PROJECT_SOURCE_DIR}/${dir})
-  list(APPEND emu_app_srcs ${srcs})
+  list(APPEND emu_layer_srcs ${srcs})
 endforeach()
-add_executable(mpigpt_emulated ${emu_app_srcs})
-target_include_directories(mpigpt_emulated PRIVATE ${PROJECT_SOURCE_DIR} ${HDF5_C_INCLUDE_DIRS})
-target_link_libraries(mpigpt_emulated PRIVATE mpigpt_kernels_emulated MPI::MPI_C Boost::program_options
+add_library(mpigpt_layers_emulated STATIC ${emu_layer_srcs})
+target_include_directories(mpigpt_layers_emulated PUBLIC ${PROJECT_SOURCE_DIR} ${HDF5_C_INCLUDE_DIRS})
+target_link_libraries(mpigpt_layers_emulated PUBLIC mpigpt_kernels_emulated MPI::MPI_C Boost::program_options
                       nlohmann_json::nlohmann_json ICU::uc ${HDF5_C_LIBRARIES} ${CMAKE_DL_LIBS})
+mpigpt_cpp_sources(emu_app_srcs ${PROJECT_SOURCE_DIR}/app)
+add_executable(mpigpt_emulated ${emu_app_srcs})
+target_link_libraries(mpigpt_emulated PRIVATE mpigpt_layers_emulated)
+
+# The GPU tests: those of the kernels (lib/kernels/cuda) and of the communication on device tensors
+# (parallel/cuda: NCCL on one rank over the stand-in below, two ranks sharing a device over staged
+# MPI), in one binary on the emulated layers (mpigpt_layers_emulated, after the program's sources).
+file(GLOB emu_tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/lib/kernels/cuda/*_test.cpp
+     ${PROJECT_SOURCE_DIR}/parallel/cuda/*_test.cpp)
+add_executable(mpigpt_emulated_tests ${PROJECT_SOURCE_DIR}/cmake/test_main.cpp ${emu_tests})
+target_link_libraries(mpigpt_emulated_tests PRIVATE mpigpt_layers_emulated doctest::doctest)
+foreach(src ${emu_tests})
+  file(RELATIVE_PATH rel ${PROJECT_SOURCE_DIR} ${src})
+  string(REGEX REPLACE "_test\\.cpp$" "" name ${rel})
+  set(cmd $<TARGET_FILE:mpigpt_emulated_tests> --source-file=*${rel} --no-version=true)
+  if(name MATCHES "_np([0-9]+)$")
+    add_test(NAME emulated/${name} COMMAND ${MPIGPT_MPIRUN} -np ${CMAKE_MATCH_1} ${cmd})
+    set_tests_properties(emulated/${name} PROPERTIES PROCESSORS 2)
+  else()
+    add_test(NAME emulated/${name} COMMAND ${cmd})
+  endif()
+  set_tests_properties(emulated/${name} PROPERTIES LABELS emulated
+    ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1;LD_LIBRARY_PATH=${EMU_GEN}/nccl")
+endforeach()
 
 # Its NCCL: libnccl.so.2 over MPI (emulator/nccl_mpi.cpp), in a folder of its own that the tests
 # put first on LD_LIBRARY_PATH, where parallel/nccl_loader.cpp's dlopen finds it. It calls back
@@ -78,8 +92,9 @@ target_include_directories(mpigpt_emulated_nccl PRIVATE ${EMU_SRC}/include)
 target_link_libraries(mpigpt_emulated_nccl PRIVATE MPI::MPI_C)
 set_target_properties(mpigpt_emulated_nccl PROPERTIES OUTPUT_NAME nccl SOVERSION 2
                       LIBRARY_OUTPUT_DIRECTORY ${EMU_GEN}/nccl)
-set_target_properties(mpigpt_emulated PROPERTIES ENABLE_EXPORTS ON)
+set_target_properties(mpigpt_emulated mpigpt_emulated_tests PROPERTIES ENABLE_EXPORTS ON)
 add_dependencies(mpigpt_emulated mpigpt_emulated_nccl)
+add_dependencies(mpigpt_emulated_tests mpigpt_emulated_nccl)
 
 # The CUDA loss-curve regression (regression/regression.cmake) on mpigpt_emulated, a few steps each:
 #  - emulated/regression/loss_curves_cuda: fp32, one rank and tp2 / pp2 / dp2 / cp2 / ep2 with

@@ -85,9 +85,11 @@ TEST_CASE("staged: every call on device tensors equals the host path") {
       same({ramp(8, r)}, [&](auto& t) { c.all_gather_inplace(t[0]); });
       same({ramp(8, r)}, [&](auto& t) { c.iall_gather_inplace(t[0]).wait(); });
       same({ramp(5, r)}, [&](auto& t) { c.broadcast(t[0], 1); });
-      // rank q sends q + 1 elements to rank 0 and 2 to rank 1; out has room to spare (untouched)
+      // rank q sends q + 1 elements to rank 0 and 2 to rank 1, so rank 0 receives 1 and 2, rank 1
+      // receives 2 and 2; out has room to spare (untouched)
+      const std::vector<int64_t> recv_counts = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 2};
       same({std::vector<float>(9, -7), ramp(r + 3, r)},
-           [&](auto& t) { c.all_to_all_v(t[0], {1, 2}, t[1], {int64_t(r + 1), 2}); });
+           [&](auto& t) { c.all_to_all_v(t[0], recv_counts, t[1], {int64_t(r + 1), 2}); });
       same({ramp(7, r)}, [&](auto& t) {
         if (r == 0)
           c.send(t[0], 1, 3);

@@ -289,6 +289,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
 
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t t, int root, ncclComm_t comm,
                            cudaStream_t stream) {
+  if (root < 0 || root >= comm->nranks) return ncclInvalidArgument;  // as NCCL's argument check
   const size_t bytes = count * type_size(t);
   Bytes buf = comm->rank == root ? copy_of(send, bytes) : std::make_shared<std::vector<char>>(bytes);
   MPI_Request rq;
@@ -301,6 +302,7 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
 
 ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
+  if (peer < 0 || peer >= comm->nranks) return ncclInvalidArgument;
   Bytes in = copy_of(send, count * type_size(t));
   MPI_Request rq;
   MPI_Isend(in->data(), int(in->size()), MPI_BYTE, peer, 0, comm->mpi, &rq);
@@ -309,6 +311,7 @@ ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t t, int peer
 }
 
 ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t t, int peer, ncclComm_t comm, cudaStream_t stream) {
+  if (peer < 0 || peer >= comm->nranks) return ncclInvalidArgument;
   Bytes out = std::make_shared<std::vector<char>>(count * type_size(t));
   MPI_Request rq;
   MPI_Irecv(out->data(), int(out->size()), MPI_BYTE, peer, 0, comm->mpi, &rq);
