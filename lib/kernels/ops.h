@@ -12,10 +12,18 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "lib/core/tensor.h"
 
 namespace mpigpt {
+
+// One run of Ops::adamw_runs: elements [begin, begin + count) of the parameters and gradients,
+// [state, state + count) of the moments, updated with this weight decay.
+struct AdamWRun {
+  int64_t begin = 0, count = 0, state = 0;
+  float weight_decay = 0.0f;
+};
 
 class Ops {
  public:
@@ -190,6 +198,12 @@ class Ops {
   //   param -= lr * ( (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps) + weight_decay * param )
   virtual void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2,
                      float eps, float weight_decay, int64_t step, float grad_scale) = 0;
+  // The same update over many runs of flat f32 buffers in one call (one launch on a GPU: the
+  // optimizer step of every tensor at once): run r updates param[begin, begin + count) with grad at
+  // the same offsets and m, v at [state, state + count), with its own weight decay. param and grad
+  // have the same length, m and v too; runs do not overlap (op_checks.h: check_adamw_runs).
+  virtual void adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs,
+                          float lr, float beta1, float beta2, float eps, int64_t step, float grad_scale) = 0;
   // Sum of squares (for the global gradient norm) and plain sum, returned to the host in double.
   virtual double sum_squares(Tensor t) = 0;
   virtual double sum(Tensor t) = 0;

@@ -179,6 +179,10 @@ class ProfiledOps final : public Ops {
              float weight_decay, int64_t step, float grad_scale) override {
     timed("adamw", [&] { inner_->adamw(param, grad, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale); });
   }
+  void adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
+                  float beta1, float beta2, float eps, int64_t step, float grad_scale) override {
+    timed("adamw", [&] { inner_->adamw_runs(param, grad, m, v, runs, lr, beta1, beta2, eps, step, grad_scale); });
+  }
   double sum_squares(Tensor t) override {
     return timed("sum_squares", [&] { return inner_->sum_squares(t); });
   }

@@ -36,12 +36,12 @@ AdamW::AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tenso
     MPIGPT_CHECK(p.offset >= 0 && p.offset + p.numel() <= params.numel(),
                  "AdamW: parameter {} at [{}, {}) lies outside the buffer of {} elements", p.name, p.offset,
                  p.offset + p.numel(), params.numel());
-    const bool decay = !cfg.no_decay.count(p.kind);
-    // The decay flag belongs to the parameter, so a slice through one still decays correctly.
+    const float decay = cfg.no_decay.count(p.kind) ? 0.0f : cfg.weight_decay;
+    // The decay belongs to the parameter, so a slice through one still decays correctly.
     for (const Range& r : intersect_ranges({{p.offset, p.offset + p.numel()}}, own)) {
       pieces_.push_back({i, r.begin, r.size(), state_numel_});
-      Run* last = runs_.empty() ? nullptr : &runs_.back();
-      if (last && last->decay == decay && last->begin + last->count == r.begin &&
+      AdamWRun* last = runs_.empty() ? nullptr : &runs_.back();
+      if (last && last->weight_decay == decay && last->begin + last->count == r.begin &&
           last->state + last->count == state_numel_)
         last->count += r.size();
       else
@@ -55,12 +55,8 @@ AdamW::AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tenso
 
 void AdamW::step(float lr, float grad_scale) {
   ++step_;
-  const Tensor m = this->m(), v = this->v();
-  for (const Run& r : runs_) {
-    ops_.adamw(params_.flat_slice(r.begin, r.count), grads_.flat_slice(r.begin, r.count),
-               m.flat_slice(r.state, r.count), v.flat_slice(r.state, r.count), lr, cfg_.beta1, cfg_.beta2, cfg_.eps,
-               r.decay ? cfg_.weight_decay : 0.0f, step_, grad_scale);
-  }
+  if (runs_.empty()) return;  // this rank owns no optimizer state
+  ops_.adamw_runs(params_, grads_, m(), v(), runs_, lr, cfg_.beta1, cfg_.beta2, cfg_.eps, step_, grad_scale);
 }
 
 double grad_norm(Ops& ops, Tensor grads) { return std::sqrt(ops.sum_squares(grads)); }

@@ -50,15 +50,12 @@ class AdamW {
   const std::vector<Piece>& pieces() const { return pieces_; }
 
  private:
-  struct Run {  // consecutive pieces with the same decay flag: one kernel call
-    int64_t begin, count, state;
-    bool decay;
-  };
   Ops& ops_;
   Tensor params_, grads_;
   AdamWConfig cfg_;
   std::vector<Piece> pieces_;
-  std::vector<Run> runs_;
+  // Consecutive pieces with the same weight decay, merged: the step updates them all in one call.
+  std::vector<AdamWRun> runs_;
   int64_t state_numel_ = 0;
   Buffer m_, v_;
   int64_t step_ = 0;

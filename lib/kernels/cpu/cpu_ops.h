@@ -87,6 +87,8 @@ class CpuOps final : public Ops {
   // cpu_optim.cpp
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
              float weight_decay, int64_t step, float grad_scale) override;
+  void adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
+                  float beta1, float beta2, float eps, int64_t step, float grad_scale) override;
   double sum_squares(Tensor t) override;
   double sum(Tensor t) override;
 

@@ -155,6 +155,41 @@ TEST_CASE("cpu adamw matches the formula over several steps") {
                        doctest::Contains("step"), Error);
 }
 
+TEST_CASE("cpu adamw_runs: each run as adamw with its decay, elements outside every run untouched; bad runs") {
+  auto ops = make_cpu_ops();
+  const int64_t n = 40, ns = 30;
+  // Runs in a different order than their offsets, state packed differently, a gap at [10, 14) and
+  // at the end of the parameters, an empty run.
+  const std::vector<AdamWRun> runs = {{20, 12, 0, 0.1f}, {0, 10, 12, 0.0f}, {14, 6, 22, 0.3f}, {5, 0, 0, 0.2f}};
+  const std::vector<float> p0 = random_normal(size_t(n), 9, 0);
+  std::vector<float> g = random_normal(size_t(n), 9, 1);
+  std::vector<float> p = p0, m(size_t(ns), 0.01f), v(size_t(ns), 0.02f);
+  std::vector<float> wp = p, wm = m, wv = v;
+  for (int64_t step = 1; step <= 2; ++step) {
+    ops->adamw_runs(as_tensor(p, {n}), as_tensor(g, {n}), as_tensor(m, {ns}), as_tensor(v, {ns}), runs, 1e-2f, 0.9f,
+                    0.95f, 1e-8f, step, 0.5f);
+    for (const AdamWRun& r : runs)
+      ops->adamw(as_tensor(wp, {n}).flat_slice(r.begin, r.count), as_tensor(g, {n}).flat_slice(r.begin, r.count),
+                 as_tensor(wm, {ns}).flat_slice(r.state, r.count), as_tensor(wv, {ns}).flat_slice(r.state, r.count),
+                 1e-2f, 0.9f, 0.95f, 1e-8f, r.weight_decay, step, 0.5f);
+  }
+  CHECK(p == wp);
+  CHECK(m == wm);
+  CHECK(v == wv);
+  for (int64_t i : {10, 13, 32, 39}) CHECK(p[size_t(i)] == p0[size_t(i)]);
+  CHECK(p[0] != p0[0]);
+
+  std::vector<float> a(8);
+  auto bad = [&](const std::vector<AdamWRun>& rs) {
+    ops->adamw_runs(as_tensor(a, {8}), as_tensor(a, {8}), as_tensor(a, {8}), as_tensor(a, {8}), rs, 1, 0.9f, 0.95f,
+                    1e-8f, 1, 1);
+  };
+  CHECK_THROWS_WITH_AS(bad({{6, 4, 0, 0.0f}}), doctest::Contains("lies outside param"), Error);
+  CHECK_THROWS_WITH_AS(bad({{0, 4, 0, 0.0f}, {3, 2, 4, 0.0f}}), doctest::Contains("runs overlap at [0, 4) and [3, 5) of param"),
+                       Error);
+  CHECK_THROWS_WITH_AS(bad({{0, 4, 0, 0.0f}, {4, 2, 2, 0.0f}}), doctest::Contains("of m"), Error);
+}
+
 TEST_CASE("vectorised exp and sigmoid are within a few ulp of libm") {
   double worst_exp = 0, worst_sigmoid = 0;
   for (double x = -87.0; x <= 88.0; x += 0.00123) {

@@ -5,6 +5,7 @@
 
 #include "lib/kernels/cpu/cpu_math.h"
 #include "lib/kernels/cpu/cpu_ops.h"
+#include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cpu {
 
@@ -53,6 +54,14 @@ void CpuOps::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, floa
   const float inv_bc1 = float(1.0 / (1.0 - std::pow(double(beta1), double(step))));
   const float inv_bc2 = float(1.0 / (1.0 - std::pow(double(beta2), double(step))));
   adamw_pass(P, G, M, Vs, n, lr, beta1, beta2, eps, weight_decay, inv_bc1, inv_bc2, grad_scale);
+}
+
+void CpuOps::adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
+                        float beta1, float beta2, float eps, int64_t step, float grad_scale) {
+  check_adamw_runs(param, grad, m, v, runs);
+  for (const AdamWRun& r : runs)
+    adamw(param.flat_slice(r.begin, r.count), grad.flat_slice(r.begin, r.count), m.flat_slice(r.state, r.count),
+          v.flat_slice(r.state, r.count), lr, beta1, beta2, eps, r.weight_decay, step, grad_scale);
 }
 
 namespace {

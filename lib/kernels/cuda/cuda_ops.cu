@@ -226,6 +226,7 @@ CudaOps::~CudaOps() {
   // are not CHECKed: a context that is already broken has nothing left to report.
   if (stream_) (void)cudaStreamSynchronize(stream_);
   plans_.reset();
+  adam_tables_.reset();  // gives its blocks back to the allocator
   alloc_.reset();
   if (workspace_) (void)cudaFree(workspace_);
   if (host_result_) (void)cudaFreeHost(host_result_);

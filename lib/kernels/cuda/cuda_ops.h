@@ -108,6 +108,8 @@ class CudaOps final : public Ops {
   // cuda_optim.cu
   void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
              float weight_decay, int64_t step, float grad_scale) override;
+  void adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
+                  float beta1, float beta2, float eps, int64_t step, float grad_scale) override;
   double sum_squares(Tensor t) override;
   double sum(Tensor t) override;
 
@@ -138,6 +140,9 @@ class CudaOps final : public Ops {
   // epilogue, alignment), so steady-state matmuls do not query the heuristic again (cuda_matmul.cu).
   struct MatmulPlans;
   MatmulPlans& matmul_plans();
+  // adamw_runs' chunk tables on the device, one per run list met (cuda_optim.cu).
+  struct AdamTables;
+  AdamTables& adam_tables();
 
  private:
   int device_ = 0;
@@ -147,6 +152,7 @@ class CudaOps final : public Ops {
   double* host_result_ = nullptr;
   std::unique_ptr<CachingAllocator> alloc_;
   std::unique_ptr<MatmulPlans, void (*)(MatmulPlans*)> plans_{nullptr, nullptr};  // created on first use
+  std::unique_ptr<AdamTables, void (*)(AdamTables*)> adam_tables_{nullptr, nullptr};  // before alloc_ goes
 };
 
 }  // namespace mpigpt::cuda

@@ -1,6 +1,7 @@
 // GPU tests (label gpu) of the CUDA backend's AdamW update against the CPU backend over several
-// steps (vector path with a tail, a misaligned range that takes the scalar path) and of sum /
-// sum_squares against double loops (f32 and bf16 data), including their run-to-run reproducibility.
+// steps (vector path with a tail, a misaligned range that takes the scalar path; one range, and
+// many runs in one launch) and of sum / sum_squares against double loops (f32 and bf16 data),
+// including their run-to-run reproducibility.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -49,6 +50,67 @@ TEST_CASE("cuda adamw matches the CPU over several steps (vector path, tail, mis
       CHECK_MESSAGE(r.ok, "v: ", r.str());
     }
   }
+}
+
+TEST_CASE("cuda adamw_runs: one launch over many runs equals adamw run by run, and the CPU") {
+  auto ops = cuda_ops_or_skip();
+  auto cpu = make_cpu_ops();
+  const int64_t n = 70000, ns = 75000;
+  // Runs of several 16384-element chunks, one starting 3 elements past alignment (scalar), one
+  // whose parameters are aligned but its state is not; aligned runs with and without decay; gaps
+  // in the parameters ([0, 3), [35004, 35008), [39009, 39012), [39912, 40000), [69990, 70000):
+  // never touched); runs out of offset order; an empty run.
+  const std::vector<AdamWRun> runs = {{40000, 29990, 7, 0.1f},
+                                      {3, 35001, 29997, 0.0f},
+                                      {35008, 4001, 65001, 0.0f},
+                                      {39012, 900, 69004, 0.2f},
+                                      {69998, 0, 0, 0.3f}};
+  // A second list over the same buffers: another table, and back to the first (cached).
+  const std::vector<AdamWRun> other = {{41000, 20000, 10000, 0.05f}};
+  const std::vector<float> p0 = random_normal(size_t(n), 711, 0);
+  std::vector<float> p = p0, m(size_t(ns), 0.0f), v = m;
+  auto gp = to_device(*ops, p, {n}), gm = to_device(*ops, m, {ns}), gv = to_device(*ops, v, {ns});
+  auto rp = to_device(*ops, p, {n}), rm = to_device(*ops, m, {ns}), rv = to_device(*ops, v, {ns});
+  const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, gs = 0.5f;
+  for (int64_t step = 1; step <= 4; ++step) {
+    const std::vector<AdamWRun>& rs = step == 2 ? other : runs;
+    auto g = random_normal(size_t(n), 711, uint64_t(step), step == 3 ? 1e-6f : 1.0f);
+    auto gg = to_device(*ops, g, {n});
+    cpu->adamw_runs(as_tensor(p, {n}), as_tensor(g, {n}), as_tensor(m, {ns}), as_tensor(v, {ns}), rs, lr, b1, b2, eps,
+                    step, gs);
+    ops->adamw_runs(gp.t, gg.t, gm.t, gv.t, rs, lr, b1, b2, eps, step, gs);
+    for (const AdamWRun& r : rs)
+      ops->adamw(rp.t.flat_slice(r.begin, r.count), gg.t.flat_slice(r.begin, r.count), rm.t.flat_slice(r.state, r.count),
+                 rv.t.flat_slice(r.state, r.count), lr, b1, b2, eps, r.weight_decay, step, gs);
+  }
+  // The same device arithmetic as adamw, element for element: the same bits.
+  CHECK(to_host(*ops, gp.t) == to_host(*ops, rp.t));
+  CHECK(to_host(*ops, gm.t) == to_host(*ops, rm.t));
+  CHECK(to_host(*ops, gv.t) == to_host(*ops, rv.t));
+  // Against the CPU: the bounds of the test above (fused multiply-adds on the GPU).
+  auto r = allclose(to_host(*ops, gp.t), p, 1e-6, 1e-6);
+  CHECK_MESSAGE(r.ok, "param: ", r.str());
+  r = allclose(to_host(*ops, gm.t), m, 1e-7, 1e-6);
+  CHECK_MESSAGE(r.ok, "m: ", r.str());
+  r = allclose(to_host(*ops, gv.t), v, 1e-14, 1e-5);
+  CHECK_MESSAGE(r.ok, "v: ", r.str());
+  const std::vector<float> hp = to_host(*ops, gp.t);
+  for (int64_t i : {0, 2, 35004, 35007, 39010, 39950, 69990, 69999}) CHECK(hp[size_t(i)] == p0[size_t(i)]);
+
+  // Many different run lists (past the table cache's bound) still update correctly.
+  for (int k = 0; k < 20; ++k) {
+    const std::vector<AdamWRun> one = {{k, 100, 2 * k, 0.1f}};
+    std::vector<float> cp = to_host(*ops, gp.t), cm = to_host(*ops, gm.t), cv = to_host(*ops, gv.t);
+    auto g = random_normal(size_t(n), 712, uint64_t(k));
+    auto gg = to_device(*ops, g, {n});
+    cpu->adamw_runs(as_tensor(cp, {n}), as_tensor(g, {n}), as_tensor(cm, {ns}), as_tensor(cv, {ns}), one, lr, b1, b2,
+                    eps, 5, gs);
+    ops->adamw_runs(gp.t, gg.t, gm.t, gv.t, one, lr, b1, b2, eps, 5, gs);
+    r = allclose(to_host(*ops, gp.t), cp, 1e-6, 1e-6);
+    CHECK_MESSAGE(r.ok, "param after run list ", k, ": ", r.str());
+  }
+  CHECK_THROWS_WITH_AS(ops->adamw_runs(gp.t, gp.t, gm.t, gv.t, {{n - 1, 2, 0, 0.0f}}, lr, b1, b2, eps, 1, gs),
+                       doctest::Contains("lies outside param"), Error);
 }
 
 TEST_CASE("cuda sum and sum_squares: double accumulation, bitwise reproducible") {
