@@ -244,8 +244,26 @@ void complete_stream(::CUstream_st* stream) {
   if (async_hooks) async_hooks->complete(stream, ~0ull);
 }
 
-void launch(dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st* stream, std::function<void()> fn) {
+namespace {
+std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAttribute
+}  // namespace
+void set_max_dynamic_smem(const void* kernel, int bytes) { max_dynamic_smem[kernel] = bytes; }
+
+void launch(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st* stream,
+            std::function<void()> fn) {
   complete_stream(stream);  // the kernel may read what the stream's earlier operations deliver
+  constexpr size_t kDefaultSmem = 48 * 1024;
+  if (smem_bytes > kDefaultSmem) {
+    const auto it = max_dynamic_smem.find(kernel);
+    if (it == max_dynamic_smem.end() || size_t(it->second) < smem_bytes) {
+      fprintf(stderr,
+              "cuda emulator: a launch asks for %zu bytes of dynamic shared memory, above the 48 KiB default, but "
+              "cudaFuncSetAttribute(MaxDynamicSharedMemorySize) allowed the kernel %d\n",
+              smem_bytes, it == max_dynamic_smem.end() ? int(kDefaultSmem) : it->second);
+      last_error = cudaErrorInvalidValue;
+      return;
+    }
+  }
   const long n = long(block.x) * block.y * block.z;
   if (n <= 0 || n > 1024 || smem_bytes > 232448 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 ||
       grid.z > 65535) {
@@ -320,8 +338,25 @@ cudaError_t cudaGetLastError() {
   emu::last_error = cudaSuccess;
   return e;
 }
-const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulated error"; }
-const char* cudaGetErrorName(cudaError_t e) { return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated"; }
+// The names and messages of the errors the emulator raises itself; others are "emulated error".
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    default: return "emulated error";
+  }
+}
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    default: return "cudaErrorEmulated";
+  }
+}
 // A device of 80 GiB with 70 free, so that requests beyond that fail as out of memory.
 static size_t allocated_total = 0;
 cudaError_t cudaMalloc(void** p, size_t n) {

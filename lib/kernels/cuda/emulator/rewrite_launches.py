@@ -2,8 +2,11 @@
 """The host emulator's source rewrite (docs/testing.md): turns a CUDA source into C++ that the
 emulator headers compile.
 
-  kernel<<<grid, block, smem, stream>>>(args);  ->  emu::launch(dim3(grid), dim3(block), smem, stream,
+  kernel<<<grid, block, smem, stream>>>(args);  ->  emu::launch(emu::kernel_id(kernel), dim3(grid),
+                                                               dim3(block), smem, stream,
                                                                [&] { kernel(args); });
+  (nullptr for the kernel when smem is 0; otherwise `kernel` must name one function, with its
+  template arguments spelled out, since the emulator checks its cudaFuncSetAttribute)
   extern __shared__ T name[];                   ->  T* name = reinterpret_cast<T*>(emu::dyn_smem());
   __shared__                                    ->  static (blocks run one at a time)
 
@@ -65,7 +68,11 @@ def rewrite(src):
             q += 1
         out.append(src[i:k])
         call = f'{kernel}{src[p:q + 1]}'.replace('\n', ' ')
-        out.append(f'emu::launch(dim3({config[0]}), dim3({config[1]}), {config[2]}, {config[3]}, [&] {{ {call}; }})')
+        # The kernel's identity, for the dynamic shared memory check; launches with none need no
+        # name that resolves to one function (a template deducing its arguments from the call).
+        kid = 'nullptr' if config[2] == '0' else f"emu::kernel_id({' '.join(kernel.split())})"
+        out.append(f'emu::launch({kid}, dim3({config[0]}), dim3({config[1]}), {config[2]}, '
+                   f'{config[3]}, [&] {{ {call}; }})')
         out.append('\n' * src[k:q + 1].count('\n'))  # keep the line numbers of what follows
         i = q + 1
 

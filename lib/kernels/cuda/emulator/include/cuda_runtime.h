@@ -62,7 +62,15 @@ void shfl_exchange(const void* in, void* out, size_t bytes, int src_lane_xor);
 int lane();  // the calling thread's lane in its warp
 // Warp-collective: out[l] = lane l's `in` (bytes each, at most 256) for the 32 lanes of the warp.
 void warp_allgather(const void* in, void* out, size_t bytes);
-void launch(dim3 grid, dim3 block, size_t smem, ::CUstream_st* stream, std::function<void()> body);
+// A launch of `kernel` (kernel_id of the function launched): fails, as on a GPU, when it asks for
+// more than 48 KiB of dynamic shared memory without cudaFuncSetAttribute having allowed that much.
+void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, ::CUstream_st* stream,
+            std::function<void()> body);
+template <class F>
+const void* kernel_id(F kernel) {
+  return reinterpret_cast<const void*>(kernel);
+}
+void set_max_dynamic_smem(const void* kernel, int bytes);  // cudaFuncAttributeMaxDynamicSharedMemorySize
 
 // Work that is not done when it is issued: the NCCL stand-in (nccl_mpi.cpp) issues its operations
 // as nonblocking MPI and registers these hooks; the runtime calls them where a GPU would order
@@ -191,8 +199,10 @@ cudaError_t cudaEventQuery(cudaEvent_t);
 cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0);
 cudaError_t cudaDeviceGetPCIBusId(char*, int, int);
 template <class F>
-cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int v) {
-  return v <= 232448 ? cudaSuccess : cudaErrorInvalidValue;
+cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int v) {
+  if (v < 0 || v > 232448) return cudaErrorInvalidValue;
+  emu::set_max_dynamic_smem(emu::kernel_id(kernel), v);
+  return cudaSuccess;
 }
 template <class F>
 cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, F) {
