@@ -43,7 +43,12 @@ target_link_libraries(mpigpt_kernels_emulated PUBLIC mpigpt_core ${OPENBLAS_LIBR
 # The rewritten kernels are C++ now: the emulator's cuda_runtime.h comes first in every one, and the
 # compiler ignores their #pragma unroll (and, since #line names the .cu file, takes their
 # anonymous-namespace types for a header's).
-set_source_files_properties(${emu_generated} PROPERTIES COMPILE_OPTIONS "-include;cuda_runtime.h;-Wno-unknown-pragmas;-Wno-subobject-linkage")
+# They are also checked for misaligned accesses (UBSan's alignment check, fatal): a vector load or
+# store (uint4, float4, a 16-byte Pack) from an address the GPU would fault on
+# (cudaErrorMisalignedAddress) stops the test here, where x86 would not mind.
+set_source_files_properties(${emu_generated} PROPERTIES COMPILE_OPTIONS
+  "-include;cuda_runtime.h;-Wno-unknown-pragmas;-Wno-subobject-linkage;-fsanitize=alignment;-fno-sanitize-recover=alignment")
+target_link_options(mpigpt_kernels_emulated INTERFACE -fsanitize=alignment)
 
 # The whole program on the emulated kernels: mpigpt_emulated is `mpigpt` built again with the
 # layers above the kernels (parallel, model, optim, io, train, app) compiled against the
