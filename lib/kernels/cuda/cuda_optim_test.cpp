@@ -16,6 +16,24 @@
 using namespace mpigpt;
 using namespace mpigpt::testing;
 
+namespace {
+
+// The device's param, m, v against the CPU's after the same AdamW steps. The same fp32 formula on
+// both sides; nvcc fuses multiply-adds where GCC (no -march) does not, so results differ by an ulp
+// or two per step: the CPU test's bounds against a double reference (1e-6 for O(1) params,
+// absolute for m that can cancel, relative for v) hold.
+void check_adam_state(Ops& ops, const Tensor& gp, const Tensor& gm, const Tensor& gv, const std::vector<float>& p,
+                      const std::vector<float>& m, const std::vector<float>& v) {
+  auto r = allclose(to_host(ops, gp), p, 1e-6, 1e-6);
+  CHECK_MESSAGE(r.ok, "param: ", r.str());
+  r = allclose(to_host(ops, gm), m, 1e-7, 1e-6);
+  CHECK_MESSAGE(r.ok, "m: ", r.str());
+  r = allclose(to_host(ops, gv), v, 1e-14, 1e-5);
+  CHECK_MESSAGE(r.ok, "v: ", r.str());
+}
+
+}  // namespace
+
 TEST_CASE("cuda adamw matches the CPU over several steps (vector path, tail, misaligned range)") {
   auto ops = cuda_ops_or_skip();
   auto cpu = make_cpu_ops();
@@ -39,15 +57,7 @@ TEST_CASE("cuda adamw matches the CPU over several steps (vector path, tail, mis
         ops->adamw(gp.t.flat_slice(offset, n), gg.t.flat_slice(offset, n), gm.t.flat_slice(offset, n),
                    gv.t.flat_slice(offset, n), lr, b1, b2, eps, wd, step, gs);
       }
-      // The same fp32 formula on both sides; nvcc fuses multiply-adds where GCC (no -march) does
-      // not, so results differ by an ulp or two per step: the CPU test's bounds against a double
-      // reference (1e-6 for O(1) params, absolute for m that can cancel, relative for v) hold.
-      auto r = allclose(to_host(*ops, gp.t), p, 1e-6, 1e-6);
-      CHECK_MESSAGE(r.ok, "param: ", r.str());
-      r = allclose(to_host(*ops, gm.t), m, 1e-7, 1e-6);
-      CHECK_MESSAGE(r.ok, "m: ", r.str());
-      r = allclose(to_host(*ops, gv.t), v, 1e-14, 1e-5);
-      CHECK_MESSAGE(r.ok, "v: ", r.str());
+      check_adam_state(*ops, gp.t, gm.t, gv.t, p, m, v);
     }
   }
 }
@@ -87,13 +97,7 @@ TEST_CASE("cuda adamw_runs: one launch over many runs equals adamw run by run, a
   CHECK(to_host(*ops, gp.t) == to_host(*ops, rp.t));
   CHECK(to_host(*ops, gm.t) == to_host(*ops, rm.t));
   CHECK(to_host(*ops, gv.t) == to_host(*ops, rv.t));
-  // Against the CPU: the bounds of the test above (fused multiply-adds on the GPU).
-  auto r = allclose(to_host(*ops, gp.t), p, 1e-6, 1e-6);
-  CHECK_MESSAGE(r.ok, "param: ", r.str());
-  r = allclose(to_host(*ops, gm.t), m, 1e-7, 1e-6);
-  CHECK_MESSAGE(r.ok, "m: ", r.str());
-  r = allclose(to_host(*ops, gv.t), v, 1e-14, 1e-5);
-  CHECK_MESSAGE(r.ok, "v: ", r.str());
+  check_adam_state(*ops, gp.t, gm.t, gv.t, p, m, v);
   const std::vector<float> hp = to_host(*ops, gp.t);
   for (int64_t i : {0, 2, 35004, 35007, 39010, 39950, 69990, 69999}) CHECK(hp[size_t(i)] == p0[size_t(i)]);
 
@@ -106,7 +110,7 @@ TEST_CASE("cuda adamw_runs: one launch over many runs equals adamw run by run, a
     cpu->adamw_runs(as_tensor(cp, {n}), as_tensor(g, {n}), as_tensor(cm, {ns}), as_tensor(cv, {ns}), one, lr, b1, b2,
                     eps, 5, gs);
     ops->adamw_runs(gp.t, gg.t, gm.t, gv.t, one, lr, b1, b2, eps, 5, gs);
-    r = allclose(to_host(*ops, gp.t), cp, 1e-6, 1e-6);
+    const auto r = allclose(to_host(*ops, gp.t), cp, 1e-6, 1e-6);
     CHECK_MESSAGE(r.ok, "param after run list ", k, ": ", r.str());
   }
   CHECK_THROWS_WITH_AS(ops->adamw_runs(gp.t, gp.t, gm.t, gv.t, {{n - 1, 2, 0, 0.0f}}, lr, b1, b2, eps, 1, gs),
