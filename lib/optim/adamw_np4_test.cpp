@@ -45,7 +45,7 @@ std::vector<ParamInfo> make_table(const std::vector<int64_t>& offsets) {
                              ParamKind::Weight};
   std::vector<ParamInfo> t(kNumels.size());
   for (size_t i = 0; i < t.size(); ++i) {
-    t[i].name = "p" + std::to_string(i);
+    t[i].name = std::string("p").append(std::to_string(i));  // not "p" + ...: GCC 12 -Wrestrict false positive
     t[i].shape = Shape{kNumels[i]};
     t[i].kind = kinds[i % 5];
     t[i].offset = offsets[i];

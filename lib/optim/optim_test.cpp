@@ -89,7 +89,8 @@ TEST_CASE("AdamW over owned slices of a padded buffer: the slices together are t
   const int dp = 3;
   const BufferLayout L = plan_buffer(numels, 96, dp, 16);
   std::vector<ParamInfo> table;
-  for (size_t i = 0; i < numels.size(); ++i) table.push_back(param("p" + std::to_string(i), numels[i], kinds[i % 4], L.offsets[i]));
+  for (size_t i = 0; i < numels.size(); ++i)  // not "p" + ...: a GCC 12 -Wrestrict false positive
+    table.push_back(param(std::string("p").append(std::to_string(i)), numels[i], kinds[i % 4], L.offsets[i]));
   const std::vector<Range> params = L.param_ranges();
   // params and gradients; padding holds sentinels that must survive (a NaN gradient would spread)
   std::vector<float> p0(L.total, 123.0f), g(L.total, std::nanf(""));
