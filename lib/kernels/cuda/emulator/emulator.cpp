@@ -244,6 +244,47 @@ void complete_stream(::CUstream_st* stream) {
   if (async_hooks) async_hooks->complete(stream, ~0ull);
 }
 
+// What each stream's later work is ordered after: the emulator runs kernels, copies and products
+// when they are issued, so it cannot see a race between streams; it tracks instead, per stream,
+// how many of them it has queued (work) and how many of every other stream's it is ordered
+// after (seen: through events it waited for, transitively) or the host is (synced).
+namespace {
+using Counts = std::map<::CUstream_st*, unsigned long long>;
+Counts work, synced;
+std::map<::CUstream_st*, Counts> seen;
+void raise_to(Counts& into, const Counts& from) {
+  for (const auto& [s, n] : from) into[s] = std::max(into[s], n);
+}
+}  // namespace
+void begin_work(::CUstream_st* stream) {
+  complete_stream(stream);
+  ++work[stream];
+}
+void host_synced(::CUstream_st* stream) {
+  if (stream) {
+    synced[stream] = work[stream];
+  } else {
+    synced = work;
+  }
+}
+std::string unordered_work(::CUstream_st* stream) {
+  const Counts& known = seen[stream];
+  for (const auto& [other, n] : work) {
+    if (other == stream) continue;
+    const auto k = known.find(other);
+    const auto h = synced.find(other);
+    const unsigned long long ordered =
+        std::max(k == known.end() ? 0ull : k->second, h == synced.end() ? 0ull : h->second);
+    if (n > ordered) {
+      char text[160];
+      std::snprintf(text, sizeof text, "%llu operation(s) queued on stream %p are not ordered before stream %p",
+                    n - ordered, static_cast<void*>(other), static_cast<void*>(stream));
+      return text;
+    }
+  }
+  return "";
+}
+
 namespace {
 std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAttribute
 }  // namespace
@@ -251,7 +292,7 @@ void set_max_dynamic_smem(const void* kernel, int bytes) { max_dynamic_smem[kern
 
 void launch(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st* stream,
             std::function<void()> fn) {
-  complete_stream(stream);  // the kernel may read what the stream's earlier operations deliver
+  begin_work(stream);  // the kernel may read what the stream's earlier operations deliver
   constexpr size_t kDefaultSmem = 48 * 1024;
   if (smem_bytes > kDefaultSmem) {
     const auto it = max_dynamic_smem.find(kernel);
@@ -394,13 +435,17 @@ cudaError_t cudaMemGetInfo(size_t* f, size_t* t) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t stream) {
-  emu::complete_stream(stream);
+  emu::begin_work(stream);
   std::memmove(d, s, n);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k) { return cudaMemcpyAsync(d, s, n, k); }
+cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind k) {  // returns when the copy is done
+  cudaMemcpyAsync(d, s, n, k);
+  emu::host_synced(nullptr);
+  return cudaSuccess;
+}
 cudaError_t cudaMemsetAsync(void* d, int v, size_t n, cudaStream_t stream) {
-  emu::complete_stream(stream);
+  emu::begin_work(stream);
   std::memset(d, v, n);
   return cudaSuccess;
 }
@@ -414,18 +459,22 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   emu::complete_stream(stream);
+  emu::host_synced(stream);
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {
   emu::complete_stream(nullptr);
+  emu::host_synced(nullptr);
   return cudaSuccess;
 }
 
 
-// An event: the stream and the number of its issued operations when it was recorded.
+// An event: the stream and the number of its issued operations when it was recorded, and what
+// that stream was ordered after then (its own work included).
 struct CUevent_st {
   cudaStream_t stream = nullptr;
   unsigned long long upto = 0;
+  std::map<cudaStream_t, unsigned long long> ordered_after;
 };
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
   *e = new CUevent_st;
@@ -438,13 +487,16 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
   e->stream = stream;
   e->upto = emu::async_hooks ? emu::async_hooks->issued(stream) : 0;
+  e->ordered_after = emu::seen[stream];
+  e->ordered_after[stream] = emu::work[stream];
   return cudaSuccess;
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   return !emu::async_hooks || emu::async_hooks->done(e->stream, e->upto) ? cudaSuccess : cudaErrorNotReady;
 }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t e, unsigned) {
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned) {
   if (emu::async_hooks) emu::async_hooks->complete(e->stream, e->upto);
+  emu::raise_to(emu::seen[stream], e->ordered_after);
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetPCIBusId(char* s, int n, int device) {

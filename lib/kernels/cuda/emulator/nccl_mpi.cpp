@@ -13,7 +13,10 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <deque>
 #include <functional>
 #include <map>
@@ -79,6 +82,18 @@ struct Register {
   Register() { emu::set_async_hooks(&hooks); }
   ~Register() { emu::set_async_hooks(nullptr); }
 } register_hooks;
+
+// An operation reads its input when issued: everything queued on other streams (the compute work
+// that made the input) must be ordered before it, or a GPU would race. Checked before the read.
+void check_ordered(cudaStream_t s, const char* op) {
+  const std::string unordered = emu::unordered_work(s);
+  if (unordered.empty()) return;
+  std::fprintf(stderr,
+               "emulated NCCL: %s issued while %s: on a GPU it could read its input before that work wrote it "
+               "(make the stream wait for an event recorded after it)\n",
+               op, unordered.c_str());
+  std::abort();
+}
 
 void issue(cudaStream_t s, std::vector<MPI_Request> requests, std::function<void()> finish) {
   Stream& st = streams[s];
@@ -253,6 +268,7 @@ ncclResult_t ncclGroupEnd() { return ncclSuccess; }
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t t, ncclRedOp_t op,
                            ncclComm_t comm, cudaStream_t stream) {
+  check_ordered(stream, "ncclAllReduce");
   if (!reducible(t, op)) return ncclInvalidArgument;
   Bytes in = to_reduce(send, count, t), out = std::make_shared<std::vector<char>>(in->size());
   MPI_Request rq;
@@ -264,6 +280,7 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
 
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t t, ncclRedOp_t op,
                                ncclComm_t comm, cudaStream_t stream) {
+  check_ordered(stream, "ncclReduceScatter");
   if (!reducible(t, op)) return ncclInvalidArgument;
   Bytes in = to_reduce(send, recvcount * size_t(comm->nranks), t);
   Bytes out = std::make_shared<std::vector<char>>(recvcount * reduce_size(t));
@@ -276,6 +293,7 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
 
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t t, ncclComm_t comm,
                            cudaStream_t stream) {
+  check_ordered(stream, "ncclAllGather");
   const size_t bytes = sendcount * type_size(t);
   Bytes in = copy_of(send, bytes), out = std::make_shared<std::vector<char>>(bytes * size_t(comm->nranks));
   MPI_Request rq;
@@ -289,6 +307,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
 
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t t, int root, ncclComm_t comm,
                            cudaStream_t stream) {
+  check_ordered(stream, "ncclBroadcast");
   if (root < 0 || root >= comm->nranks) return ncclInvalidArgument;  // as NCCL's argument check
   const size_t bytes = count * type_size(t);
   Bytes buf = comm->rank == root ? copy_of(send, bytes) : std::make_shared<std::vector<char>>(bytes);
@@ -302,6 +321,7 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
 
 ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
+  check_ordered(stream, "ncclSend");
   if (peer < 0 || peer >= comm->nranks) return ncclInvalidArgument;
   Bytes in = copy_of(send, count * type_size(t));
   MPI_Request rq;
@@ -311,6 +331,7 @@ ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t t, int peer
 }
 
 ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t t, int peer, ncclComm_t comm, cudaStream_t stream) {
+  check_ordered(stream, "ncclRecv");
   if (peer < 0 || peer >= comm->nranks) return ncclInvalidArgument;
   Bytes out = std::make_shared<std::vector<char>>(count * type_size(t));
   MPI_Request rq;

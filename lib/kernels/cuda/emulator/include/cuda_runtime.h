@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <type_traits>
 
 #include "cuda_bf16.h"
@@ -85,6 +86,15 @@ struct AsyncHooks {
 void set_async_hooks(const AsyncHooks* hooks);
 // Finishes the stream's issued work (a null stream: all streams') before what comes next on it.
 void complete_stream(::CUstream_st* stream);
+// Work queued on a stream (a kernel, copy, fill or product): complete_stream, and counted for
+// unordered_work. host_synced: the host waited for the stream (a null stream: for every stream).
+void begin_work(::CUstream_st* stream);
+void host_synced(::CUstream_st* stream);
+// Empty when everything queued so far on other streams is ordered before the stream's next
+// operation (by events it waited for, or host synchronisation); else which stream's is not. The
+// emulator runs work when it is issued, so a missing wait does not show in results: the NCCL
+// stand-in asks this before it reads an operation's input.
+std::string unordered_work(::CUstream_st* stream);
 }  // namespace emu
 
 inline void __syncthreads() { emu::syncthreads(); }
