@@ -40,12 +40,10 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Proble
   int* kpos_s = reinterpret_cast<int*>(Xt + BC * kXLD);
   int* kseg_s = kpos_s + BC;
   const int rg = threadIdx.x >> 3, cg = threadIdx.x & 7;
-  const int h = blockIdx.y, b = blockIdx.z, kh = h / (p.NH / p.NKV);
-  const int i0 = int(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kRows;
+  const QueryTile<T> qt = query_tile<T, kRows, kCausal>(p);
+  const int h = qt.h, b = qt.b, i0 = qt.i0;
+  const T *K = qt.K, *V = qt.V;
   const int64_t ldo = int64_t(p.NH) * p.HD;
-  const int64_t kv_off = int64_t(b) * p.Tk * p.kv_stride + int64_t(kh) * p.HD;
-  const T* K = static_cast<const T*>(p.k) + kv_off;
-  const T* V = static_cast<const T*>(p.v) + kv_off;
   load_tile<HDP, kRows>(Qs, static_cast<const T*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * p.HD,
                         p.q_stride, i0, p.Tq, p.HD, p.vec);
   load_tile<HDP, kRows>(dOs, static_cast<const T*>(p.dout) + int64_t(b) * p.Tq * ldo + int64_t(h) * p.HD, ldo, i0,

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "lib/kernels/cuda/cuda_kernel_util.cuh"
 #include "lib/kernels/cuda/cuda_mma.cuh"
 
 namespace mpigpt::cuda {
@@ -114,31 +115,23 @@ __device__ __forceinline__ void store_rows(const float (&x)[DT][4], bf16* base, 
   }
 }
 
-// What the forward and the dQ kernel know of their block of 64 queries: grid (ceil(Tq/64), NH, B),
-// causal blocks in reverse order (the longest first); the lane's fragment coordinates g and t
-// (cuda_mma.cuh), its warp's first row wr, its two queries, and the kv head's K and V.
-struct QueryBlock {
-  int g, t, h, b, i0, wr;
+// What the forward and the dQ kernel know of their block of 64 queries: its query tile
+// (cuda_kernel_util.cuh: head, batch row, first query, the kv head's K and V), the lane's fragment
+// coordinates g and t (cuda_mma.cuh), its warp's first row wr and its two queries.
+struct QueryBlock : QueryTile<bf16> {
+  int g, t, wr;
   int rows[2];
-  const bf16* K;
-  const bf16* V;
 };
-template <int HD, bool kCausal>
+template <bool kCausal>
 __device__ __forceinline__ QueryBlock query_block(const AttentionTcForward& p) {
   QueryBlock q;
+  static_cast<QueryTile<bf16>&>(q) = query_tile<bf16, kTcRows, kCausal>(p);
   const int lane = threadIdx.x & 31;
   q.g = lane >> 2;
   q.t = lane & 3;
-  q.h = blockIdx.y;
-  q.b = blockIdx.z;
-  q.i0 = int(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kTcRows;
   q.wr = (threadIdx.x >> 5) * 16;
   q.rows[0] = q.i0 + q.wr + q.g;
   q.rows[1] = q.rows[0] + 8;
-  const int kh = q.h / (p.NH / p.NKV);
-  const int64_t kv_off = int64_t(q.b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
-  q.K = static_cast<const bf16*>(p.k) + kv_off;
-  q.V = static_cast<const bf16*>(p.v) + kv_off;
   return q;
 }
 
@@ -211,7 +204,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
   int* kpos_s = qseg_s + kTcRows;
   int* kseg_s = kpos_s + KC;
 
-  const QueryBlock qb = query_block<HD, kCausal>(p);
+  const QueryBlock qb = query_block<kCausal>(p);
   const int g = qb.g, t = qb.t, h = qb.h, b = qb.b, i0 = qb.i0, wr = qb.wr;
   const int rows[2] = {qb.rows[0], qb.rows[1]};  // this lane's two queries
   const bf16 *K = qb.K, *V = qb.V;
@@ -346,7 +339,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
   int* kpos_s = qseg_s + kTcRows;
   int* kseg_s = kpos_s + KC;
 
-  const QueryBlock qb = query_block<HD, kCausal>(p);
+  const QueryBlock qb = query_block<kCausal>(p);
   const int g = qb.g, t = qb.t, h = qb.h, b = qb.b, i0 = qb.i0, wr = qb.wr;
   const int rows[2] = {qb.rows[0], qb.rows[1]};
   const bf16 *K = qb.K, *V = qb.V;
@@ -536,8 +529,6 @@ constexpr size_t dkdv_smem() {
   return 2 * tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kBwdCols<HD>) +
          size_t(4 * kBwdCols<HD> + 2 * kTcRows) * 4;
 }
-
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // Above 48 KiB a kernel must opt in to its dynamic shared memory (per device, so on every call).
 template <class Kernel>

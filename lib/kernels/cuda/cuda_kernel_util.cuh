@@ -71,4 +71,28 @@ inline void check_i32(const Tensor& t, const char* op, const char* what) {
   check_dtype(t, DType::I32, op, what);
 }
 
+// The query tile of an attention block that owns ROWS queries of one head (the forward and dQ
+// kernels, tensor-core and fp32-FMA): grid (ceil(Tq/ROWS), NH, B), causal tiles in reverse order
+// (the last queries see the most keys, so they start first); the block's head h, batch row b,
+// first query i0, and its kv head's K and V (GQA: NH/NKV query heads share one). Prob is either
+// kernel family's parameter struct (k, v, NH, NKV, HD, Tk, kv_stride).
+template <class T>
+struct QueryTile {
+  int h, b, i0;
+  const T* K;
+  const T* V;
+};
+template <class T, int ROWS, bool kCausal, class Prob>
+__device__ __forceinline__ QueryTile<T> query_tile(const Prob& p) {
+  QueryTile<T> q;
+  q.h = blockIdx.y;
+  q.b = blockIdx.z;
+  q.i0 = int(kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * ROWS;
+  const int kh = q.h / (p.NH / p.NKV);
+  const int64_t kv_off = int64_t(q.b) * p.Tk * p.kv_stride + int64_t(kh) * p.HD;
+  q.K = static_cast<const T*>(p.k) + kv_off;
+  q.V = static_cast<const T*>(p.v) + kv_off;
+  return q;
+}
+
 }  // namespace mpigpt::cuda
