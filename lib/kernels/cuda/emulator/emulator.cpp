@@ -379,25 +379,28 @@ cudaError_t cudaGetLastError() {
   emu::last_error = cudaSuccess;
   return e;
 }
-// The names and messages of the errors the emulator raises itself; others are "emulated error".
-const char* cudaGetErrorString(cudaError_t e) {
-  switch (e) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    default: return "emulated error";
-  }
+// The name and message of each error the emulator raises itself; others are "emulated error".
+namespace {
+struct ErrorText {
+  cudaError_t code;
+  const char* name;
+  const char* message;
+};
+constexpr ErrorText kErrors[] = {
+    {cudaSuccess, "cudaSuccess", "no error"},
+    {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
+    {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
+    {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration", "invalid configuration argument"},
+};
+const ErrorText& error_text(cudaError_t e) {
+  static constexpr ErrorText other{cudaSuccess, "cudaErrorEmulated", "emulated error"};
+  for (const ErrorText& t : kErrors)
+    if (t.code == e) return t;
+  return other;
 }
-const char* cudaGetErrorName(cudaError_t e) {
-  switch (e) {
-    case cudaSuccess: return "cudaSuccess";
-    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
-    default: return "cudaErrorEmulated";
-  }
-}
+}  // namespace
+const char* cudaGetErrorString(cudaError_t e) { return error_text(e).message; }
+const char* cudaGetErrorName(cudaError_t e) { return error_text(e).name; }
 // A device of 80 GiB with 70 free, so that requests beyond that fail as out of memory.
 static size_t allocated_total = 0;
 cudaError_t cudaMalloc(void** p, size_t n) {
