@@ -43,7 +43,8 @@ class Ops {
   // ---- memory ---------------------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned
   virtual void release(void* p) = 0;
-  // dst = src (same dtype and numel); either side may live on the host.
+  // dst = src (equal numel); either side may live on the host. Backends that compute in bf16
+  // also convert f32 <-> bf16 between device tensors (CudaOps::copy).
   virtual void copy(Tensor dst, Tensor src) = 0;
   virtual void fill(Tensor t, float value) = 0;
   virtual void scale(Tensor t, float s) = 0;  // t *= s

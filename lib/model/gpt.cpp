@@ -168,6 +168,29 @@ void GPT::setup(const ModelPlacement& pl) {
     dhead_ = grad(h);
   }
 
+  // Each chunk's conversion ranges: its parameters (and the head) in buffer order, those that follow
+  // one another in the buffer (nothing but bucket padding between them) merged into one range.
+  std::vector<int> by_offset;  // non-empty entries in buffer order
+  for (int i = 0; i < int(table_.size()); ++i)
+    if (table_[i].numel() > 0) by_offset.push_back(i);
+  std::sort(by_offset.begin(), by_offset.end(), [&](int a, int b) { return table_[a].offset < table_[b].offset; });
+  std::vector<int> place(table_.size(), -1);
+  for (int k = 0; k < int(by_offset.size()); ++k) place[by_offset[k]] = k;
+  for (auto& ch : chunks_) {
+    std::vector<int> mine;
+    for (int i = ch.first_param; i < ch.end_param; ++i)
+      if (place[i] >= 0) mine.push_back(place[i]);
+    if (ch.head && (head_param_ < ch.first_param || head_param_ >= ch.end_param)) mine.push_back(place[head_param_]);
+    std::sort(mine.begin(), mine.end());
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const ParamInfo& p = table_[by_offset[mine[k]]];
+      if (k > 0 && mine[k] == mine[k - 1] + 1)
+        ch.convert.back().second = p.offset + p.numel();
+      else
+        ch.convert.push_back({p.offset, p.offset + p.numel()});
+    }
+  }
+
   // Shared buffers: positions and the backward scratch (one backward runs at a time).
   const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
   arena_.plan(&positions_, {N_}, DType::I32);
@@ -384,13 +407,17 @@ void GPT::init_weights(uint64_t seed) {
 void GPT::params_changed() { stale_.assign(chunks_.size(), 1); }
 
 // The chunk's parameters, and on the head's chunk the head (a tied replica sits outside the
-// chunk's range), converted into the compute dtype.
+// chunk's range), converted into the compute dtype: one conversion per range of the buffer
+// (Chunk::convert), not one launch per parameter.
 void GPT::refresh_compute_params(int c) {
   if (d_.act == DType::F32 || !stale_[c]) return;
-  auto convert = [&](int i) { ops_.copy(at(cparams_, table_[i], d_.act), param(i)); };
-  for (int i = chunks_[c].first_param; i < chunks_[c].end_param; ++i) convert(i);
-  if (chunks_[c].head && (head_param_ < chunks_[c].first_param || head_param_ >= chunks_[c].end_param))
-    convert(head_param_);
+  for (const auto& [lo, hi] : chunks_[c].convert) {
+    auto range = [&](const Buffer& buf, DType dt) {
+      return Tensor(static_cast<char*>(buf.data()) + lo * int64_t(dtype_size(dt)), Shape{hi - lo}, dt,
+                    ops_.device());
+    };
+    ops_.copy(range(cparams_, d_.act), range(params_, DType::F32));
+  }
   stale_[c] = 0;
 }
 

@@ -90,6 +90,9 @@ class GPT {
   Tensor grads_flat() const { return grads_.tensor({buffer_numel_}); }
   Tensor param(int i) const;
   Tensor grad(int i) const;
+  // Parameter i as forward and backward read it: param(i) when computing in f32, else its copy in
+  // the compute dtype (refreshed at its chunk's next forward after params_changed()).
+  Tensor compute_param(int i) const { return at(compute_params(), table_.at(i), d_.act); }
   int64_t num_params() const { return num_params_; }  // elements this rank holds (without padding)
   size_t activation_bytes() const;                   // of every activation set allocated so far (MoE state included)
   // Before the first forward (activations are sized by it). Default Recompute::None.
@@ -168,6 +171,8 @@ class GPT {
   struct Chunk {
     int first_layer = 0, end_layer = 0, first_param = 0, end_param = 0;
     bool embed = false, head = false;
+    // Element ranges [lo, hi) of the parameter buffer converted into the compute dtype for it.
+    std::vector<std::pair<int64_t, int64_t>> convert;
     std::vector<std::unique_ptr<Slot>> slots;
   };
   void setup(const ModelPlacement& pl);
