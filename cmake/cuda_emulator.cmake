@@ -107,6 +107,9 @@ add_dependencies(mpigpt_emulated_tests mpigpt_emulated_nccl)
 #  - emulated/regression/loss_curve_cuda_bf16: GPT-2 in bf16 mixed precision against the fp32 CPU
 #    curve within 2e-2 (10 steps), with one head of 64 channels, so that the bf16 tensor-core
 #    attention runs in training too (the regression model's heads have 16);
+#  - emulated/regression/loss_curves_cuda_bf16_moe: both MoE families in bf16 (f32 router), one
+#    rank, ep2, and ep2 x expert_tp2 x tp2 with the allgather dispatcher and the distributed
+#    optimizer, against the fp32 CPU curve within 2e-2 (4 steps);
 #  - emulated/regression/loss_curves_nccl: fp32 over engine.comm = nccl (the stand-in), one
 #    emulated device per rank, for the layouts that use every NCCL path (p2p pipelines and rings,
 #    all-to-all, tp/sp/dp collectives, the distributed optimizer's overlapped buckets), 2 steps.
@@ -127,12 +130,15 @@ if(DEFINED REGRESSION_DIR)
   add_test(NAME emulated/regression/loss_curve_cuda_bf16 COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_bf16
            --config ${REGRESSION_DIR}/tiny_hd64.ini --steps 10 --layouts "^$" --families gpt2 --skip-reference
            --tol 2e-2 --layout-args "--engine.backend cuda --engine.comm mpi --training.precision bf16")
+  add_test(NAME emulated/regression/loss_curves_cuda_bf16_moe COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_bf16_moe
+           --steps 4 --layouts "^(moe-ep2|moe-ep2-etp2-tp2-sp-allgather-distopt)$" --families gpt2-moe,llama-moe
+           --skip-reference --tol 2e-2 --layout-args "${REGRESSION_CUDA_ARGS} --training.precision bf16")
   add_test(NAME emulated/regression/loss_curves_nccl COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_nccl --steps 2
            --layouts "^(dp2|tp2|pp2-vpp2|tp2-sp|cp2|cp2-allgather|tp2-pp2-dp2-distopt-overlap|dp4-distopt-buckets|moe-ep2|moe-cp2-tp2-sp-distopt)$"
            --families gpt2,llama,gpt2-moe,llama-moe
            --layout-args "--engine.backend cuda --engine.comm nccl")
   set_tests_properties(emulated/regression/loss_curves_cuda emulated/regression/loss_curve_cuda_bf16
-                       emulated/regression/loss_curves_nccl PROPERTIES
+                       emulated/regression/loss_curves_cuda_bf16_moe emulated/regression/loss_curves_nccl PROPERTIES
     FIXTURES_REQUIRED regression_data LABELS "emulated;regression" TIMEOUT 900 PROCESSORS 2
     ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
   # NCCL wants a device per rank: eight emulated ones, and the stand-in library first on the path.

@@ -101,7 +101,8 @@ void AllToAllDispatcher::plan(DispatchState& s, const std::vector<int32_t>& expe
 void AllToAllDispatcher::dispatch_forward(Tensor xe, Tensor x, DispatchState& s) const {
   const int64_t C = x.size(-1);
   if (P_ == 1) return ops_.gather_rows(xe, x, s.tok_t);
-  Tensor send = s.staging.get(ops_, {s.token_rows, C}), recv = s.staging2.get(ops_, {s.expert_rows, C});
+  Tensor send = s.staging.get(ops_, {s.token_rows, C}, x.dtype),
+         recv = s.staging2.get(ops_, {s.expert_rows, C}, x.dtype);
   ops_.gather_rows(send, x, s.tok_t);
   ep_->all_to_all_v(recv, times(s.recv_rows, C), send, times(s.send_rows, C));
   ops_.gather_rows(xe, recv, s.perm_t);
@@ -110,8 +111,8 @@ void AllToAllDispatcher::dispatch_forward(Tensor xe, Tensor x, DispatchState& s)
 void AllToAllDispatcher::combine_forward(Tensor y, Tensor ye, DispatchState& s) const {
   const int64_t C = y.size(-1);
   if (P_ == 1) return ops_.moe_combine(y, ye, s.slot_t, s.gates);
-  Tensor back = s.staging2.get(ops_, {s.expert_rows, C});
-  s.token_side_t = s.token_side.get(ops_, {s.token_rows, C});  // saved for combine_backward's dgates
+  Tensor back = s.staging2.get(ops_, {s.expert_rows, C}, ye.dtype);
+  s.token_side_t = s.token_side.get(ops_, {s.token_rows, C}, ye.dtype);  // saved for combine_backward's dgates
   ops_.gather_rows(back, ye, s.inv_perm_t);
   ep_->all_to_all_v(s.token_side_t, times(s.send_rows, C), back, times(s.recv_rows, C));
   ops_.moe_combine(y, s.token_side_t, s.slot_t, s.gates);
@@ -121,7 +122,8 @@ void AllToAllDispatcher::combine_backward(Tensor dye, Tensor dgates, Tensor dy, 
   const int64_t C = dy.size(-1);
   ops_.fill(dgates, 0.0f);
   if (P_ == 1) return ops_.moe_combine_backward(dye, dgates, dy, ye, s.slot_t, s.gates);
-  Tensor dsend = s.staging.get(ops_, {s.token_rows, C}), drecv = s.staging2.get(ops_, {s.expert_rows, C});
+  Tensor dsend = s.staging.get(ops_, {s.token_rows, C}, dy.dtype),
+         drecv = s.staging2.get(ops_, {s.expert_rows, C}, dy.dtype);
   ops_.moe_combine_backward(dsend, dgates, dy, s.token_side_t, s.slot_t, s.gates);
   ep_->all_to_all_v(drecv, times(s.recv_rows, C), dsend, times(s.send_rows, C));
   ops_.gather_rows(dye, drecv, s.perm_t);
@@ -130,7 +132,8 @@ void AllToAllDispatcher::combine_backward(Tensor dye, Tensor dgates, Tensor dy, 
 void AllToAllDispatcher::dispatch_backward(Tensor dx, Tensor dxe, DispatchState& s) const {
   const int64_t C = dx.size(-1);
   if (P_ == 1) return ops_.scatter_add_rows(dx, dxe, s.tok_t);
-  Tensor back = s.staging2.get(ops_, {s.expert_rows, C}), dsend = s.staging.get(ops_, {s.token_rows, C});
+  Tensor back = s.staging2.get(ops_, {s.expert_rows, C}, dxe.dtype),
+         dsend = s.staging.get(ops_, {s.token_rows, C}, dxe.dtype);
   ops_.gather_rows(back, dxe, s.inv_perm_t);
   ep_->all_to_all_v(dsend, times(s.send_rows, C), back, times(s.recv_rows, C));
   ops_.scatter_add_rows(dx, dsend, s.tok_t);
@@ -179,7 +182,7 @@ void AllGatherDispatcher::plan(DispatchState& s, const std::vector<int32_t>& exp
 
 void AllGatherDispatcher::dispatch_forward(Tensor xe, Tensor x, DispatchState& s) const {
   if (P_ == 1) return ops_.gather_rows(xe, x, s.tok_t);
-  Tensor full = s.staging.get(ops_, {P_ * s.N, x.size(-1)});
+  Tensor full = s.staging.get(ops_, {P_ * s.N, x.size(-1)}, x.dtype);
   ep_->all_gather(full, x);
   ops_.gather_rows(xe, full, s.tok_t);
 }
@@ -187,7 +190,7 @@ void AllGatherDispatcher::dispatch_forward(Tensor xe, Tensor x, DispatchState& s
 void AllGatherDispatcher::combine_forward(Tensor y, Tensor ye, DispatchState& s) const {
   if (P_ == 1) return ops_.moe_combine(y, ye, s.slot_t, s.gates);
   const int64_t C = y.size(-1);
-  Tensor full = s.staging.get(ops_, {P_ * s.N, C}), part = s.staging2.get(ops_, {s.N, C});
+  Tensor full = s.staging.get(ops_, {P_ * s.N, C}, y.dtype), part = s.staging2.get(ops_, {s.N, C}, y.dtype);
   ops_.fill(full, 0.0f);
   ops_.moe_combine(full, ye, s.slot_t, s.gates_full_t);
   ep_->reduce_scatter_sum(part, full);
@@ -200,7 +203,7 @@ void AllGatherDispatcher::combine_backward(Tensor dye, Tensor dgates, Tensor dy,
     return ops_.moe_combine_backward(dye, dgates, dy, ye, s.slot_t, s.gates);
   }
   const int64_t C = dy.size(-1);
-  Tensor full = s.staging.get(ops_, {P_ * s.N, C});
+  Tensor full = s.staging.get(ops_, {P_ * s.N, C}, dy.dtype);
   Tensor dg_full = s.staging2.get(ops_, {P_ * s.N, int64_t(s.K)});
   ep_->all_gather(full, dy);
   ops_.fill(dg_full, 0.0f);
@@ -212,7 +215,7 @@ void AllGatherDispatcher::combine_backward(Tensor dye, Tensor dgates, Tensor dy,
 void AllGatherDispatcher::dispatch_backward(Tensor dx, Tensor dxe, DispatchState& s) const {
   if (P_ == 1) return ops_.scatter_add_rows(dx, dxe, s.tok_t);
   const int64_t C = dx.size(-1);
-  Tensor full = s.staging.get(ops_, {P_ * s.N, C}), part = s.staging2.get(ops_, {s.N, C});
+  Tensor full = s.staging.get(ops_, {P_ * s.N, C}, dx.dtype), part = s.staging2.get(ops_, {s.N, C}, dx.dtype);
   ops_.fill(full, 0.0f);
   ops_.scatter_add_rows(full, dxe, s.tok_t);
   ep_->reduce_scatter_sum(part, full);

@@ -94,9 +94,6 @@ GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const Tens
   grads_ = Buffer(ops, size_t(buffer_numel_) * 4);
   if (d.act != DType::F32) {
     MPIGPT_CHECK(d.act == DType::BF16, "GPT: activation dtype {} is not f32 or bf16", dtype_name(d.act));
-    if (d.moe.E > 0)
-      fail("training.precision = bf16 with mixture-of-experts layers (model.num_experts = {}) is not supported yet; "
-           "use training.precision = fp32", d.moe.E);
     cparams_ = Buffer(ops, size_t(buffer_numel_) * dtype_size(d.act));
   }
   setup(pl);
@@ -370,7 +367,9 @@ GPT::Block GPT::weights(const Buffer& buf, int l, DType dt) const {
   if (d_.is_moe(l)) {
     b.is_moe = true;
     MoeWeights& m = b.moe;
-    m.router = v("mlp.router.weight");
+    // The router computes in f32 whatever the activations' dtype (MoeLayer::router_input): its
+    // compute weight is the f32 master.
+    m.router = dt == DType::F32 ? v("mlp.router.weight") : view_of(params_, p + "mlp.router.weight");
     m.fc = v("mlp.experts.fc.weight");
     m.fc_bias = v("mlp.experts.fc.bias");
     m.proj = v("mlp.experts.proj.weight");

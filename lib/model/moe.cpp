@@ -102,6 +102,15 @@ void MoeLayer::mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, 
     ops_.linear_forward(out, a, proj, projb);
 }
 
+// The router's input: x itself, or x converted to the router weight's dtype (f32) when the
+// activations are bf16, so that routing, its losses and gradients stay in f32.
+Tensor MoeLayer::router_input(Tensor x, const MoeWeights& w) {
+  if (x.dtype == w.router.dtype) return x;
+  Tensor xr = xr_.get(ops_, {x.size(0), C_}, w.router.dtype);
+  ops_.copy(xr, x);
+  return xr;
+}
+
 size_t MoeActs::bytes() const {
   size_t n = dispatch.bytes() + etp_index.buf.bytes();
   for (const GrowBuffer* b : {&logits, &probs, &topk, &gates, &lse, &xe, &h, &a, &ye, &sh, &sa}) n += b->buf.bytes();
@@ -111,7 +120,7 @@ size_t MoeActs::bytes() const {
 size_t MoeLayer::scratch_bytes() const {
   size_t n = 0;
   for (const GrowBuffer* b : {&ones_, &psum_, &dgates_, &dye_, &da_, &dh_, &drow_, &dprobs_, &dlse_, &dlogits_, &dxr_,
-                              &etp_full_, &etp_pad_, &dye_all_})
+                              &xr_, &etp_full_, &etp_pad_, &dye_all_})
     n += b->buf.bytes();
   return n;
 }
@@ -143,7 +152,7 @@ void MoeLayer::plan_etp_gather(MoeActs& A) {
 void MoeLayer::etp_gather(Tensor all, Tensor rows, MoeActs& A) {
   if (A.etp_pad == 0) return;
   const int64_t C = C_;
-  Tensor full = etp_full_.get(ops_, {etp_size_ * A.etp_pad, C});
+  Tensor full = etp_full_.get(ops_, {etp_size_ * A.etp_pad, C}, rows.dtype);
   etp_->all_gather(full, rows);
   ops_.gather_rows(all, full, A.etp_index_t);
 }
@@ -151,8 +160,8 @@ void MoeLayer::etp_gather(Tensor all, Tensor rows, MoeActs& A) {
 void MoeLayer::etp_reduce_scatter(Tensor rows, Tensor all, MoeActs& A) {
   if (A.etp_pad == 0) return;
   const int64_t C = C_, M = rows.size(0);
-  Tensor full = etp_full_.get(ops_, {etp_size_ * A.etp_pad, C});
-  Tensor part = etp_pad_.get(ops_, {A.etp_pad, C});
+  Tensor full = etp_full_.get(ops_, {etp_size_ * A.etp_pad, C}, all.dtype);
+  Tensor part = etp_pad_.get(ops_, {A.etp_pad, C}, all.dtype);
   ops_.fill(full, 0.0f);
   ops_.scatter_add_rows(full, all, A.etp_index_t);
   etp_->reduce_scatter_sum(part, full);
@@ -171,7 +180,7 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
   A.topk_t = A.topk.get(ops_, {N, K}, DType::I32);
   A.gates_t = A.gates.get(ops_, {N, K});
   A.lse_t = A.lse.get(ops_, {N});
-  ops_.linear_forward(A.logits_t, x, w.router, Tensor());
+  ops_.linear_forward(A.logits_t, router_input(x, w), w.router, Tensor());
   ops_.moe_router_forward(A.probs_t, A.topk_t, A.gates_t, A.lse_t, A.logits_t,
                           cfg_.router == MoeConfig::Router::Sigmoid, cfg_.normalize_gates());
 
@@ -243,13 +252,14 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
   const bool gather = gathers_etp();
   if (gather) plan_etp_gather(A);
   const int64_t Mt = gather ? A.etp_rows : M;  // rows the local experts run on
-  A.xe_t = A.xe.get(ops_, {Mt, C});
-  A.h_t = A.h.get(ops_, {Mt, H});
-  A.a_t = A.a.get(ops_, {Mt, Fl_});
-  A.ye_t = A.ye.get(ops_, {M, C});
-  Tensor ye_all = gather ? dye_all_.get(ops_, {Mt, C}) : A.ye_t;
+  const DType dt = x.dtype;  // of the rows: the activations' dtype
+  A.xe_t = A.xe.get(ops_, {Mt, C}, dt);
+  A.h_t = A.h.get(ops_, {Mt, H}, dt);
+  A.a_t = A.a.get(ops_, {Mt, Fl_}, dt);
+  A.ye_t = A.ye.get(ops_, {M, C}, dt);
+  Tensor ye_all = gather ? dye_all_.get(ops_, {Mt, C}, dt) : A.ye_t;
   if (gather) {
-    Tensor xe_mine = rows_of(etp_pad_.get(ops_, {std::max<int64_t>(A.etp_pad, 1), C}), A.etp_pad);
+    Tensor xe_mine = rows_of(etp_pad_.get(ops_, {std::max<int64_t>(A.etp_pad, 1), C}, dt), A.etp_pad);
     disp_->dispatch_forward(rows_of(xe_mine, M), x, D);
     etp_gather(A.xe_t, xe_mine, A);
   } else {
@@ -261,8 +271,8 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
 
   if (cfg_.shared_hidden > 0) {
     const int64_t Fs = cfg_.shared_hidden;
-    A.sh_t = A.sh.get(ops_, {N, glu ? 2 * Fs : Fs});
-    A.sa_t = A.sa.get(ops_, {N, Fs});
+    A.sh_t = A.sh.get(ops_, {N, glu ? 2 * Fs : Fs}, dt);
+    A.sa_t = A.sa.get(ops_, {N, Fs}, dt);
     mlp_forward(y, A.sh_t, A.sa_t, x, w.shared_fc, w.shared_fc_bias, w.shared_proj, w.shared_proj_bias, nullptr);
   } else {
     ops_.fill(y, 0.0f);
@@ -283,15 +293,17 @@ void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, c
   const int64_t* groups = gather ? A.etp_groups.data() : D.rows_per_expert.data();
 
   // Combine: d(gates) and d(expert outputs); then the experts, back to front.
+  const DType dt = dy.dtype;
   Tensor dgates = dgates_.get(ops_, {N, K});
-  Tensor dye = gather ? rows_of(etp_pad_.get(ops_, {std::max<int64_t>(A.etp_pad, 1), C}), M) : dye_.get(ops_, {M, C});
+  Tensor dye = gather ? rows_of(etp_pad_.get(ops_, {std::max<int64_t>(A.etp_pad, 1), C}, dt), M)
+                      : dye_.get(ops_, {M, C}, dt);
   disp_->combine_backward(dye, dgates, dy, A.ye_t, D);
   if (gather) {
-    Tensor all = dye_.get(ops_, {Mt, C});
+    Tensor all = dye_.get(ops_, {Mt, C}, dt);
     etp_gather(all, rows_of(dye, A.etp_pad), A);
     dye = all;
   }
-  Tensor da = da_.get(ops_, {Mt, Fl_}), dh = dh_.get(ops_, {Mt, H});
+  Tensor da = da_.get(ops_, {Mt, Fl_}, dt), dh = dh_.get(ops_, {Mt, H}, dt);
   ops_.grouped_linear_backward(da, g.proj, g.proj_bias, dye, A.a_t, w.proj, groups);
   if (glu)
     ops_.swiglu_backward(dh, da, A.h_t);
@@ -300,7 +312,7 @@ void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, c
   Tensor dxe = dye;  // dye is spent: its buffer takes d(expert inputs)
   ops_.grouped_linear_backward(dxe, g.fc, g.fc_bias, dh, A.xe_t, w.fc, groups);
   if (gather) {
-    Tensor mine = rows_of(dye_all_.get(ops_, {std::max<int64_t>(M, 1), C}), M);
+    Tensor mine = rows_of(dye_all_.get(ops_, {std::max<int64_t>(M, 1), C}, dt), M);
     etp_reduce_scatter(mine, dxe, A);
     dxe = mine;
   }
@@ -308,7 +320,7 @@ void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, c
   // dx = shared expert's + dispatched experts' + router's.
   if (cfg_.shared_hidden > 0) {
     const int64_t Fs = cfg_.shared_hidden;
-    Tensor dsa = da_.get(ops_, {N, Fs}), dsh = dh_.get(ops_, {N, glu ? 2 * Fs : Fs});
+    Tensor dsa = da_.get(ops_, {N, Fs}, dt), dsh = dh_.get(ops_, {N, glu ? 2 * Fs : Fs}, dt);
     ops_.linear_backward(dsa, g.shared_proj, g.shared_proj_bias, dy, A.sa_t, w.shared_proj);
     if (glu)
       ops_.swiglu_backward(dsh, dsa, A.sh_t);
@@ -338,7 +350,12 @@ void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, c
   Tensor dlogits = dlogits_.get(ops_, {N, E}), dxr = dxr_.get(ops_, {N, C});
   ops_.moe_router_backward(dlogits, dgates, dprobs, dlse, A.logits_t, A.probs_t, A.topk_t,
                            cfg_.router == MoeConfig::Router::Sigmoid, cfg_.normalize_gates());
-  ops_.linear_backward(dxr, g.router, Tensor(), dlogits, A.x, w.router);
+  ops_.linear_backward(dxr, g.router, Tensor(), dlogits, router_input(A.x, w), w.router);
+  if (dx.dtype != dxr.dtype) {  // the router's f32 dx into the activations' dtype (router_input is spent)
+    Tensor c = xr_.get(ops_, {N, C}, dx.dtype);
+    ops_.copy(c, dxr);
+    dxr = c;
+  }
   ops_.add(dx, dx, dxr);
 }
 

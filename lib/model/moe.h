@@ -26,6 +26,12 @@
 // (data + token_group ranks, like a sequence-parallel norm) and expert gradients over the ranks
 // holding the same experts with other tokens (the expert-data-parallel group).
 //
+// Precision: x, y and every row the experts see are in the activations' dtype (f32, or bf16 with
+// bf16 compute weights); the router runs in its weight's dtype, and with bf16 activations the
+// caller passes the f32 master router (x is converted for it), so routing decisions, the gates,
+// the aux and z losses and their gradients stay in f32, as Megatron-Core's fp32 router does.
+// Weight gradients are f32 in either case.
+//
 // Expert tensor parallelism (expert_tp, size T > 1): the F hidden units of every routed expert are
 // split over the group (fc rows, proj columns), as Megatron-Core does. The ranks of expert_tp may
 // hold different tokens. With a dispatcher that spans expert_tp (allgather over expert_tp x ep)
@@ -142,6 +148,7 @@ class MoeLayer {
  private:
   void mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, Tensor fcb, Tensor proj, Tensor projb,
                    const int64_t* groups);
+  Tensor router_input(Tensor x, const MoeWeights& w);
   bool gathers_etp() const { return etp_size_ > 1 && !disp_->spans_expert_tp(); }
   void plan_etp_gather(MoeActs& A);
   // rows (M, C) of every expert_tp rank (padded) -> all (etp_rows, C) grouped by local expert.
@@ -157,7 +164,8 @@ class MoeLayer {
   const Comm* etp_;
   int etp_size_ = 1, etp_rank_ = 0;
   // Scratch shared by all calls (one forward or backward of this layer runs at a time).
-  GrowBuffer ones_, psum_, dgates_, dye_, da_, dh_, drow_, dprobs_, dlse_, dlogits_, dxr_, etp_full_, etp_pad_, dye_all_;
+  GrowBuffer ones_, psum_, dgates_, dye_, da_, dh_, drow_, dprobs_, dlse_, dlogits_, dxr_, xr_, etp_full_, etp_pad_,
+      dye_all_;
 };
 
 }  // namespace mpigpt
