@@ -25,7 +25,6 @@ using namespace mpigpt::testing;
 namespace {
 
 constexpr double kF32Rtol = 1e-5;
-constexpr double kBf16U = 1.0 / 256;  // bf16 unit roundoff
 const DType kDtypes[] = {DType::F32, DType::BF16};
 
 double rtol_for(DType dt) { return dt == DType::BF16 ? 2 * kBf16U : kF32Rtol; }

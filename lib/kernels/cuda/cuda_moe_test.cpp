@@ -21,7 +21,6 @@ using namespace mpigpt::testing;
 
 namespace {
 
-constexpr double kBf16U = 1.0 / 256;  // bf16 unit roundoff
 const DType kDtypes[] = {DType::F32, DType::BF16};
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 

@@ -31,6 +31,9 @@ inline std::unique_ptr<Ops> cuda_ops_or_skip() {
   std::exit(77);
 }
 
+// The bf16 unit roundoff (8 significand bits): the unit of the tests' bf16 tolerances.
+constexpr double kBf16U = 1.0 / 256;
+
 // Round-to-nearest-even to bfloat16 and back (what __float2bfloat16_rn does), NaN kept.
 inline float round_bf16(float x) {
   uint32_t u;

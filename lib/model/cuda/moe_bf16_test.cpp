@@ -20,8 +20,6 @@ using namespace mpigpt::testing;
 
 namespace {
 
-constexpr double kBf16U = 1.0 / 256;  // bf16 unit roundoff
-
 double rms(const std::vector<float>& v) {
   double s = 0;
   for (float x : v) s += double(x) * double(x);
