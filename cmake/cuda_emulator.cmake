@@ -68,9 +68,10 @@ mpigpt_cpp_sources(emu_app_srcs ${PROJECT_SOURCE_DIR}/app)
 add_executable(mpigpt_emulated ${emu_app_srcs})
 target_link_libraries(mpigpt_emulated PRIVATE mpigpt_layers_emulated)
 
-# The GPU tests: those of the kernels (lib/kernels/cuda), of the model's bf16 weights (lib/model/cuda)
-# and of the communication on device tensors (parallel/cuda: NCCL on one rank over the stand-in
-# below, two ranks sharing a device over staged MPI), in one binary on the emulated layers (mpigpt_layers_emulated, after the program's sources).
+# The GPU tests: those of the kernels (lib/kernels/cuda), of the model in bf16 (lib/model/cuda) and
+# of the communication on device tensors (parallel/cuda: NCCL on one rank over the stand-in below,
+# two ranks sharing a device over staged MPI), in one binary on the emulated layers
+# (mpigpt_layers_emulated, after the program's sources).
 file(GLOB emu_tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/lib/kernels/cuda/*_test.cpp
      ${PROJECT_SOURCE_DIR}/lib/model/cuda/*_test.cpp ${PROJECT_SOURCE_DIR}/parallel/cuda/*_test.cpp)
 add_executable(mpigpt_emulated_tests ${PROJECT_SOURCE_DIR}/cmake/test_main.cpp ${emu_tests})
@@ -130,8 +131,8 @@ if(DEFINED REGRESSION_DIR)
   add_test(NAME emulated/regression/loss_curve_cuda_bf16 COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_bf16
            --config ${REGRESSION_DIR}/tiny_hd64.ini --steps 10 --layouts "^$" --families gpt2 --skip-reference
            --tol 2e-2 --layout-args "--engine.backend cuda --engine.comm mpi --training.precision bf16")
-  add_test(NAME emulated/regression/loss_curves_cuda_bf16_moe COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_bf16_moe
-           --steps 4 --layouts "^(moe-ep2|moe-ep2-etp2-tp2-sp-allgather-distopt)$" --families gpt2-moe,llama-moe
+  add_test(NAME emulated/regression/loss_curves_cuda_bf16_moe COMMAND ${emu_run}
+           --out ${REGRESSION_DIR}/emulated_bf16_moe --steps 4 --layouts "^(moe-ep2|moe-ep2-etp2-tp2-sp-allgather-distopt)$" --families gpt2-moe,llama-moe
            --skip-reference --tol 2e-2 --layout-args "${REGRESSION_CUDA_ARGS} --training.precision bf16")
   add_test(NAME emulated/regression/loss_curves_nccl COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_nccl --steps 2
            --layouts "^(dp2|tp2|pp2-vpp2|tp2-sp|cp2|cp2-allgather|tp2-pp2-dp2-distopt-overlap|dp4-distopt-buckets|moe-ep2|moe-cp2-tp2-sp-distopt)$"

@@ -347,9 +347,11 @@ size_t GPT::activation_bytes() const {
   return n;
 }
 
-Tensor GPT::at(const Buffer& buf, const ParamInfo& p, DType dt) const {
-  return Tensor(static_cast<char*>(buf.data()) + p.offset * int64_t(dtype_size(dt)), p.shape, dt, ops_.device());
+Tensor GPT::at(const Buffer& buf, int64_t offset, Shape shape, DType dt) const {
+  return Tensor(static_cast<char*>(buf.data()) + offset * int64_t(dtype_size(dt)), shape, dt, ops_.device());
 }
+
+Tensor GPT::at(const Buffer& buf, const ParamInfo& p, DType dt) const { return at(buf, p.offset, p.shape, dt); }
 
 Tensor GPT::view_of(const Buffer& buf, const std::string& name, DType dt) const {
   for (const auto& p : table_)
@@ -410,13 +412,8 @@ void GPT::params_changed() { stale_.assign(chunks_.size(), 1); }
 // (Chunk::convert), not one launch per parameter.
 void GPT::refresh_compute_params(int c) {
   if (d_.act == DType::F32 || !stale_[c]) return;
-  for (const auto& [lo, hi] : chunks_[c].convert) {
-    auto range = [&](const Buffer& buf, DType dt) {
-      return Tensor(static_cast<char*>(buf.data()) + lo * int64_t(dtype_size(dt)), Shape{hi - lo}, dt,
-                    ops_.device());
-    };
-    ops_.copy(range(cparams_, d_.act), range(params_, DType::F32));
-  }
+  for (const auto& [lo, hi] : chunks_[c].convert)
+    ops_.copy(at(cparams_, lo, {hi - lo}, d_.act), at(params_, lo, {hi - lo}, DType::F32));
   stale_[c] = 0;
 }
 

@@ -184,6 +184,8 @@ class GPT {
   void refresh_compute_params(int c);
   Tensor positions(const Slot& s) const;
   // Parameter p's place in a flat buffer of dtype dt (masters, gradients or the compute copy).
+  // The tensor of `shape` at element `offset` of a parameter-shaped buffer holding dt elements.
+  Tensor at(const Buffer& buf, int64_t offset, Shape shape, DType dt) const;
   Tensor at(const Buffer& buf, const ParamInfo& p, DType dt) const;
   Tensor view_of(const Buffer& buf, const std::string& name, DType dt = DType::F32) const;
   void norm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor w, Tensor b);
