@@ -68,12 +68,13 @@ mpigpt_cpp_sources(emu_app_srcs ${PROJECT_SOURCE_DIR}/app)
 add_executable(mpigpt_emulated ${emu_app_srcs})
 target_link_libraries(mpigpt_emulated PRIVATE mpigpt_layers_emulated)
 
-# The GPU tests: those of the kernels (lib/kernels/cuda), of the model in bf16 (lib/model/cuda) and
-# of the communication on device tensors (parallel/cuda: NCCL on one rank over the stand-in below,
-# two ranks sharing a device over staged MPI), in one binary on the emulated layers
-# (mpigpt_layers_emulated, after the program's sources).
+# The GPU tests: those of the kernels (lib/kernels/cuda), of the model in bf16 (lib/model/cuda), of
+# its training steps (lib/train/cuda) and of the communication on device tensors (parallel/cuda:
+# NCCL on one rank over the stand-in below, two ranks sharing a device over staged MPI), in one
+# binary on the emulated layers (mpigpt_layers_emulated, after the program's sources).
 file(GLOB emu_tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/lib/kernels/cuda/*_test.cpp
-     ${PROJECT_SOURCE_DIR}/lib/model/cuda/*_test.cpp ${PROJECT_SOURCE_DIR}/parallel/cuda/*_test.cpp)
+     ${PROJECT_SOURCE_DIR}/lib/model/cuda/*_test.cpp ${PROJECT_SOURCE_DIR}/lib/train/cuda/*_test.cpp
+     ${PROJECT_SOURCE_DIR}/parallel/cuda/*_test.cpp)
 add_executable(mpigpt_emulated_tests ${PROJECT_SOURCE_DIR}/cmake/test_main.cpp ${emu_tests})
 target_link_libraries(mpigpt_emulated_tests PRIVATE mpigpt_layers_emulated doctest::doctest)
 foreach(src ${emu_tests})

@@ -127,11 +127,16 @@ DpMemory dp_memory(const BufferLayout& layout, bool distributed_optimizer, int r
 
 // ---- gradient reduction and parameter gather ------------------------------------------------
 
-GradSync::GradSync(const Comm& group, BufferLayout layout, Tensor params, Tensor grads, GradSyncOptions opts)
-    : comm_(group), layout_(std::move(layout)), params_(params), grads_(grads), opts_(opts) {
+GradSync::GradSync(const Comm& group, BufferLayout layout, Tensor params, Tensor grads, GradSyncOptions opts,
+                   Tensor gather)
+    : comm_(group), layout_(std::move(layout)), params_(params), grads_(grads), gather_(gather.ptr ? gather : params),
+      opts_(opts) {
   for (const Tensor* t : {&params_, &grads_})
     MPIGPT_CHECK(t->dtype == DType::F32 && t->numel() == layout_.total,
                  "GradSync: params/grads must be f32 of the layout's {} elements, got {}", layout_.total, t->str());
+  MPIGPT_CHECK(gather_.numel() == layout_.total && gather_.device == params_.device,
+               "GradSync: the gather buffer {} must hold the layout's {} elements where params {} live", gather_.str(),
+               layout_.total, params_.str());
   MPIGPT_CHECK(group.size() >= 1, "GradSync: this rank is not in the data-parallel group");
   if (opts_.distributed_optimizer)
     MPIGPT_CHECK(layout_.dp == group.size(),
@@ -222,9 +227,17 @@ void GradSync::gather_params() {
   wait_all_params();  // a gather still in flight would race with the one we start
   for (size_t b = 0; b < state_.size(); ++b) {
     const Bucket& k = layout_.buckets[b];
-    if (k.numel() > 0) state_[b].params = comm_.iall_gather_inplace(params_.flat_slice(k.begin, k.numel()));
+    if (k.numel() > 0) state_[b].params = comm_.iall_gather_inplace(gather_.flat_slice(k.begin, k.numel()));
   }
+  masters_stale_ = gather_.ptr != params_.ptr;
   if (!opts_.overlap_param_gather) wait_all_params();
+}
+
+void GradSync::gather_masters() {
+  if (!masters_stale_) return;
+  for (const Bucket& k : layout_.buckets)
+    if (k.numel() > 0) comm_.all_gather_inplace(params_.flat_slice(k.begin, k.numel()));
+  masters_stale_ = false;
 }
 
 void GradSync::wait_params(int64_t begin, int64_t end) {

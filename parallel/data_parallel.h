@@ -11,6 +11,10 @@
 //   norm² = sum_over_owners(sum_squares_of(grads, intersect_ranges(owned, counted params)))
 //   optimizer step on owned_ranges()
 //   gather_params()                         every rank gets every slice back
+// In bf16 mixed precision the gather moves the bf16 compute copy instead of the f32 masters (half
+// the bytes, as Megatron-Core's distributed optimizer gathers the bf16 parameters): the caller
+// converts its owned slices into that copy before gather_params(), and the f32 masters outside
+// them are stale until gather_masters() (a checkpoint save calls it).
 // The group is the one gradients are summed over (dp x cp ranks for dense parameters).
 //
 // Device buffers: with NCCL every call here only queues work (comm.h). A bucket's reduction
@@ -97,13 +101,18 @@ class GradSync {
   // params and grads: this rank's flat f32 buffers (host or device) of layout.total elements,
   // padding zero.
   // With the distributed optimizer layout.dp must equal the group size. `group` must outlive this.
-  GradSync(const Comm& group, BufferLayout layout, Tensor params, Tensor grads, GradSyncOptions opts);
+  // gather: what gather_params() moves, in params' layout: params itself (an empty tensor), or a
+  // copy of params in a narrower dtype (the bf16 compute weights) that the caller fills at
+  // owned_ranges() before each gather_params().
+  GradSync(const Comm& group, BufferLayout layout, Tensor params, Tensor grads, GradSyncOptions opts,
+           Tensor gather = {});
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;
 
   const BufferLayout& layout() const { return layout_; }
   const GradSyncOptions& options() const { return opts_; }
   const std::vector<Range>& owned_ranges() const { return owned_; }
+  const Comm& group() const { return comm_; }
   DpMemory memory() const;
   // A sum over owned_ranges() (this rank's part of the squared gradient norm, say) made a sum
   // over the whole buffer: an all-reduce over the group when ownership is split, the value
@@ -131,6 +140,11 @@ class GradSync {
   void wait_all_params();
   // Some gather has not been waited for (its parameters must not be read or updated yet).
   bool params_pending() const;
+  // A narrow gather (see the constructor) left the f32 params outside owned_ranges() stale.
+  bool masters_stale() const { return masters_stale_; }
+  // Brings every rank's owned slices of the f32 params to all ranks (blocking), when a narrow
+  // gather left them stale: before the whole f32 buffer is read (a checkpoint save).
+  void gather_masters();
 
  private:
   struct BucketState {
@@ -144,12 +158,13 @@ class GradSync {
 
   const Comm& comm_;
   BufferLayout layout_;
-  Tensor params_, grads_;
+  Tensor params_, grads_, gather_;
   GradSyncOptions opts_;
   std::vector<Range> owned_;
   std::vector<BucketState> state_;
   int next_ = -1;  // the next bucket to start (they start from the last down to 0)
   bool active_ = false;  // more than one rank
+  bool masters_stale_ = false;
 };
 
 }  // namespace mpigpt

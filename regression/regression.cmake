@@ -34,8 +34,9 @@ set_tests_properties(regression/loss_curves PROPERTIES
 # layout shares the one GPU over engine.comm = mpi (NCCL refuses two ranks on one device):
 #  - regression/loss_curves_cuda: fp32 on the GPU, one rank and tp2 / pp2 / dp2 / cp2 / ep2, against
 #    the CPU single-rank curves with the CPU suite's tolerance (1e-4 per step);
-#  - regression/loss_curve_cuda_bf16: 50 steps of GPT-2 (dense, and both MoE families on one rank
-#    and ep2) in bf16 mixed precision on one GPU against the fp32 CPU curve of the same run, within
+#  - regression/loss_curve_cuda_bf16: 50 steps of GPT-2 (dense, and both MoE families on one rank,
+#    ep2, and tp2 x dp2 with the distributed optimizer, whose parameter gather moves the bf16
+#    weights) in bf16 mixed precision on one GPU against the fp32 CPU curve of the same run, within
 #    2e-2 per step (bf16 rounds activations and the compute weights to 8 bits of mantissa, ~4e-3
 #    relative; the curve may drift a few times that).
 set(REGRESSION_CUDA_ARGS "--engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true")
@@ -43,7 +44,7 @@ add_test(NAME regression/loss_curves_cuda COMMAND ${REGRESSION_RUN} --mpirun "${
          --out ${REGRESSION_DIR}/cuda --require-gpu --with-one-rank --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$"
          --families gpt2,llama,gpt2-moe,llama-moe --layout-args "${REGRESSION_CUDA_ARGS}")
 add_test(NAME regression/loss_curve_cuda_bf16 COMMAND ${REGRESSION_RUN} --mpirun "${REGRESSION_MPIRUN}"
-         --out ${REGRESSION_DIR}/cuda_bf16 --require-gpu --with-one-rank --layouts "^moe-ep2$"
+         --out ${REGRESSION_DIR}/cuda_bf16 --require-gpu --with-one-rank --layouts "^(moe-ep2|tp2-dp2-distopt)$"
          --families gpt2,gpt2-moe,llama-moe --steps 50 --skip-reference --tol 2e-2
          --layout-args "${REGRESSION_CUDA_ARGS} --training.precision bf16")
 set_tests_properties(regression/loss_curves_cuda regression/loss_curve_cuda_bf16 PROPERTIES

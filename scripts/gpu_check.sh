@@ -2,7 +2,8 @@
 # Everything that needs a GPU, run from a bundle (make bundle) on a GPU node, each part's log in
 # OUT_DIR: `unit` the gpu unit tests (every CUDA op against the CPU op, NCCL on one rank, two
 # ranks sharing the GPU over staged MPI), `regression` the loss curves with CUDA compute (fp32
-# layouts and 50 bf16 steps against the CPU curves), `bench` scripts/bench_gpu.sh.
+# layouts and 50 bf16 steps against the CPU curves, as regression/regression.cmake's gpu tests),
+# `bench` scripts/bench_gpu.sh.
 #
 #   scripts/gpu_check.sh BUNDLE_DIR OUT_DIR [unit] [regression] [bench]     (default: all three)
 #   DATA=PREFIX   the regression's dataset (PREFIX.bin/.idx, e.g. a copy of build/regression/data/
@@ -37,12 +38,12 @@ for part in "${parts[@]}"; do
       [ -n "${DATA:-}" ] || { echo "gpu_check: regression needs DATA=PREFIX" >&2; status=1; continue; }
       common=(--binary "$B/bin/mpigpt" --mpirun "mpirun --oversubscribe --bind-to none" --data "$DATA"
               --require-gpu --with-one-rank)
+      shared="--engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true"
       step regression_fp32 "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" --out "$OUT/reg_fp32" \
-        --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$" --families gpt2,llama,gpt2-moe,llama-moe \
-        --layout-args "--engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true"
+        --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$" --families gpt2,llama,gpt2-moe,llama-moe --layout-args "$shared"
       step regression_bf16 "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" --out "$OUT/reg_bf16" \
-        --layouts "^$" --families gpt2 --steps 50 --skip-reference --tol 2e-2 \
-        --layout-args "--engine.backend cuda --training.precision bf16" ;;
+        --layouts "^(moe-ep2|tp2-dp2-distopt)$" --families gpt2,gpt2-moe,llama-moe --steps 50 --skip-reference \
+        --tol 2e-2 --layout-args "$shared --training.precision bf16" ;;
     bench)
       step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" "$SRC/scripts/bench_gpu.sh" \
         "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;

@@ -6,6 +6,12 @@
 
 namespace mpigpt {
 
+namespace {
+// The MoE router's weight (a layer's name suffix): forward reads it as the f32 master whatever the
+// compute dtype (MoeLayer::router_input).
+constexpr const char* kRouter = "mlp.router.weight";
+}  // namespace
+
 struct GPT::Slot {
   explicit Slot(Ops& ops) : arena(ops) {}
   int mb = -1;
@@ -371,7 +377,7 @@ GPT::Block GPT::weights(const Buffer& buf, int l, DType dt) const {
     MoeWeights& m = b.moe;
     // The router computes in f32 whatever the activations' dtype (MoeLayer::router_input): its
     // compute weight is the f32 master.
-    m.router = dt == DType::F32 ? v("mlp.router.weight") : view_of(params_, p + "mlp.router.weight");
+    m.router = dt == DType::F32 ? v(kRouter) : view_of(params_, p + kRouter);
     m.fc = v("mlp.experts.fc.weight");
     m.fc_bias = v("mlp.experts.fc.bias");
     m.proj = v("mlp.experts.proj.weight");
@@ -406,6 +412,27 @@ void GPT::init_weights(uint64_t seed) {
 }
 
 void GPT::params_changed() { stale_.assign(chunks_.size(), 1); }
+
+Tensor GPT::compute_params_flat() const {
+  MPIGPT_CHECK(d_.act != DType::F32, "compute_params_flat: computing in f32, the masters are the compute weights");
+  return cparams_.tensor({buffer_numel_}, d_.act);
+}
+
+void GPT::convert_params(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  const Tensor to = compute_params_flat(), from = params_flat();
+  for (const auto& [lo, hi] : ranges)
+    if (lo < hi) ops_.copy(to.flat_slice(lo, hi - lo), from.flat_slice(lo, hi - lo));
+}
+
+void GPT::compute_params_gathered() { stale_.assign(chunks_.size(), 0); }
+
+std::vector<std::pair<int64_t, int64_t>> GPT::master_reads() const {
+  std::vector<std::pair<int64_t, int64_t>> r;
+  if (d_.act == DType::F32) return r;
+  for (const ParamInfo& p : table_)
+    if (p.name.ends_with(std::string(".") + kRouter) && p.numel() > 0) r.push_back({p.offset, p.offset + p.numel()});
+  return r;
+}
 
 // The chunk's parameters, and on the head's chunk the head (a tied replica sits outside the
 // chunk's range), converted into the compute dtype: one conversion per range of the buffer

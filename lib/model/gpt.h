@@ -104,6 +104,17 @@ class GPT {
   // The fp32 masters (param(i), params_flat()) changed: with a bf16 compute dtype each chunk's bf16
   // copy is refreshed at its next forward (after the caller waited for the chunk's parameters).
   void params_changed();
+  // The distributed optimizer's bf16 gather (parallel/data_parallel.h), computing in bf16 only:
+  // the compute copy as one flat tensor in the masters' layout; convert_params() converts
+  // elements [lo, hi) of the masters into it now, one copy per range (this rank's updated slices,
+  // before the gather); after the gather compute_params_gathered() says that the whole copy is
+  // current, so no chunk converts at its next forward.
+  Tensor compute_params_flat() const;
+  void convert_params(const std::vector<std::pair<int64_t, int64_t>>& ranges);
+  void compute_params_gathered();
+  // Elements [lo, hi) of the masters that forward reads in f32 even when computing in bf16 (the
+  // MoE routers): a bf16 gather does not bring them, the caller must.
+  std::vector<std::pair<int64_t, int64_t>> master_reads() const;
   void zero_grads();
 
   // ---- per chunk and micro-batch (the pipeline stage interface) -----------------------------

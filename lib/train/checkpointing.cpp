@@ -260,6 +260,7 @@ SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, M
 
   const GptDims& d = r.model().dims();
   const std::vector<ParamInfo> global = global_table(d);
+  r.gather_masters();  // a bf16 gather left other ranks' slices of the f32 masters stale
   {
     HostState host(r);
     host.download();

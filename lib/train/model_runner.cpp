@@ -132,15 +132,20 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   so.overlap_grad_reduce = cfg.engine.overlap_grad_reduce;
   so.overlap_param_gather = cfg.engine.overlap_param_gather;
   const Tensor params = model_->params_flat(), grads = model_->grads_flat();
+  // In bf16 the distributed optimizer gathers the bf16 compute weights, not the f32 masters.
+  bf16_gather_ = so.distributed_optimizer && d.act != DType::F32;
+  const Tensor gather = bf16_gather_ ? model_->compute_params_flat() : Tensor{};
+  auto region = [&](const Tensor& t, int64_t begin, int64_t n) { return t.ptr ? t.flat_slice(begin, n) : Tensor{}; };
   sync_ = std::make_unique<GradSync>(dp, layout, params.flat_slice(0, layout.total), grads.flat_slice(0, layout.total),
-                                     so);
+                                     so, region(gather, 0, layout.total));
   std::vector<Range> owned = sync_->owned_ranges();
   if (!numels[1].empty()) {
     esync_ = std::make_unique<GradSync>(mesh.expert_dp(), elayout, params.flat_slice(expert_base_, elayout.total),
-                                        grads.flat_slice(expert_base_, elayout.total), so);
+                                        grads.flat_slice(expert_base_, elayout.total), so,
+                                        region(gather, expert_base_, elayout.total));
     for (const Range& r : esync_->owned_ranges()) owned.push_back({expert_base_ + r.begin, expert_base_ + r.end});
   }
-  owned = normalize_ranges(owned);
+  owned = owned_ = normalize_ranges(owned);
 
   AdamWConfig ac;
   ac.beta1 = float(tc.beta1);
@@ -267,9 +272,38 @@ double ModelRunner::grad_norm() {
 
 void ModelRunner::optimizer_step(float lr, float grad_scale) {
   opt_->step(lr, grad_scale);
+  if (bf16_gather_) {  // this rank's updated slices into the bf16 copy, which the gathers then move
+    std::vector<std::pair<int64_t, int64_t>> mine;
+    for (const Range& r : owned_) mine.push_back({r.begin, r.end});
+    model_->convert_params(mine);
+  }
   sync_->gather_params();
   if (esync_) esync_->gather_params();
-  model_->params_changed();
+  if (!bf16_gather_) return model_->params_changed();
+  model_->compute_params_gathered();
+  gather_master_reads();
+}
+
+// The MoE routers' f32 masters: each element has one owner in the dense group, so with every
+// other rank's copy zeroed the group's sum is exactly the owner's value.
+void ModelRunner::gather_master_reads() {
+  if (!sync_->masters_stale()) return;
+  const Tensor params = model_->params_flat();
+  for (const auto& [lo, hi] : model_->master_reads()) {
+    MPIGPT_CHECK(hi <= expert_base_, "f32-read parameter [{}, {}) outside the dense region", lo, hi);
+    int64_t at = lo;
+    for (const Range& r : intersect_ranges(sync_->owned_ranges(), {{lo, hi}})) {
+      if (at < r.begin) ops_.fill(params.flat_slice(at, r.begin - at), 0.0f);
+      at = r.end;
+    }
+    if (at < hi) ops_.fill(params.flat_slice(at, hi - at), 0.0f);
+    sync_->group().allreduce_sum(params.flat_slice(lo, hi - lo));
+  }
+}
+
+void ModelRunner::gather_masters() {
+  sync_->gather_masters();
+  if (esync_) esync_->gather_masters();
 }
 
 }  // namespace mpigpt

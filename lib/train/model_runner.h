@@ -44,8 +44,14 @@ class ModelRunner {
   double moe_load_imbalance() const { return moe_imbalance_; }
   // The global gradient norm: every parameter counted once over all ranks.
   double grad_norm();
-  // AdamW on this rank's share, then the parameters go back to every rank that holds them.
+  // AdamW on this rank's share, then the parameters go back to every rank that holds them. In bf16
+  // with the distributed optimizer the gathers move the bf16 compute weights, and of the f32
+  // masters only this rank's owned slices (and the MoE routers, which forward reads in f32) are
+  // current afterwards.
   void optimizer_step(float lr, float grad_scale);
+  // Makes every f32 master current on every rank that holds it (blocking; nothing to do unless a
+  // bf16 gather left them stale): before the masters are read whole, as a checkpoint save does.
+  void gather_masters();
 
   const GPT& model() const { return *model_; }
   GPT& model() { return *model_; }
@@ -73,6 +79,8 @@ class ModelRunner {
   void grads_ready(int i);
   // Before parameters [first, end) are read: their gathers (distributed optimizer) are done.
   void wait_params(int first, int end);
+  // After a bf16 gather: the f32 masters forward reads (GPT::master_reads) made current.
+  void gather_master_reads();
 
   const Config& cfg_;
   const Mesh& mesh_;
@@ -87,6 +95,8 @@ class ModelRunner {
   std::unique_ptr<GradSync> sync_, esync_;
   std::vector<std::pair<int, int>> region_;
   int64_t expert_base_ = 0;  // first element of the expert region
+  std::vector<Range> owned_;  // elements this rank updates (both regions)
+  bool bf16_gather_ = false;  // the distributed optimizer gathers the bf16 compute weights
   std::unique_ptr<AdamW> opt_;
   Schedule schedule_;  // for the configured number of micro-batches
   int pp_rank_ = 0, num_micro_ = 1;
