@@ -207,9 +207,13 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       log_line("data: {} ({} train samples per epoch{})", cfg.data.path, data.train->samples_per_epoch(),
                data.valid ? fmt::format(", {} validation", data.valid->samples_per_epoch()) : std::string());
     const DpMemory mem = runner.memory();
-    log_line("memory per rank: parameters {:.1f} MiB, gradients {:.1f} MiB, optimizer state {:.1f} MiB{}; peak "
-             "for MFU {:.1f} GFLOP/s per rank", mem.params / 1048576.0, mem.grads / 1048576.0,
-             mem.optimizer / 1048576.0, cfg.engine.distributed_optimizer ? " (distributed)" : "", peak / 1e9);
+    // In bf16 the compute copy of the weights comes on top of the fp32 masters.
+    const int64_t copy = d.act == DType::F32 ? 0 : mem.params / 4 * int64_t(dtype_size(d.act));
+    log_line("memory per rank: parameters {:.1f} MiB{}, gradients {:.1f} MiB, optimizer state {:.1f} MiB{}; peak "
+             "for MFU {:.1f} GFLOP/s per rank", mem.params / 1048576.0,
+             copy > 0 ? fmt::format(" + {:.1f} MiB {} copy", copy / 1048576.0, dtype_name(d.act)) : std::string(),
+             mem.grads / 1048576.0, mem.optimizer / 1048576.0,
+             cfg.engine.distributed_optimizer ? " (distributed)" : "", peak / 1e9);
   }
 
   // ---- loop -----------------------------------------------------------------------------------
