@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <utility>
 
 #include "lib/train/layout.h"
 #include "parallel/pipeline_parallel.h"
@@ -138,14 +139,14 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   auto region = [&](const Tensor& t, int64_t begin, int64_t n) { return t.ptr ? t.flat_slice(begin, n) : Tensor{}; };
   sync_ = std::make_unique<GradSync>(dp, layout, params.flat_slice(0, layout.total), grads.flat_slice(0, layout.total),
                                      so, region(gather, 0, layout.total));
-  std::vector<Range> owned = sync_->owned_ranges();
+  owned_ = sync_->owned_ranges();
   if (!numels[1].empty()) {
     esync_ = std::make_unique<GradSync>(mesh.expert_dp(), elayout, params.flat_slice(expert_base_, elayout.total),
                                         grads.flat_slice(expert_base_, elayout.total), so,
                                         region(gather, expert_base_, elayout.total));
-    for (const Range& r : esync_->owned_ranges()) owned.push_back({expert_base_ + r.begin, expert_base_ + r.end});
+    for (const Range& r : esync_->owned_ranges()) owned_.push_back({expert_base_ + r.begin, expert_base_ + r.end});
   }
-  owned = owned_ = normalize_ranges(owned);
+  owned_ = normalize_ranges(std::move(owned_));
 
   AdamWConfig ac;
   ac.beta1 = float(tc.beta1);
@@ -153,14 +154,14 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   ac.eps = float(tc.eps);
   ac.weight_decay = float(tc.weight_decay);
   ac.no_decay = parse_no_decay(tc.no_decay);
-  opt_ = std::make_unique<AdamW>(ops, model_->params(), params, grads, ac, owned);
+  opt_ = std::make_unique<AdamW>(ops, model_->params(), params, grads, ac, owned_);
 
   // The gradient norm counts each element once over the world, on the rank that writes its
   // optimizer state to a checkpoint: of owned elements those of parameters it writes.
   std::vector<Range> counted;
   for (const ParamInfo& p : table)
     if (writes_state(p)) counted.push_back({p.offset, p.offset + p.numel()});
-  norm_ranges_ = intersect_ranges(counted, owned);
+  norm_ranges_ = intersect_ranges(counted, owned_);
 
   num_micro_ = tc.global_batch / (mesh.dp().size() * tc.micro_batch);  // cp ranks share their rows
   schedule_ = make_schedule(pc.pp, pc.vpp, num_micro_);
