@@ -50,6 +50,22 @@ template <int HD>
 constexpr int kFwdCols = 64;
 template <int HD>
 constexpr int kBwdCols = HD == 128 ? 32 : 64;
+// The dQ kernel's key tile: it holds one 16 x HD accumulator, so 64 fits at HD 128 too. At HD 128
+// it also keeps the warp's Q and dO rows (the A operands of S and dP) in registers for the whole
+// kernel instead of reading them from shared memory at every key tile. Measured on an H200
+// (causal, bf16, the GPT-2 1.3B shape B 32, 16 heads, T 1024): backward 3.17 -> 3.09 ms; at HD 64
+// neither change helped.
+template <int HD>
+constexpr int kDqCols = 64;
+template <int HD>
+constexpr bool kDqRegA = HD == 128;
+// Blocks per multiprocessor the dK/dV kernel is compiled for (registers <= 65536 / (128 * N)): at
+// HD 64, 3 instead of the 2 that its 218 registers allow (a 12-byte spill) took the GPT-2 124M
+// shape's backward (B 64, 12 heads, T 1024) from 2.96 to 2.45 ms on an H200, and the Llama 1B
+// shape's (B 8, 32 heads over 8 kv heads, T 2048) from 3.88 to 3.26 ms. The masked kernel would
+// spill 88 bytes there and has not been measured, so it keeps the compiler's choice.
+template <int HD, bool kCausal>
+constexpr int kDkdvMinBlocks = HD == 64 && kCausal ? 3 : 1;
 
 // dst [ROWS][HD + 8] (shared) = rows [row0, row0 + ROWS) of the strided bf16 matrix src (HD
 // columns); rows at or past end are zero. 16-byte chunks: src, stride and HD are multiples of 8.
@@ -325,7 +341,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
 // grid (ceil(Tq/64), NH, B).
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const AttentionTcBackward pb) {
-  constexpr int LD = kLd<HD>, KS = HD / 16, DT = HD / 8, KC = kBwdCols<HD>, NT = KC / 8;
+  constexpr int LD = kLd<HD>, KS = HD / 16, DT = HD / 8, KC = kDqCols<HD>, NT = KC / 8;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_tc_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(attn_tc_smem);
@@ -364,6 +380,11 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) lse2[rr] = lse2_s[wr + g + 8 * rr];
   if constexpr (!kCausal) lane_rows(myqpos, myqseg, qpos_s, qseg_s, wr, g);
+  uint32_t qa[KS][4], doa[KS][4];
+  if constexpr (kDqRegA<HD>) {
+    mma::load_a_all<KS, LD>(qa, Qs + wr * LD);
+    mma::load_a_all<KS, LD>(doa, dOs + wr * LD);
+  }
   float dq[DT][4] = {};
 
   const int kend = kCausal ? min(p.Tk, i0 + kTcRows) : p.Tk;
@@ -376,8 +397,13 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
       continue;
 
     float s[NT][4] = {}, dp[NT][4] = {};
-    warp_abt<KS, NT, LD>(s, Qs + wr * LD, Ks);   // S = Q K^T
-    warp_abt<KS, NT, LD>(dp, dOs + wr * LD, Vs);  // dP = dO V^T
+    if constexpr (kDqRegA<HD>) {
+      warp_abt<KS, NT, LD>(s, qa, Ks);   // S = Q K^T
+      warp_abt<KS, NT, LD>(dp, doa, Vs);  // dP = dO V^T
+    } else {
+      warp_abt<KS, NT, LD>(s, Qs + wr * LD, Ks);
+      warp_abt<KS, NT, LD>(dp, dOs + wr * LD, Vs);
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -403,7 +429,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
 // dk, dv (=, or +=) for the 64 keys [j0, j0+64) of kv head kh, summed over its NH/NKV query heads:
 // dK = dS^T Q / sqrt(HD), dV = P^T dO. grid (ceil(Tk/64), NKV, B).
 template <int HD, bool kCausal>
-__global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const AttentionTcBackward pb) {
+__global__ void __launch_bounds__(kTcThreads, (kDkdvMinBlocks<HD, kCausal>))
+    attention_bwd_dkdv_tc_kernel(const AttentionTcBackward pb) {
   constexpr int LD = kLd<HD>, KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_tc_smem[];
@@ -411,10 +438,10 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const
   bf16* Vs = reinterpret_cast<bf16*>(attn_tc_smem + tile_bytes<HD>(kTcRows));
   constexpr int NB = kCausal ? 2 : 1;  // Q/dO buffers: causal tiles are prefetched one ahead
   bf16* QdOs = reinterpret_cast<bf16*>(attn_tc_smem + 2 * tile_bytes<HD>(kTcRows));  // [NB] x (Q, dO)
-  float* lse2_s =
-      reinterpret_cast<float*>(attn_tc_smem + 2 * tile_bytes<HD>(kTcRows) + 2 * NB * tile_bytes<HD>(QC));
-  float* D_s = lse2_s + QC;
-  int* qpos_s = reinterpret_cast<int*>(D_s + QC);
+  // [NB] x QC of the tile's lse (natural log, as saved) and D, prefetched with its Q and dO.
+  float* lse_b = reinterpret_cast<float*>(attn_tc_smem + 2 * tile_bytes<HD>(kTcRows) + 2 * NB * tile_bytes<HD>(QC));
+  float* D_b = lse_b + NB * QC;
+  int* qpos_s = reinterpret_cast<int*>(D_b + NB * QC);
   int* qseg_s = qpos_s + QC;
   int* kpos_b = qseg_s + QC;  // the block's keys
   int* kseg_b = kpos_b + kTcRows;
@@ -441,24 +468,35 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const
   auto do_src = [&](int n) {
     return static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(kh * G + n / nq) * HD;
   };
+  // Tile n's lse and D to buffer n % NB: asynchronous copies (4 bytes each: a row of lse need not be
+  // 16-byte aligned), -inf and 0 past Tq (no gradient through those queries).
+  auto rows_async = [&](int n) {
+    const int i0 = istart + (n % nq) * QC;
+    const int64_t row0 = (int64_t(b) * p.NH + kh * G + n / nq) * p.Tq;
+    for (int x = threadIdx.x; x < 2 * QC; x += kTcThreads) {
+      const bool is_lse = x < QC;
+      const int c = is_lse ? x : x - QC, ii = i0 + c;
+      float* dst = (is_lse ? lse_b : D_b) + (n % NB) * QC + c;
+      if (ii < p.Tq)
+        __pipeline_memcpy_async(dst, (is_lse ? p.lse : pb.D) + row0 + ii, 4);
+      else
+        *dst = is_lse ? -INFINITY : 0.f;
+    }
+  };
   if constexpr (kCausal) {
     if (nq > 0) {
       load_tile_async<HD, QC>(QdOs, q_src(0), p.q_stride, istart, p.Tq);
       load_tile_async<HD, QC>(QdOs + QC * LD, do_src(0), ldo, istart, p.Tq);
+      rows_async(0);
       __pipeline_commit();
     }
   }
   for (int n = 0; n < G * nq; ++n) {
     const int i0 = istart + (n % nq) * QC;
-    const int64_t row0 = (int64_t(b) * p.NH + kh * G + n / nq) * p.Tq;
     const bf16* Qs = QdOs + (n % NB) * 2 * QC * LD;
     const bf16* dOs = Qs + QC * LD;
-    if constexpr (!kCausal) __syncthreads();  // the previous tile's readers of the query data are done
-    if (threadIdx.x < QC) {
-      const int x = threadIdx.x, ii = i0 + x;
-      lse2_s[x] = ii < p.Tq ? p.lse[row0 + ii] * kTcLog2e : -INFINITY;  // -inf: no gradient through the query
-      D_s[x] = ii < p.Tq ? pb.D[row0 + ii] : 0.f;
-    }
+    const float* lse_s = lse_b + (n % NB) * QC;
+    const float* D_s = D_b + (n % NB) * QC;
     if constexpr (kCausal) {
       // Prefetch tile n+1 into the other buffer (whose readers finished at the barrier ending
       // iteration n-1), then wait for tile n.
@@ -467,11 +505,19 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const
         const int inext = istart + ((n + 1) % nq) * QC;
         load_tile_async<HD, QC>(next, q_src(n + 1), p.q_stride, inext, p.Tq);
         load_tile_async<HD, QC>(next + QC * LD, do_src(n + 1), ldo, inext, p.Tq);
+        rows_async(n + 1);
       }
       __pipeline_commit();
       __pipeline_wait_prior(1);
       __syncthreads();
     } else {
+      __syncthreads();  // the previous tile's readers of the query data are done
+      if (threadIdx.x < QC) {
+        const int x = threadIdx.x, ii = i0 + x;
+        const int64_t row0 = (int64_t(b) * p.NH + kh * G + n / nq) * p.Tq;
+        lse_b[x] = ii < p.Tq ? p.lse[row0 + ii] : -INFINITY;
+        D_b[x] = ii < p.Tq ? pb.D[row0 + ii] : 0.f;
+      }
       load_mask<QC>(qpos_s, qseg_s, p.qpos, p.qseg, b, p.Tq, i0);
       __syncthreads();
       bool any = false;
@@ -479,7 +525,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const
       if (j0 + kr < p.Tk) {
         const int kp = kpos_b[kr], ks = kseg_b[kr];
         for (int x = x0; x < x0 + QC / 2; ++x)
-          any = any || (lse2_s[x] != -INFINITY && qseg_s[x] == ks && kp <= qpos_s[x]);
+          any = any || (lse_s[x] != -INFINITY && qseg_s[x] == ks && kp <= qpos_s[x]);
       }
       if (!__syncthreads_or(any)) continue;
       load_tile<HD, QC>(QdOs, q_src(n), p.q_stride, i0, p.Tq);
@@ -495,12 +541,12 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dkdv_tc_kernel(const
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
-        bool vis = keys[rr] < p.Tk && lse2_s[x] != -INFINITY;
+        bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY;
         if constexpr (kCausal)
           vis = vis && keys[rr] <= i0 + x;
         else
           vis = vis && qseg_s[x] == mykseg[rr] && mykpos[rr] <= qpos_s[x];
-        const float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - lse2_s[x]) : 0.f;
+        const float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
         st[nt][e] = pr;                                             // P^T
         dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
       }
@@ -521,13 +567,13 @@ constexpr size_t fwd_smem() {
 }
 template <int HD, bool kCausal>
 constexpr size_t dq_smem() {
-  return 2 * tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kBwdCols<HD>) +
-         size_t(3 * kTcRows + 2 * kBwdCols<HD>) * 4;
+  return 2 * tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kDqCols<HD>) +
+         size_t(3 * kTcRows + 2 * kDqCols<HD>) * 4;
 }
 template <int HD, bool kCausal>
 constexpr size_t dkdv_smem() {
   return 2 * tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kBwdCols<HD>) +
-         size_t(4 * kBwdCols<HD> + 2 * kTcRows) * 4;
+         size_t((kCausal ? 6 : 4) * kBwdCols<HD> + 2 * kTcRows) * 4;
 }
 
 // Above 48 KiB a kernel must opt in to its dynamic shared memory (per device, so on every call).

@@ -122,6 +122,29 @@ __device__ __forceinline__ void warp_abt(float (&acc)[NT][4], const bf16* rows, 
   }
 }
 
+// The A fragments of all KS k-steps of the 16 rows at `rows`, for products that reuse them.
+template <int KS, int LD>
+__device__ __forceinline__ void load_a_all(uint32_t (&a)[KS][4], const bf16* rows) {
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) load_a<LD>(a[kk], rows, kk);
+}
+
+// warp_abt with A already in registers (load_a_all): only X is read from shared memory.
+template <int KS, int NT, int LD>
+__device__ __forceinline__ void warp_abt(float (&acc)[NT][4], const uint32_t (&a)[KS][4], const bf16* X) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      load_b_nk<LD>(b, X, np * 16, kk);
+      mma_bf16(acc[2 * np], a[kk], b[0], b[1]);
+      mma_bf16(acc[2 * np + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
 // The A fragment of k-step s from an accumulator tile (its columns 16s..16s+15), rounded to bf16:
 // an accumulator's registers are exactly an A operand's, two n-tiles side by side.
 template <int NT>
