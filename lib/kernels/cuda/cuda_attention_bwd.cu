@@ -27,6 +27,42 @@ __global__ void attention_rowdot_kernel(const Problem p) {
   if (lane == 0) p.D[(bi / p.Tq * p.NH + h) * p.Tq + bi % p.Tq] = s;
 }
 
+// The same for bf16 with 16-byte loads: G = HD/8 lanes per row (a power of two up to 32, so a
+// row's lanes share a warp), rows in D's order (b, h, i) so that the stores are coalesced. A row of
+// out/dout is one contiguous HD*2-byte segment. The one-warp-per-row kernel above moves 2 bytes per
+// lane per load: on an H200 it took 0.181 ms for the GPT-2 124M shape (B 64, 12 heads, T 1024,
+// 200 MB read), this one 0.052 ms (0.113 -> 0.066 at the 1.3B shape, 0.122 -> 0.036 at Llama 1B).
+template <int G>
+__global__ void attention_rowdot_bf16_kernel(const Problem p) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = idx / G;  // (b*NH + h)*Tq + i
+  const int c = int(idx % G);
+  float s = 0.f;
+  if (row < int64_t(p.B) * p.NH * p.Tq) {
+    const int64_t i = row % p.Tq, bh = row / p.Tq, b = bh / p.NH, h = bh % p.NH;
+    const int64_t off = ((b * p.Tq + i) * p.NH + h) * p.HD + c * 8;
+    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.out) + off);
+    const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(p.dout) + off);
+    const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+    const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 x = __bfloat1622float2(o2[e]), y = __bfloat1622float2(d2[e]);
+      s += x.x * y.x + x.y * y.y;
+    }
+  }
+#pragma unroll
+  for (int k = G / 2; k > 0; k >>= 1) s += __shfl_xor_sync(0xffffffffu, s, k);
+  if (c == 0 && row < int64_t(p.B) * p.NH * p.Tq) p.D[row] = s;
+}
+
+template <int G>
+void rowdot_bf16(const Problem& p, cudaStream_t stream) {
+  const int64_t threads = int64_t(p.B) * p.NH * p.Tq * G;
+  attention_rowdot_bf16_kernel<G><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p);
+  MPIGPT_CUDA_LAUNCHED();
+}
+
 // dq (=, or += when accumulating) for the 64 queries [i0, i0+64) of head h: sum over the visible
 // keys of dS K / sqrt(HD), dS = P (dO.v - D), P = exp(q.k / sqrt(HD) - lse). grid (ceil(Tq/64), NH, B).
 template <class T, int HDP, bool kCausal>
@@ -217,6 +253,23 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(const Prob
 }  // namespace
 
 void rowdot(const Problem& p, DType dt, cudaStream_t stream) {
+  const int G = p.HD / 8;
+  if (dt == DType::BF16 && p.HD % 8 == 0 && G <= 32 && (G & (G - 1)) == 0 && aligned16(p.out) &&
+      aligned16(p.dout)) {
+    if (G == 1)
+      rowdot_bf16<1>(p, stream);
+    else if (G == 2)
+      rowdot_bf16<2>(p, stream);
+    else if (G == 4)
+      rowdot_bf16<4>(p, stream);
+    else if (G == 8)
+      rowdot_bf16<8>(p, stream);
+    else if (G == 16)
+      rowdot_bf16<16>(p, stream);
+    else
+      rowdot_bf16<32>(p, stream);
+    return;
+  }
   dispatch_float(dt, "attention", [&](auto tag) {
     using T = decltype(tag);
     const int64_t warps = int64_t(p.B) * p.Tq * p.NH;
