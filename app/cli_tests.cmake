@@ -134,6 +134,9 @@ ckpt_test(moe_resume_dense fail "saved with model.num_experts = 0. this run has 
 # 2-rank run come from inside the bundle (scripts/bundle_check.sh lists what it checks).
 cli_test(bundle ok "bundle check: ok" "${PROJECT_SOURCE_DIR}/scripts/bundle_check.sh $<TARGET_FILE_DIR:mpigpt> ${CLI_DIR}/bundle")
 
+# scripts/bench_gpu.sh's search for the largest micro-batch that fits, with a stand-in for mpigpt.
+cli_test(bench_gpu_search ok "bench_gpu check: ok" "${PROJECT_SOURCE_DIR}/scripts/bench_gpu_check.sh")
+
 # `mpigpt bench --profile-ops`: the per-op breakdown of the last step, and the MFU line.
 cli_test(bench_profile_ops ok "bench: op linear_forward .* calls"
   "${BIN} bench ${TINY} --bench-steps 1 --bench-warmup 0 --profile-ops")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one-GPU benchmark (`make bench-gpu`): for each model config and recompute setting, the
 # largest micro-batch that fits (start at the config's, double while it fits, halve while it does
-# not: only "out of device memory" counts as not fitting, any other failure stops the script),
-# then its tokens/s, TFLOP/s, MFU and peak memory, and one profiled step per model (time per op,
+# not: only mpigpt's "out of GPU memory" error counts as not fitting, any other failure stops the
+# script; scripts/bench_gpu_check.sh tests the search), then its tokens/s, TFLOP/s, MFU and peak memory, and one profiled step per model (time per op,
 # largest first).
 #
 #   scripts/bench_gpu.sh [CONFIG.ini ...]      (default: inputs/*_gpu.ini)
@@ -20,7 +20,7 @@ configs=("$@")
                                      inputs/llama_1b_gpu.ini)
 : >"$LOG"
 
-# One bench run; its output goes to $out. Returns 0 (ran), 1 (out of device memory), exits otherwise.
+# One bench run; its output goes to $out. Returns 0 (ran), 1 (out of GPU memory), exits otherwise.
 run_bench() {  # config micro_batch recompute [extra args]
   local cfg=$1 mb=$2 rc=$3
   shift 3
@@ -29,7 +29,7 @@ run_bench() {  # config micro_batch recompute [extra args]
   local status=$?
   { echo "== $cfg micro_batch $mb recompute $rc $*"; echo "$out"; } >>"$LOG"
   [ $status -eq 0 ] && return 0
-  if grep -q "out of device memory" <<<"$out"; then return 1; fi
+  if grep -q "out of GPU memory" <<<"$out"; then return 1; fi
   echo "bench_gpu: $cfg micro_batch $mb recompute $rc failed (not for memory):" >&2
   tail -5 <<<"$out" >&2
   exit 1

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# CTest (cli/bench_gpu_search): scripts/bench_gpu.sh's search for the largest micro-batch, run with a
+# stand-in for `mpigpt bench` that fits up to micro-batch 16 without recompute and 32 with full
+# recompute and otherwise fails as mpigpt does when the GPU is out of memory. The stand-in's message
+# is the one lib/kernels/cuda/cuda_ops.cu prints, read from the source, so that the script and the
+# program cannot drift apart again (the script once looked for "out of device memory" and treated
+# every real out-of-memory failure as a crash). Also: doubling up from below, halving down from
+# above, MAX_MB, and that any other failure stops the script with an error.
+set -euo pipefail
+SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+fail() { echo "bench_gpu check: $*" >&2; exit 1; }
+
+msg=$(grep -o 'out of GPU memory on device' "$SRC/lib/kernels/cuda/cuda_ops.cu" | head -1 || true)
+[ -n "$msg" ] || fail "lib/kernels/cuda/cuda_ops.cu no longer prints 'out of GPU memory on device': update scripts/bench_gpu.sh's test for running out of memory and this check"
+
+cat >"$T/fake" <<FAKE
+#!/usr/bin/env bash
+# mpigpt bench stand-in: arguments as scripts/bench_gpu.sh passes them.
+mb=0 rc=none prof=0
+while [ \$# -gt 0 ]; do
+  case \$1 in
+    --training.micro_batch) mb=\$2; shift ;;
+    --engine.recompute) rc=\$2; shift ;;
+    --profile-ops) prof=1 ;;
+  esac
+  shift
+done
+[ -n "\${CRASH_AT:-}" ] && [ "\$mb" = "\$CRASH_AT" ] && { echo "mpigpt: error: CUDA error: an illegal memory access"; exit 1; }
+limit=16
+[ "\$rc" = full ] && limit=32
+if [ "\$mb" -gt "\$limit" ]; then
+  echo "mpigpt: error: $msg 0: requested 1 bytes (1 B), but only 0 bytes (0 B) of 1 GiB are free"
+  exit 1
+fi
+echo "bench: achieved 100 TFLOP/s per rank, MFU 10.1% (training.precision = bf16, engine.recompute = \$rc, micro-batch \$mb)"
+[ \$prof = 1 ] && echo "bench: op attention_backward   1.000 ms  50.0%     12 calls"
+exit 0
+FAKE
+chmod +x "$T/fake"
+
+run() {  # start_micro_batch: bench_gpu.sh's output
+  printf '[training]\nmicro_batch = %s\nglobal_batch = %s\n' "$1" "$1" >"$T/c$1.ini"
+  MPIGPT="$T/fake" LOG="$T/log" STEPS=1 WARMUP=0 MAX_MB=64 "$SRC/scripts/bench_gpu.sh" "$T/c$1.ini"
+}
+expect() {  # output pattern
+  grep -qE "$2" <<<"$1" || { echo "$1" >&2; fail "expected a line matching '$2'"; }
+}
+for start in 4 64; do  # doubling up from 4, halving down from 64
+  out=$(run $start) || fail "bench_gpu.sh failed from micro-batch $start: $out"
+  expect "$out" "recompute none: largest micro-batch 16$"
+  expect "$out" "recompute full: largest micro-batch 32$"
+  expect "$out" "per-op time of one profiled step \(micro-batch 16\)"
+  expect "$out" "bench: op attention_backward"
+done
+if out=$(CRASH_AT=8 run 4 2>&1); then fail "a failure other than memory did not stop bench_gpu.sh: $out"; fi
+expect "$out" "micro_batch 8 recompute none failed \(not for memory\)"
+echo "bench_gpu check: ok"
