@@ -2,8 +2,8 @@
 # The one-GPU benchmark (`make bench-gpu`): for each model config and recompute setting, the
 # largest micro-batch that fits (start at the config's, double while it fits, halve while it does
 # not: only mpigpt's "out of GPU memory" error counts as not fitting, any other failure stops the
-# script; scripts/bench_gpu_check.sh tests the search), then its tokens/s, TFLOP/s, MFU and peak memory, and one profiled step per model (time per op,
-# largest first).
+# script; scripts/bench_gpu_check.sh tests the search), then its tokens/s, TFLOP/s, MFU and peak
+# memory, and one profiled step per model (time per op, largest first).
 #
 #   scripts/bench_gpu.sh [CONFIG.ini ...]      (default: inputs/*_gpu.ini)
 #   MPIGPT=path/to/mpigpt  STEPS=10  WARMUP=3  RECOMPUTE="none full"  MAX_MB=64  LOG=bench_gpu.log

@@ -13,7 +13,8 @@ trap 'rm -rf "$T"' EXIT
 fail() { echo "bench_gpu check: $*" >&2; exit 1; }
 
 msg=$(grep -o 'out of GPU memory on device' "$SRC/lib/kernels/cuda/cuda_ops.cu" | head -1 || true)
-[ -n "$msg" ] || fail "lib/kernels/cuda/cuda_ops.cu no longer prints 'out of GPU memory on device': update scripts/bench_gpu.sh's test for running out of memory and this check"
+[ -n "$msg" ] ||
+  fail "cuda_ops.cu no longer prints 'out of GPU memory on device': update bench_gpu.sh's grep and this check"
 
 cat >"$T/fake" <<FAKE
 #!/usr/bin/env bash
@@ -27,14 +28,17 @@ while [ \$# -gt 0 ]; do
   esac
   shift
 done
-[ -n "\${CRASH_AT:-}" ] && [ "\$mb" = "\$CRASH_AT" ] && { echo "mpigpt: error: CUDA error: an illegal memory access"; exit 1; }
+if [ -n "\${CRASH_AT:-}" ] && [ "\$mb" = "\$CRASH_AT" ]; then
+  echo "mpigpt: error: CUDA error: an illegal memory access"
+  exit 1
+fi
 limit=16
 [ "\$rc" = full ] && limit=32
 if [ "\$mb" -gt "\$limit" ]; then
   echo "mpigpt: error: $msg 0: requested 1 bytes (1 B), but only 0 bytes (0 B) of 1 GiB are free"
   exit 1
 fi
-echo "bench: achieved 100 TFLOP/s per rank, MFU 10.1% (training.precision = bf16, engine.recompute = \$rc, micro-batch \$mb)"
+echo "bench: achieved 100 TFLOP/s per rank, MFU 10.1% (engine.recompute = \$rc, micro-batch \$mb)"
 [ \$prof = 1 ] && echo "bench: op attention_backward   1.000 ms  50.0%     12 calls"
 exit 0
 FAKE
