@@ -24,9 +24,7 @@ namespace mpigpt::cuda {
 
 namespace {
 
-using mma::acc_to_a;
-using mma::load_a;
-using mma::mma_bf16;
+using mma::load_a_all;
 using mma::warp_abt;
 using mma::warp_acc_times;
 
@@ -232,8 +230,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
   __syncthreads();
 
   uint32_t qa[KS][4];  // the warp's Q rows as A fragments, for every key tile
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) load_a<LD>(qa[kk], Qs + wr * LD, kk);
+  load_a_all<KS, LD>(qa, Qs + wr * LD);
   int myqpos[2] = {0, 0}, myqseg[2] = {0, 0};
   if constexpr (!kCausal) lane_rows(myqpos, myqseg, qpos_s, qseg_s, wr, g);
   float o[DT][4] = {};
@@ -250,16 +247,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
       continue;  // nothing visible in this tile
 
     float s[NT][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bk[4];
-        mma::load_b_nk<LD>(bk, Ks, np * 16, kk);
-        mma_bf16(s[2 * np], qa[kk], bk[0], bk[1]);
-        mma_bf16(s[2 * np + 1], qa[kk], bk[2], bk[3]);
-      }
-    }
+    warp_abt<KS, NT, LD>(s, qa, Ks);  // S = Q K^T
     // Scale to base 2 and mask. A causal tile entirely at or below the warp's first query and inside
     // Tk needs no mask (rows past Tq are computed from zero Q rows and never written).
     const bool unmasked = kCausal && j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk;
@@ -382,8 +370,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
   if constexpr (!kCausal) lane_rows(myqpos, myqseg, qpos_s, qseg_s, wr, g);
   uint32_t qa[KS][4], doa[KS][4];
   if constexpr (kDqRegA<HD>) {
-    mma::load_a_all<KS, LD>(qa, Qs + wr * LD);
-    mma::load_a_all<KS, LD>(doa, dOs + wr * LD);
+    load_a_all<KS, LD>(qa, Qs + wr * LD);
+    load_a_all<KS, LD>(doa, dOs + wr * LD);
   }
   float dq[DT][4] = {};
 
