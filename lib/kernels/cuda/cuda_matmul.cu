@@ -18,6 +18,7 @@
 #include <map>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
+#include "lib/kernels/cuda/cuda_kernel_util.cuh"
 #include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cuda {
@@ -238,6 +239,51 @@ __global__ void column_sums_kernel(float* out, const T* x, int64_t rows, int64_t
   }
 }
 
+// The same sums with 16-byte loads (W elements; cols % W == 0, x 16-byte aligned): a block of
+// kSumRows warps owns 32 W columns, lane l the W from l W on; the warps stride over the chunk's
+// rows four at a time (four loads in flight, summed in row order), and shared memory adds their
+// partial sums in a fixed order, as above.
+template <class T, int W>
+__global__ void __launch_bounds__(32 * kSumRows)
+    column_sums_vec_kernel(float* out, const T* x, int64_t rows, int64_t cols, int64_t rows_per_chunk,
+                           bool accumulate) {
+  __shared__ float part[kSumRows][32 * W];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t col = int64_t(blockIdx.x) * 32 * W + lane * W;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_chunk, r1 = min(rows, r0 + rows_per_chunk);
+  float s[W] = {};
+  if (col < cols) {
+    int64_t r = r0 + warp;
+    for (; r + 3 * kSumRows < r1; r += 4 * kSumRows) {
+      Pack<T, W> v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = load_pack<W>(x + (r + u * kSumRows) * cols + col);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int j = 0; j < W; ++j) s[j] += to_f(v[u].v[j]);
+    }
+    for (; r < r1; r += kSumRows) {
+      const Pack<T, W> v = load_pack<W>(x + r * cols + col);
+#pragma unroll
+      for (int j = 0; j < W; ++j) s[j] += to_f(v.v[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < W; ++j) part[warp][lane * W + j] = s[j];
+  __syncthreads();
+  for (int c = threadIdx.x; c < 32 * W; c += blockDim.x) {
+    const int64_t oc = int64_t(blockIdx.x) * 32 * W + c;
+    if (oc >= cols) break;
+    float t = 0.0f;
+    for (int y = 0; y < kSumRows; ++y) t += part[y][c];
+    if (accumulate)
+      out[oc] += t;
+    else
+      out[int64_t(blockIdx.y) * cols + oc] = t;
+  }
+}
+
 // out (cols) += the sum over chunks of partial (chunks, cols), chunks in order.
 __global__ void sum_partials_kernel(float* out, const float* partial, int64_t chunks, int64_t cols) {
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols; c += int64_t(gridDim.x) * blockDim.x) {
@@ -254,23 +300,32 @@ inline unsigned grid_for(int64_t n) { return std::min<unsigned>(blocks_for(n, kT
 void column_sums_accumulate(CudaOps& ops, float* dbias, const Tensor& x, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return;
   cudaStream_t s = ops.cuda_stream();
-  // Tall inputs are cut into row chunks so that enough blocks run (a few columns x many rows
-  // would otherwise leave most of the GPU idle); the chunks' partial sums are added in order.
-  const int64_t col_blocks = (cols + kSumCols - 1) / kSumCols;
-  const int64_t chunks = std::clamp<int64_t>((rows + 255) / 256, 1, std::max<int64_t>(1, 1024 / col_blocks));
-  const int64_t per_chunk = (rows + chunks - 1) / chunks;
-  const dim3 block{unsigned(kSumCols), unsigned(kSumRows)}, grid{unsigned(col_blocks), unsigned(chunks)};
   dispatch_float(x.dtype, "linear_backward", [&](auto tag) {
     using T = decltype(tag);
-    if (chunks == 1) {
-      column_sums_kernel<<<grid, block, 0, s>>>(dbias, ptr<T>(x), rows, cols, per_chunk, true);
+    constexpr int W = 16 / sizeof(T);
+    // Whole rows in 16-byte loads when they allow it: 32 W columns per block, else 32.
+    const bool vec = cols % W == 0 && aligned16(x.ptr);
+    const int64_t strip = vec ? 32 * W : kSumCols;
+    // Tall inputs are cut into row chunks so that enough blocks run (a few columns x many rows
+    // would otherwise leave most of the GPU idle); the chunks' partial sums are added in order.
+    const int64_t col_blocks = (cols + strip - 1) / strip;
+    const int64_t chunks = std::clamp<int64_t>((rows + 255) / 256, 1, std::max<int64_t>(1, 1024 / col_blocks));
+    const int64_t per_chunk = (rows + chunks - 1) / chunks;
+    const dim3 grid{unsigned(col_blocks), unsigned(chunks)};
+    const dim3 block = vec ? dim3{32 * kSumRows} : dim3{unsigned(kSumCols), unsigned(kSumRows)};
+    auto sums = [&](float* out, bool accumulate) {
+      if (vec)
+        column_sums_vec_kernel<T, W><<<grid, block, 0, s>>>(out, ptr<T>(x), rows, cols, per_chunk, accumulate);
+      else
+        column_sums_kernel<T><<<grid, block, 0, s>>>(out, ptr<T>(x), rows, cols, per_chunk, accumulate);
       MPIGPT_CUDA_LAUNCHED();
+    };
+    if (chunks == 1) {
+      sums(dbias, true);
       return;
     }
     auto partial = ops.scratch(size_t(chunks * cols) * sizeof(float));
-    column_sums_kernel<<<grid, block, 0, s>>>(static_cast<float*>(partial.ptr), ptr<T>(x), rows, cols, per_chunk,
-                                              false);
-    MPIGPT_CUDA_LAUNCHED();
+    sums(static_cast<float*>(partial.ptr), false);
     sum_partials_kernel<<<grid_for(cols), kThreads, 0, s>>>(dbias, static_cast<float*>(partial.ptr), chunks, cols);
     MPIGPT_CUDA_LAUNCHED();
   });

@@ -114,8 +114,11 @@ TEST_CASE("cuda linear backward matches the CPU: dinp overwrites, dweight and db
     int64_t N, IC, OC;
   };
   // {1000, 40, 24}: a tall dout whose bias gradient is summed in row chunks, then the chunks added.
+  // OC a multiple of 8 (24, 200, 264) takes the 16-byte loads; 264 spans two of their column strips
+  // and, with 700 rows, chunks of rows that are not a multiple of the 4 x 8 rows loaded at a time.
   for (DType dt : {DType::F32, DType::BF16}) {
-    for (Dims d : {Dims{15, 7, 9}, Dims{33, 17, 31}, Dims{1000, 40, 24}, Dims{256, 96, 200}, Dims{1, 3, 5}}) {
+    for (Dims d : {Dims{15, 7, 9}, Dims{33, 17, 31}, Dims{1000, 40, 24}, Dims{256, 96, 200}, Dims{1, 3, 5},
+                   Dims{700, 8, 264}}) {
       const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
       CAPTURE(dtype);
       CAPTURE(d.N);
