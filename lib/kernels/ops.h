@@ -56,6 +56,10 @@ class Ops {
   virtual void gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) = 0;
   // out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC); bias optional.
   virtual void linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) = 0;
+  // The residual add after a layer's last product fused into it: out (N,OC) = inp @ weight^T + bias
+  // + residual (N,OC), residual in the data dtype and not out itself (on the GPU cuBLASLt reads it
+  // as the product's C; the CPU runs linear_forward and add, which is the reference).
+  virtual void linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) = 0;
   // dinp (N,IC) = dout @ weight; dweight (OC,IC) += dout^T @ inp; dbias (OC) += sum over rows.
   virtual void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                                Tensor weight) = 0;

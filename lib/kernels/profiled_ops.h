@@ -64,6 +64,9 @@ class ProfiledOps final : public Ops {
   void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) override {
     timed("linear_backward", [&] { inner_->linear_backward(dinp, dweight, dbias, dout, inp, weight); });
   }
+  void linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) override {
+    timed("linear_residual_forward", [&] { inner_->linear_residual_forward(out, inp, weight, bias, residual); });
+  }
   void linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) override {
     timed("linear_gelu_forward", [&] { inner_->linear_gelu_forward(out, pre, inp, weight, bias); });
   }

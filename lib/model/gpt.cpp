@@ -567,6 +567,10 @@ MoeLosses GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Ten
     ops_.linear_forward(a.fc, n2, w.fcw, w.fcb);
     ops_.swiglu_forward(a.act, a.fc);
   }
+  if (tp_.size() == 1) {  // x_out = mid + proj(...) in one product (the residual read as its C)
+    ops_.linear_residual_forward(x_out, a.act, w.fpw, w.fpb, a.mid);
+    return {};
+  }
   Tensor out = tp_.row_output_target(x_out, full_);
   ops_.linear_forward(out, a.act, w.fpw, bias_here ? w.fpb : Tensor());
   tp_.row_output_forward(x_out, out);

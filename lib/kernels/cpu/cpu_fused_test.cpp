@@ -1,4 +1,4 @@
-// Tests of the CPU backend's fused ops (linear + GELU, its backward, the residual norms). On the
+// Tests of the CPU backend's fused ops (linear + GELU, its backward, linear + residual, the residual norms). On the
 // reference backend they are the separate ops in turn, bit for bit (so the model gives the same
 // numbers through either), and they are checked against double formulas written out here.
 #include <doctest/doctest.h>
@@ -49,6 +49,36 @@ TEST_CASE("cpu linear_gelu_forward is linear_forward then gelu_forward, and GELU
   CHECK_MESSAGE(r.ok, "pre: ", r.str());
   r = allclose(out, out_d, 1e-5, 1e-5);
   CHECK_MESSAGE(r.ok, "out: ", r.str());
+}
+
+TEST_CASE("cpu linear_residual_forward is linear_forward then add, and x W^T + b + r in double") {
+  auto ops = make_cpu_ops();
+  const int64_t N = 10, IC = 9, OC = 14;
+  auto x = random_normal(size_t(N * IC), 9, 0), w = random_normal(size_t(OC * IC), 9, 1, 0.3f);
+  auto b = random_normal(size_t(OC), 9, 2), r = random_normal(size_t(N * OC), 9, 3);
+  for (bool with_bias : {true, false}) {
+    CAPTURE(with_bias);
+    const Tensor bias = with_bias ? as_tensor(b, {OC}) : Tensor();
+    std::vector<float> out(size_t(N * OC), kNaN), out2(out.size(), kNaN);
+    ops->linear_residual_forward(as_tensor(out, {N, OC}), as_tensor(x, {N, IC}), as_tensor(w, {OC, IC}), bias,
+                                 as_tensor(r, {N, OC}));
+    ops->linear_forward(as_tensor(out2, {N, OC}), as_tensor(x, {N, IC}), as_tensor(w, {OC, IC}), bias);
+    ops->add(as_tensor(out2, {N, OC}), as_tensor(out2, {N, OC}), as_tensor(r, {N, OC}));
+    CHECK(out == out2);
+    std::vector<double> want(out.size());
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < OC; ++o) {
+        double s = (with_bias ? b[size_t(o)] : 0.0) + r[size_t(n * OC + o)];
+        for (int64_t i = 0; i < IC; ++i) s += double(x[size_t(n * IC + i)]) * w[size_t(o * IC + i)];
+        want[size_t(n * OC + o)] = s;
+      }
+    const auto res = allclose(out, want, 1e-5, 1e-5);
+    CHECK_MESSAGE(res.ok, "out: ", res.str());
+  }
+  std::vector<float> o(size_t(N * OC));
+  CHECK_THROWS_WITH_AS(ops->linear_residual_forward(as_tensor(o, {N, OC}), as_tensor(x, {N, IC}),
+                                                    as_tensor(w, {OC, IC}), Tensor(), as_tensor(o, {N, OC})),
+                       doctest::Contains("not be out"), Error);
 }
 
 TEST_CASE("cpu linear_backward_gelu is linear_backward then gelu_backward in place, and matches double formulas") {

@@ -112,6 +112,17 @@ void CpuOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor d
 
 // The fused ops of the GPT-2 MLP are, on the reference backend, the two ops in turn: the numbers
 // the GPU's epilogues are checked against.
+void CpuOps::linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) {
+  // out (N,OC) = inp @ weight^T + bias + residual (N,OC)
+  const float* R = f32_arg(residual, "linear_residual_forward", "residual");
+  MPIGPT_CHECK(residual.numel() == out.numel(), "linear_residual_forward: residual {} must have the shape of out {}",
+               residual.shape.str(), out.shape.str());
+  MPIGPT_CHECK(R != out.ptr, "linear_residual_forward: residual must not be out itself (it is read after out is "
+               "written); use linear_forward and add");
+  linear_forward(out, inp, weight, bias);
+  add(out, out, residual);
+}
+
 void CpuOps::linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) {
   // pre (N,OC) = inp @ weight^T + bias; out (N,OC) = gelu(pre)
   linear_forward(pre, inp, weight, bias);

@@ -28,7 +28,7 @@ namespace mpigpt::cuda {
 namespace {
 // Everything the heuristic's answer depends on. Pointer alignments are part of it: cuBLASLt picks
 // vectorised kernels only for pointers that allow them (row slices of a grouped matmul do not).
-using PlanKey = std::array<int64_t, 17>;
+using PlanKey = std::array<int64_t, 18>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -77,8 +77,9 @@ uint32_t alignment(const void* p) {
 // for the backward); Backward D = AB * gelu'(aux). aux has D's dtype and layout (ld ldc).
 enum class Gelu { None, Forward, Backward };
 
-// One column-major product D (m,n) = alpha op(A) op(B) + beta C with C = D (ld ldc), op(A) (m,k),
-// op(B) (k,n); bias (m) added by the epilogue when given.
+// One column-major product D (m,n) = alpha op(A) op(B) + beta C with D at C (ld ldc) and C read
+// from Cin when given (same layout), else from D itself; op(A) (m,k), op(B) (k,n); bias (m) added
+// by the epilogue when given.
 struct LtMatmul {
   bool ta = false, tb = false;
   int64_t m = 0, n = 0, k = 0;
@@ -88,6 +89,7 @@ struct LtMatmul {
   int64_t ldb = 0;
   void* C = nullptr;
   int64_t ldc = 0;
+  const void* Cin = nullptr;
   DType ab = DType::F32, cd = DType::F32;
   const void* bias = nullptr;
   float alpha = 1.0f, beta = 0.0f;
@@ -121,7 +123,8 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   const PlanKey key = {mm.ta,        mm.tb,         mm.m,          mm.n,          mm.k,
                        mm.lda,       mm.ldb,        mm.ldc,        int64_t(mm.ab), int64_t(mm.cd),
                        mm.bias != nullptr, alignment(mm.A), alignment(mm.B), alignment(mm.C),
-                       mm.bias ? alignment(mm.bias) : 0, int64_t(mm.gelu), mm.aux ? alignment(mm.aux) : 0};
+                       mm.bias ? alignment(mm.bias) : 0, int64_t(mm.gelu), mm.aux ? alignment(mm.aux) : 0,
+                       mm.Cin ? alignment(mm.Cin) : 0};
   auto& cache = ops.matmul_plans();
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second;
@@ -151,7 +154,8 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   cublasLtMatmulPreference_t pref = nullptr;
   MPIGPT_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = CudaOps::kCublasWorkspace;
-  const uint32_t al_a = alignment(mm.A), al_b = alignment(mm.B), al_c = alignment(mm.C);
+  const uint32_t al_a = alignment(mm.A), al_b = alignment(mm.B), al_d = alignment(mm.C);
+  const uint32_t al_c = mm.Cin ? alignment(mm.Cin) : al_d;
   MPIGPT_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   MPIGPT_CUBLAS(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
@@ -160,7 +164,7 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   MPIGPT_CUBLAS(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
   MPIGPT_CUBLAS(
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)));
   if (mm.cd == DType::BF16) {
     // Split-K partial sums must be added in fp32, not in the bf16 output (the in-place and
     // output-type schemes would round every partial sum to 8 bits).
@@ -197,9 +201,9 @@ bool run_matmul(CudaOps& ops, const LtMatmul& mm, const char* op) {
     fail("{}: cuBLASLt offers no algorithm for {}", op, describe(mm));
   }
   set_epilogue_pointers(p.desc, mm);
-  MPIGPT_CUBLAS(cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta, mm.C, p.c, mm.C,
-                               p.c, &p.algo, ops.cublaslt_workspace(), CudaOps::kCublasWorkspace,
-                               ops.cuda_stream()));
+  MPIGPT_CUBLAS(cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta,
+                               mm.Cin ? mm.Cin : mm.C, p.c, mm.C, p.c, &p.algo, ops.cublaslt_workspace(),
+                               CudaOps::kCublasWorkspace, ops.cuda_stream()));
   return true;
 }
 
@@ -479,6 +483,28 @@ void CudaOps::linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias)
   const LinearDims d = check_linear_forward(op, out, inp, weight, bias);
   rowmajor_gemm(*this, op, false, true, d.N, d.OC, d.IC, inp.ptr, weight.ptr, out.ptr, d.dt, d.dt,
                 bias.defined() ? bias.ptr : nullptr, 1.0f, 0.0f);
+}
+
+void CudaOps::linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) {
+  // out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC) + residual (N,OC); all in the data dtype.
+  // One cuBLASLt call reading the residual as C (beta 1), with the bias epilogue when it applies;
+  // otherwise linear_forward and add.
+  const char* op = "linear_residual_forward";
+  const LinearDims d = check_linear_forward(op, out, inp, weight, bias);
+  check_device(residual, op, "residual");
+  check_dtype(residual, d.dt, op, "residual (the data dtype)");
+  MPIGPT_CHECK(residual.numel() == out.numel(), "{}: residual {} must have the shape of out {}", op,
+               residual.shape.str(), out.shape.str());
+  MPIGPT_CHECK(residual.ptr != out.ptr, "{}: residual must not be out itself; use linear_forward and add", op);
+  if (d.N > 0 && d.OC > 0 && d.IC > 0) {
+    LtMatmul mm = rowmajor_product(false, true, d.N, d.OC, d.IC, inp.ptr, weight.ptr, out.ptr, d.dt, d.dt, 1.0f,
+                                   1.0f);
+    mm.Cin = residual.ptr;
+    mm.bias = bias.defined() && alignment(bias.ptr) >= 16 ? bias.ptr : nullptr;  // as rowmajor_gemm
+    if ((mm.bias || !bias.defined()) && run_matmul(*this, mm, op)) return;
+  }
+  linear_forward(out, inp, weight, bias);
+  add(out, out, residual);
 }
 
 void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) {

@@ -45,6 +45,7 @@ class CudaOps final : public Ops {
   // cuda_matmul.cu (cuBLASLt)
   void gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) override;
   void linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) override;
+  void linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) override;
   void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) override;
   void linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) override;
   void linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
