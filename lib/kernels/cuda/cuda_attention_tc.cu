@@ -5,10 +5,11 @@
 // mma.sync (cuda_mma.cuh): the score, probability and output tiles stay in registers, and shared
 // memory holds only the bf16 Q, K, V (and dO) tiles that ldmatrix feeds to the products.
 //
-// Layout: 128 threads = 4 warps, each owning 16 rows of the block's 64 (queries in the forward and
-// the dQ kernel, keys in the dK/dV kernel). Lane l holds rows g = l/4 and g+8 of its warp's 16, at
-// columns 2t and 2t+1 (t = l%4) of every 8-column tile: the row max and sum of the softmax reduce
-// over the four lanes of a group. P is rounded to bf16 only as the operand of the next product; the
+// Layout: 128 threads = 4 warps, each owning 16 rows of the block's 64 (queries in the masked
+// forward and the dQ kernel, keys in the dK/dV kernel), or two m-tiles of 16, 32 consecutive rows
+// of the block's 128 (the causal forward: kFwdRows). Lane l holds rows g = l/4 and g+8 of each
+// m-tile of 16, at columns 2t and 2t+1 (t = l%4) of every 8-column tile: the row max and sum of
+// the softmax reduce over the four lanes of a group. P is rounded to bf16 only as the operand of the next product; the
 // row sum l (hence lse) is taken over the fp32 P.
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
 
@@ -29,7 +30,9 @@ namespace {
 
 using mma::load_a_all;
 using mma::warp_abt;
+using mma::warp_abt_m;
 using mma::warp_acc_times;
+using mma::warp_acc_times_m;
 
 constexpr int kTcThreads = 128;  // 4 warps
 constexpr int kTcRows = 64;      // rows per block, 16 per warp
@@ -49,6 +52,15 @@ __host__ __device__ constexpr size_t tile_bytes(int rows) {
 // two 16 x tile score tiles per warp) within the register file.
 template <int HD>
 constexpr int kFwdCols = 64;
+// Queries per block of the forward: causal blocks give each warp two m-tiles of 16 rows, so that
+// every K and V fragment it reads from shared memory feeds two products (FlashAttention-2's
+// forward layout); the masked forward keeps 64 (its key-tile vote is written for 64 rows).
+template <bool kCausal>
+constexpr int kFwdRows = kCausal ? 128 : 64;
+// Whether the forward keeps the warp's Q fragments in registers for every key tile: not at HD 128
+// with two m-tiles, where they would take 64 registers beside the 128 of the output accumulators.
+template <int HD, bool kCausal>
+constexpr bool kFwdRegQ = !(HD == 128 && kFwdRows<kCausal> > kTcRows);
 template <int HD>
 constexpr int kBwdCols = HD == 128 ? 32 : 64;
 // The dQ kernel's key tile: it holds one 16 x HD accumulator, so 64 fits at HD 128 too. At HD 128
@@ -207,40 +219,57 @@ __device__ __forceinline__ bool kv_masked(bf16* KVs, const bf16* K, const bf16* 
   return true;
 }
 
-// out (B,Tq,NH*HD), lse (B,NH,Tq) for the 64 queries [i0, i0+64) of head h, batch row b.
-// grid (ceil(Tq/64), NH, B).
+// out (B,Tq,NH*HD), lse (B,NH,Tq) for the ROWS queries [i0, i0+ROWS) of head h, batch row b: each
+// warp owns MT m-tiles of 16 consecutive rows. grid (ceil(Tq/ROWS), NH, B).
 template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const AttentionTcForward p) {
+  constexpr int ROWS = kFwdRows<kCausal>, MT = ROWS / kTcRows;
   constexpr int LD = kLd<HD>, KS = HD / 16, DT = HD / 8, KC = kFwdCols<HD>, NT = KC / 8;
   constexpr int NB = kCausal ? 2 : 1;  // K/V buffers: causal tiles are prefetched one ahead
   extern __shared__ __align__(128) unsigned char attn_tc_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(attn_tc_smem);
-  bf16* KVs = reinterpret_cast<bf16*>(attn_tc_smem + tile_bytes<HD>(kTcRows));  // [NB] x (K tile, V tile)
-  int* qpos_s = reinterpret_cast<int*>(attn_tc_smem + tile_bytes<HD>(kTcRows) + 2 * NB * tile_bytes<HD>(KC));
-  int* qseg_s = qpos_s + kTcRows;
-  int* kpos_s = qseg_s + kTcRows;
+  bf16* KVs = reinterpret_cast<bf16*>(attn_tc_smem + tile_bytes<HD>(ROWS));  // [NB] x (K tile, V tile)
+  int* qpos_s = reinterpret_cast<int*>(attn_tc_smem + tile_bytes<HD>(ROWS) + 2 * NB * tile_bytes<HD>(KC));
+  int* qseg_s = qpos_s + ROWS;
+  int* kpos_s = qseg_s + ROWS;
   int* kseg_s = kpos_s + KC;
 
-  const QueryBlock qb = query_block<kCausal>(p);
-  const int g = qb.g, t = qb.t, h = qb.h, b = qb.b, i0 = qb.i0, wr = qb.wr;
-  const int rows[2] = {qb.rows[0], qb.rows[1]};  // this lane's two queries
-  const bf16 *K = qb.K, *V = qb.V;
+  const QueryTile<bf16> qt = query_tile<bf16, ROWS, kCausal>(p);
+  const int h = qt.h, b = qt.b, i0 = qt.i0;
+  const bf16 *K = qt.K, *V = qt.V;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wr = (threadIdx.x >> 5) * 16 * MT;  // the warp's first row in the block
+  int rows[MT][2];                              // this lane's queries
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    rows[mt][0] = i0 + wr + 16 * mt + g;
+    rows[mt][1] = rows[mt][0] + 8;
+  }
 
   if constexpr (kCausal) kv_first<HD, KC>(KVs, K, V, p.kv_stride, p.Tk);  // on its way while Q loads
-  load_tile<HD, kTcRows>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
-                         p.q_stride, i0, p.Tq);
-  if constexpr (!kCausal) load_mask<kTcRows>(qpos_s, qseg_s, p.qpos, p.qseg, b, p.Tq, i0);
+  load_tile<HD, ROWS>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD, p.q_stride,
+                      i0, p.Tq);
+  if constexpr (!kCausal) load_mask<ROWS>(qpos_s, qseg_s, p.qpos, p.qseg, b, p.Tq, i0);
   __syncthreads();
 
-  uint32_t qa[KS][4];  // the warp's Q rows as A fragments, for every key tile
-  load_a_all<KS, LD>(qa, Qs + wr * LD);
-  int myqpos[2] = {0, 0}, myqseg[2] = {0, 0};
-  if constexpr (!kCausal) lane_rows(myqpos, myqseg, qpos_s, qseg_s, wr, g);
-  float o[DT][4] = {};
-  float m[2] = {-INFINITY, -INFINITY};  // running row max (base 2)
-  float l[2] = {0.f, 0.f};              // this lane's share of the running row sum
+  uint32_t qa[MT][KS][4];  // the warp's Q rows as A fragments, for every key tile (kFwdRegQ)
+  if constexpr (kFwdRegQ<HD, kCausal>)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) load_a_all<KS, LD>(qa[mt], Qs + (wr + 16 * mt) * LD);
+  int myqpos[MT][2] = {}, myqseg[MT][2] = {};
+  if constexpr (!kCausal)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) lane_rows(myqpos[mt], myqseg[mt], qpos_s, qseg_s, wr + 16 * mt, g);
+  float o[MT][DT][4] = {};
+  float m[MT][2], l[MT][2];  // running row max (base 2); this lane's share of the running row sum
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    for (int rr = 0; rr < 2; ++rr) {
+      m[mt][rr] = -INFINITY;
+      l[mt][rr] = 0.f;
+    }
 
-  const int kend = kCausal ? min(p.Tk, i0 + kTcRows) : p.Tk;
+  const int kend = kCausal ? min(p.Tk, i0 + ROWS) : p.Tk;
   for (int j0 = 0, n = 0; j0 < kend; j0 += KC, ++n) {
     const bf16* Ks = KVs + (n % NB) * 2 * KC * LD;
     const bf16* Vs = Ks + KC * LD;
@@ -249,74 +278,87 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
     else if (!kv_masked<HD, KC>(KVs, K, V, p, b, i0, j0, qpos_s, qseg_s, kpos_s, kseg_s, nullptr))
       continue;  // nothing visible in this tile
 
-    float s[NT][4] = {};
-    warp_abt<KS, NT, LD>(s, qa, Ks);  // S = Q K^T
-    // Scale to base 2 and mask. A causal tile entirely at or below the warp's first query and inside
-    // Tk needs no mask (rows past Tq are computed from zero Q rows and never written).
-    const bool unmasked = kCausal && j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk;
-    float mx[2] = {-INFINITY, -INFINITY};
+    // Causal: a warp whose rows all come before the tile's first key has nothing to do in it (the
+    // block's last tile, for the warps of its first rows); it still meets the barrier below.
+    if (!kCausal || j0 <= i0 + wr + 16 * MT - 1) {
+      float s[MT][NT][4] = {};
+      if constexpr (kFwdRegQ<HD, kCausal>)
+        warp_abt_m<MT, KS, NT, LD>(s, qa, Ks);  // S = Q K^T
+      else
+        warp_abt_m<MT, KS, NT, LD>(s, Qs + wr * LD, Ks);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+      for (int mt = 0; mt < MT; ++mt) {
+        // Scale to base 2 and mask. A causal tile entirely at or below the m-tile's first query and
+        // inside Tk needs no mask (rows past Tq are computed from zero Q rows and never written).
+        const bool unmasked = kCausal && j0 + KC - 1 <= i0 + wr + 16 * mt && j0 + KC <= p.Tk;
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1), j = j0 + x;
-        bool vis = true;
-        if (!unmasked) {
-          vis = j < p.Tk;
-          if constexpr (kCausal)
-            vis = vis && j <= rows[rr];
-          else
-            vis = vis && kseg_s[x] == myqseg[rr] && kpos_s[x] <= myqpos[rr];
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1), j = j0 + x;
+            bool vis = true;
+            if (!unmasked) {
+              vis = j < p.Tk;
+              if constexpr (kCausal)
+                vis = vis && j <= rows[mt][rr];
+              else
+                vis = vis && kseg_s[x] == myqseg[mt][rr] && kpos_s[x] <= myqpos[mt][rr];
+            }
+            s[mt][nt][e] = vis ? s[mt][nt][e] * p.scale_log2 : -INFINITY;
+            mx[rr] = fmaxf(mx[rr], s[mt][nt][e]);
+          }
         }
-        s[nt][e] = vis ? s[nt][e] * p.scale_log2 : -INFINITY;
-        mx[rr] = fmaxf(mx[rr], s[nt][e]);
+        float alpha[2], base[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+          mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+          const float mnew = fmaxf(m[mt][rr], mx[rr]);
+          base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
+          alpha[rr] = exp2f(m[mt][rr] - base[rr]);
+          m[mt][rr] = mnew;
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[mt][nt][e] = exp2f(s[mt][nt][e] - base[e >> 1]);
+            sum[e >> 1] += s[mt][nt][e];
+          }
+        }
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) l[mt][rr] = l[mt][rr] * alpha[rr] + sum[rr];
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          o[mt][dt][0] *= alpha[0];
+          o[mt][dt][1] *= alpha[0];
+          o[mt][dt][2] *= alpha[1];
+          o[mt][dt][3] *= alpha[1];
+        }
       }
+      warp_acc_times_m<MT, NT, DT, LD>(o, s, Vs);  // O += P V
     }
-    float alpha[2], base[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-      const float mnew = fmaxf(m[rr], mx[rr]);
-      base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
-      alpha[rr] = exp2f(m[rr] - base[rr]);
-      m[rr] = mnew;
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
-        sum[e >> 1] += s[nt][e];
-      }
-    }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      o[dt][0] *= alpha[0];
-      o[dt][1] *= alpha[0];
-      o[dt][2] *= alpha[1];
-      o[dt][3] *= alpha[1];
-    }
-    warp_acc_times<NT, DT, LD>(o, s, Vs);  // O += P V
     if constexpr (kCausal) __syncthreads();  // this buffer's readers are done before it is refilled
   }
 
-  float inv[2], lse[2];
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    float total = l[rr] + __shfl_xor_sync(0xffffffffu, l[rr], 1);
-    total += __shfl_xor_sync(0xffffffffu, total, 2);
-    inv[rr] = total > 0.f ? 1.f / total : 0.f;  // no visible key: out 0 exactly
-    lse[rr] = total > 0.f ? (m[rr] + log2f(total)) * kTcLn2 : -INFINITY;
-  }
-  store_rows<DT>(o, static_cast<bf16*>(p.out) + int64_t(b) * p.Tq * (int64_t(p.NH) * HD) + int64_t(h) * HD,
-                 int64_t(p.NH) * HD, rows[0], p.Tq, inv, false);
-  if (t == 0) {
+  for (int mt = 0; mt < MT; ++mt) {
+    float inv[2], lse[2];
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr)
-      if (rows[rr] < p.Tq) p.lse[(int64_t(b) * p.NH + h) * p.Tq + rows[rr]] = lse[rr];
+    for (int rr = 0; rr < 2; ++rr) {
+      float total = l[mt][rr] + __shfl_xor_sync(0xffffffffu, l[mt][rr], 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      inv[rr] = total > 0.f ? 1.f / total : 0.f;  // no visible key: out 0 exactly
+      lse[rr] = total > 0.f ? (m[mt][rr] + log2f(total)) * kTcLn2 : -INFINITY;
+    }
+    store_rows<DT>(o[mt], static_cast<bf16*>(p.out) + int64_t(b) * p.Tq * (int64_t(p.NH) * HD) + int64_t(h) * HD,
+                   int64_t(p.NH) * HD, rows[mt][0], p.Tq, inv, false);
+    if (t == 0) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr)
+        if (rows[mt][rr] < p.Tq) p.lse[(int64_t(b) * p.NH + h) * p.Tq + rows[mt][rr]] = lse[rr];
+    }
   }
 }
 
@@ -687,8 +729,8 @@ __global__ void dq_store_kernel(const AttentionTcBackward pb) {
 
 template <int HD, bool kCausal>
 constexpr size_t fwd_smem() {
-  return tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kFwdCols<HD>) +
-         size_t(2 * kTcRows + 2 * kFwdCols<HD>) * 4;
+  return tile_bytes<HD>(kFwdRows<kCausal>) + (kCausal ? 4 : 2) * tile_bytes<HD>(kFwdCols<HD>) +
+         size_t(2 * kFwdRows<kCausal> + 2 * kFwdCols<HD>) * 4;
 }
 template <int HD, bool kCausal>
 constexpr size_t dq_smem() {
@@ -713,7 +755,8 @@ void launch_tc(const AttentionTcForward& p, bool causal, cudaStream_t stream) {
   auto kernel = causal ? attention_fwd_tc_kernel<HD, true> : attention_fwd_tc_kernel<HD, false>;
   const size_t smem = causal ? fwd_smem<HD, true>() : fwd_smem<HD, false>();
   allow_smem(kernel, smem);
-  const dim3 grid(unsigned((p.Tq + kTcRows - 1) / kTcRows), unsigned(p.NH), unsigned(p.B));
+  const int rows = causal ? kFwdRows<true> : kFwdRows<false>;
+  const dim3 grid(unsigned((p.Tq + rows - 1) / rows), unsigned(p.NH), unsigned(p.B));
   kernel<<<grid, kTcThreads, smem, stream>>>(p);
   MPIGPT_CUDA_LAUNCHED();
 }

@@ -201,4 +201,71 @@ __device__ __forceinline__ void warp_acc_times(float (&out)[DT][4], const float 
   }
 }
 
+// ---- MT m-tiles per warp ----------------------------------------------------------------------
+// A warp that owns MT x 16 rows loads each B fragment once for all its m-tiles: half the shared
+// memory reads per product at MT = 2 (FlashAttention-2's forward gives each warp 32 rows).
+
+// acc[mt] (16 x 8NT) += A_mt X^T, A_mt the rows of m-tile mt in registers (load_a_all) or, below,
+// in shared memory (16 rows from rows + 16 mt LD).
+template <int MT, int KS, int NT, int LD>
+__device__ __forceinline__ void warp_abt_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KS][4], const bf16* X) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      load_b_nk<LD>(b, X, np * 16, kk);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(acc[mt][2 * np], a[mt][kk], b[0], b[1]);
+        mma_bf16(acc[mt][2 * np + 1], a[mt][kk], b[2], b[3]);
+      }
+    }
+  }
+}
+template <int MT, int KS, int NT, int LD>
+__device__ __forceinline__ void warp_abt_m(float (&acc)[MT][NT][4], const bf16* rows, const bf16* X) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) load_a<LD>(a[mt], rows + mt * 16 * LD, kk);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      load_b_nk<LD>(b, X, np * 16, kk);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+        mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// out[mt] (16 x 8DT) += P_mt Y, P_mt the accumulator tile p[mt] (rounded to bf16 here).
+template <int MT, int NP, int DT, int LD>
+__device__ __forceinline__ void warp_acc_times_m(float (&out)[MT][DT][4], const float (&p)[MT][NP][4],
+                                                 const bf16* Y) {
+  static_assert(NP % 2 == 0 && DT % 2 == 0, "tiles come in pairs");
+#pragma unroll
+  for (int s = 0; s < NP / 2; ++s) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc_to_a<NP>(a[mt], p[mt], s);
+#pragma unroll
+    for (int dp = 0; dp < DT / 2; ++dp) {
+      uint32_t b[4];
+      load_b_kn<LD>(b, Y, dp * 16, s);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(out[mt][2 * dp], a[mt], b[0], b[1]);
+        mma_bf16(out[mt][2 * dp + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
 }  // namespace mpigpt::cuda::mma
