@@ -80,6 +80,17 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 // ---- warp tiles built on them --------------------------------------------------------------------
 // A warp tile is 16 rows; shared-memory tiles are bf16, row-major with leading dimension LD
 // (elements; LD * 2 a multiple of 16 bytes). An accumulator tile of 16 x 8*NT is float acc[NT][4].
+// A warp may own MT such m-tiles (float acc[MT][NT][4]): the products below load each B fragment
+// once for all of them, half the shared-memory reads per product at MT = 2 (FlashAttention-2's
+// forward gives each warp 32 rows). The single-tile forms are their MT = 1 case.
+
+// A single tile seen as the one m-tile of an MT = 1 array (the same layout).
+template <class T, int N, int M>
+using OneTile = T[1][N][M];
+template <class T, int N, int M>
+__device__ __forceinline__ OneTile<T, N, M>& one_tile(T (&x)[N][M]) {
+  return reinterpret_cast<OneTile<T, N, M>&>(x);
+}
 
 // The A fragment of k-step kk (columns 16kk..16kk+15) of the 16 rows starting at `rows`.
 template <int LD>
@@ -103,23 +114,32 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* X, int n
   ldsm_x4_t(b, X + (kk * 16 + r + 8 * (m & 1)) * LD + n0 + 8 * (m >> 1));
 }
 
-// acc (16 x 8NT) += A X^T: A the warp's 16 rows of 16KS columns at `rows`, X (8NT rows of 16KS
-// columns) at X, both in shared memory with leading dimension LD.
-template <int KS, int NT, int LD>
-__device__ __forceinline__ void warp_abt(float (&acc)[NT][4], const bf16* rows, const bf16* X) {
+// acc[mt] (16 x 8NT) += A_mt X^T: A_mt the 16 rows of 16KS columns at rows + 16 mt LD (the warp's
+// m-tiles, consecutive), X (8NT rows of 16KS columns) at X, both in shared memory with leading
+// dimension LD.
+template <int MT, int KS, int NT, int LD>
+__device__ __forceinline__ void warp_abt_m(float (&acc)[MT][NT][4], const bf16* rows, const bf16* X) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs");
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
-    uint32_t a[4];
-    load_a<LD>(a, rows, kk);
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) load_a<LD>(a[mt], rows + mt * 16 * LD, kk);
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
       uint32_t b[4];
       load_b_nk<LD>(b, X, np * 16, kk);
-      mma_bf16(acc[2 * np], a, b[0], b[1]);
-      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+        mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
     }
   }
+}
+template <int KS, int NT, int LD>
+__device__ __forceinline__ void warp_abt(float (&acc)[NT][4], const bf16* rows, const bf16* X) {
+  warp_abt_m<1, KS, NT, LD>(one_tile(acc), rows, X);
 }
 
 // The A fragment of k-step kk of the 16 rows m0..m0+15 of A = X^T, where X (k as its row, m as its
@@ -156,57 +176,8 @@ __device__ __forceinline__ void load_a_all(uint32_t (&a)[KS][4], const bf16* row
   for (int kk = 0; kk < KS; ++kk) load_a<LD>(a[kk], rows, kk);
 }
 
-// warp_abt with A already in registers (load_a_all): only X is read from shared memory.
-template <int KS, int NT, int LD>
-__device__ __forceinline__ void warp_abt(float (&acc)[NT][4], const uint32_t (&a)[KS][4], const bf16* X) {
-  static_assert(NT % 2 == 0, "n-tiles come in pairs");
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-      uint32_t b[4];
-      load_b_nk<LD>(b, X, np * 16, kk);
-      mma_bf16(acc[2 * np], a[kk], b[0], b[1]);
-      mma_bf16(acc[2 * np + 1], a[kk], b[2], b[3]);
-    }
-  }
-}
-
-// The A fragment of k-step s from an accumulator tile (its columns 16s..16s+15), rounded to bf16:
-// an accumulator's registers are exactly an A operand's, two n-tiles side by side.
-template <int NT>
-__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&acc)[NT][4], int s) {
-  a[0] = pack_bf16(acc[2 * s][0], acc[2 * s][1]);
-  a[1] = pack_bf16(acc[2 * s][2], acc[2 * s][3]);
-  a[2] = pack_bf16(acc[2 * s + 1][0], acc[2 * s + 1][1]);
-  a[3] = pack_bf16(acc[2 * s + 1][2], acc[2 * s + 1][3]);
-}
-
-// out (16 x 8DT) += P Y: P the accumulator tile p (16 x 8NP, rounded to bf16 here), Y (8NP rows of
-// 8DT columns) in shared memory with leading dimension LD.
-template <int NP, int DT, int LD>
-__device__ __forceinline__ void warp_acc_times(float (&out)[DT][4], const float (&p)[NP][4], const bf16* Y) {
-  static_assert(NP % 2 == 0 && DT % 2 == 0, "tiles come in pairs");
-#pragma unroll
-  for (int s = 0; s < NP / 2; ++s) {
-    uint32_t a[4];
-    acc_to_a<NP>(a, p, s);
-#pragma unroll
-    for (int dp = 0; dp < DT / 2; ++dp) {
-      uint32_t b[4];
-      load_b_kn<LD>(b, Y, dp * 16, s);
-      mma_bf16(out[2 * dp], a, b[0], b[1]);
-      mma_bf16(out[2 * dp + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// ---- MT m-tiles per warp ----------------------------------------------------------------------
-// A warp that owns MT x 16 rows loads each B fragment once for all its m-tiles: half the shared
-// memory reads per product at MT = 2 (FlashAttention-2's forward gives each warp 32 rows).
-
-// acc[mt] (16 x 8NT) += A_mt X^T, A_mt the rows of m-tile mt in registers (load_a_all) or, below,
-// in shared memory (16 rows from rows + 16 mt LD).
+// warp_abt_m with A already in registers (load_a_all per m-tile): only X is read from shared
+// memory.
 template <int MT, int KS, int NT, int LD>
 __device__ __forceinline__ void warp_abt_m(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KS][4], const bf16* X) {
   static_assert(NT % 2 == 0, "n-tiles come in pairs");
@@ -224,28 +195,23 @@ __device__ __forceinline__ void warp_abt_m(float (&acc)[MT][NT][4], const uint32
     }
   }
 }
-template <int MT, int KS, int NT, int LD>
-__device__ __forceinline__ void warp_abt_m(float (&acc)[MT][NT][4], const bf16* rows, const bf16* X) {
-  static_assert(NT % 2 == 0, "n-tiles come in pairs");
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-    uint32_t a[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) load_a<LD>(a[mt], rows + mt * 16 * LD, kk);
-#pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-      uint32_t b[4];
-      load_b_nk<LD>(b, X, np * 16, kk);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
-        mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
+template <int KS, int NT, int LD>
+__device__ __forceinline__ void warp_abt(float (&acc)[NT][4], const uint32_t (&a)[KS][4], const bf16* X) {
+  warp_abt_m<1, KS, NT, LD>(one_tile(acc), one_tile(a), X);
 }
 
-// out[mt] (16 x 8DT) += P_mt Y, P_mt the accumulator tile p[mt] (rounded to bf16 here).
+// The A fragment of k-step s from an accumulator tile (its columns 16s..16s+15), rounded to bf16:
+// an accumulator's registers are exactly an A operand's, two n-tiles side by side.
+template <int NT>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&acc)[NT][4], int s) {
+  a[0] = pack_bf16(acc[2 * s][0], acc[2 * s][1]);
+  a[1] = pack_bf16(acc[2 * s][2], acc[2 * s][3]);
+  a[2] = pack_bf16(acc[2 * s + 1][0], acc[2 * s + 1][1]);
+  a[3] = pack_bf16(acc[2 * s + 1][2], acc[2 * s + 1][3]);
+}
+
+// out[mt] (16 x 8DT) += P_mt Y: P_mt the accumulator tile p[mt] (16 x 8NP, rounded to bf16 here),
+// Y (8NP rows of 8DT columns) in shared memory with leading dimension LD.
 template <int MT, int NP, int DT, int LD>
 __device__ __forceinline__ void warp_acc_times_m(float (&out)[MT][DT][4], const float (&p)[MT][NP][4],
                                                  const bf16* Y) {
@@ -266,6 +232,10 @@ __device__ __forceinline__ void warp_acc_times_m(float (&out)[MT][DT][4], const 
       }
     }
   }
+}
+template <int NP, int DT, int LD>
+__device__ __forceinline__ void warp_acc_times(float (&out)[DT][4], const float (&p)[NP][4], const bf16* Y) {
+  warp_acc_times_m<1, NP, DT, LD>(one_tile(out), one_tile(p), Y);
 }
 
 }  // namespace mpigpt::cuda::mma
