@@ -26,6 +26,50 @@ struct Geometry {
   int64_t C() const { return int64_t(NH) * HD; }
 };
 
+// An environment switch the CUDA ops read on every call (MPIGPT_ATTENTION_FMA, ..._SPLIT_BWD), set
+// to "1" or unset by the test and back to what it was when the switch goes out of scope.
+class EnvSwitch {
+ public:
+  explicit EnvSwitch(const char* name) : name_(name) {
+    const char* v = std::getenv(name);
+    had_ = v != nullptr;
+    old_ = had_ ? v : "";
+  }
+  ~EnvSwitch() {
+    if (had_)
+      setenv(name_, old_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  void set(bool on) const {
+    if (on)
+      setenv(name_, "1", 1);
+    else
+      unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_;
+  std::string old_;
+};
+
+// Random bf16 inputs of the causal ops for geometry g (seeds seed and seed + 1), on the device.
+struct Bf16Inputs {
+  Shape sqkv, sout;
+  std::vector<float> qkv;
+  DeviceTensor d_qkv, d_dout;
+  int64_t nsaved;
+};
+Bf16Inputs bf16_inputs(Ops& ops, const Geometry& g, uint64_t seed) {
+  Bf16Inputs in{{g.B, g.T, g.R()}, {g.B, g.T, g.C()}, {}, {}, {}, ops.attention_saved_numel(g.B, g.T, g.NH)};
+  in.qkv = rounded_bf16(random_normal(size_t(g.B * g.T * g.R()), seed, uint64_t(g.T * 1000 + g.HD)));
+  const auto dout = rounded_bf16(random_normal(size_t(g.B * g.T * g.C()), seed + 1, uint64_t(g.T * 1000 + g.HD)));
+  in.d_qkv = to_device(ops, in.qkv, in.sqkv, DType::BF16);
+  in.d_dout = to_device(ops, dout, in.sout, DType::BF16);
+  return in;
+}
+
 // log sum_{j <= i} exp(q_i.k_j / sqrt(HD)) in double: the CUDA forward's saved state (B,NH,T).
 std::vector<double> reference_lse(const std::vector<float>& qkv, const Geometry& g) {
   const int64_t R = g.R(), G = g.NH / g.NKV;
@@ -135,8 +179,7 @@ TEST_CASE("cuda attention bf16: the tensor-core path agrees with the fp32-FMA pa
   // inputs, and the saved lse (fp32 in both, from the same bf16 scores) within 1e-4 abs + 1e-5 rel.
   // GQA and plain heads, T off the 64-row tiles, B > 1, T = 1.
   auto ops = cuda_ops_or_skip();
-  const char* old_env = std::getenv("MPIGPT_ATTENTION_FMA");
-  const std::string saved_env = old_env ? old_env : "";
+  const EnvSwitch fma_env("MPIGPT_ATTENTION_FMA");
   const std::vector<Geometry> shapes = {
       {2, 130, 4, 2, 64}, {1, 100, 4, 1, 128}, {1, 64, 2, 2, 64}, {2, 1, 2, 1, 128}, {1, 257, 2, 1, 128},
   };
@@ -146,31 +189,19 @@ TEST_CASE("cuda attention bf16: the tensor-core path agrees with the fp32-FMA pa
     CAPTURE(g.NH);
     CAPTURE(g.NKV);
     CAPTURE(g.HD);
-    const Shape sqkv{g.B, g.T, g.R()}, sout{g.B, g.T, g.C()};
-    const auto qkv = rounded_bf16(random_normal(size_t(g.B * g.T * g.R()), 303, uint64_t(g.T * 1000 + g.HD)));
-    const auto dout = rounded_bf16(random_normal(size_t(g.B * g.T * g.C()), 304, uint64_t(g.T * 1000 + g.HD)));
-    const int64_t nsaved = ops->attention_saved_numel(g.B, g.T, g.NH);
-    auto d_qkv = to_device(*ops, qkv, sqkv, DType::BF16);
-    auto d_dout = to_device(*ops, dout, sout, DType::BF16);
+    const Bf16Inputs in = bf16_inputs(*ops, g, 303);
     std::vector<float> outs[2], lses[2], grads[2];
     for (int fma = 0; fma < 2; ++fma) {
-      if (fma)
-        setenv("MPIGPT_ATTENTION_FMA", "1", 1);
-      else
-        unsetenv("MPIGPT_ATTENTION_FMA");
-      auto d_out = to_device(*ops, std::vector<float>(size_t(g.B * g.T * g.C()), kNaN), sout, DType::BF16);
-      auto d_saved = to_device(*ops, std::vector<float>(size_t(nsaved), kNaN), {nsaved});
-      ops->attention_forward(d_out.t, d_saved.t, d_qkv.t, g.NH, g.NKV, g.HD);
-      auto d_dqkv = to_device(*ops, std::vector<float>(qkv.size(), kNaN), sqkv, DType::BF16);
-      ops->attention_backward(d_dqkv.t, d_dout.t, d_qkv.t, d_out.t, d_saved.t, g.NH, g.NKV, g.HD);
+      fma_env.set(fma);
+      auto d_out = to_device(*ops, std::vector<float>(size_t(in.sout.numel()), kNaN), in.sout, DType::BF16);
+      auto d_saved = to_device(*ops, std::vector<float>(size_t(in.nsaved), kNaN), {in.nsaved});
+      ops->attention_forward(d_out.t, d_saved.t, in.d_qkv.t, g.NH, g.NKV, g.HD);
+      auto d_dqkv = to_device(*ops, std::vector<float>(in.qkv.size(), kNaN), in.sqkv, DType::BF16);
+      ops->attention_backward(d_dqkv.t, in.d_dout.t, in.d_qkv.t, d_out.t, d_saved.t, g.NH, g.NKV, g.HD);
       outs[fma] = to_host(*ops, d_out.t);
       lses[fma] = to_host(*ops, d_saved.t);
       grads[fma] = to_host(*ops, d_dqkv.t);
     }
-    if (old_env)
-      setenv("MPIGPT_ATTENTION_FMA", saved_env.c_str(), 1);
-    else
-      unsetenv("MPIGPT_ATTENTION_FMA");
     const Tolerance tol = tolerance(DType::BF16);
     auto r = allclose(outs[0], outs[1], tol.out, tol.out);
     CHECK_MESSAGE(r.ok, "out: ", r.str());
@@ -213,8 +244,7 @@ TEST_CASE("cuda attention bf16: the fused causal backward agrees with the split 
   // 4e-3 relative; a lost or doubled key tile is O(1)). Several key tiles per query tile (T up to
   // 300, the last tiles partial), GQA and plain heads, B > 1.
   auto ops = cuda_ops_or_skip();
-  const char* old_env = std::getenv("MPIGPT_ATTENTION_SPLIT_BWD");
-  const std::string saved_env = old_env ? old_env : "";
+  const EnvSwitch split_env("MPIGPT_ATTENTION_SPLIT_BWD");
   const std::vector<Geometry> shapes = {
       {2, 300, 4, 2, 64}, {1, 257, 4, 1, 128}, {2, 128, 2, 2, 64}, {1, 96, 2, 2, 128}};
   for (const Geometry& g : shapes) {
@@ -223,29 +253,17 @@ TEST_CASE("cuda attention bf16: the fused causal backward agrees with the split 
     CAPTURE(g.NH);
     CAPTURE(g.NKV);
     CAPTURE(g.HD);
-    const Shape sqkv{g.B, g.T, g.R()}, sout{g.B, g.T, g.C()};
-    const auto qkv = rounded_bf16(random_normal(size_t(g.B * g.T * g.R()), 305, uint64_t(g.T * 1000 + g.HD)));
-    const auto dout = rounded_bf16(random_normal(size_t(g.B * g.T * g.C()), 306, uint64_t(g.T * 1000 + g.HD)));
-    const int64_t nsaved = ops->attention_saved_numel(g.B, g.T, g.NH);
-    auto d_qkv = to_device(*ops, qkv, sqkv, DType::BF16);
-    auto d_dout = to_device(*ops, dout, sout, DType::BF16);
-    auto d_out = to_device(*ops, std::vector<float>(size_t(g.B * g.T * g.C()), kNaN), sout, DType::BF16);
-    auto d_saved = to_device(*ops, std::vector<float>(size_t(nsaved), kNaN), {nsaved});
-    ops->attention_forward(d_out.t, d_saved.t, d_qkv.t, g.NH, g.NKV, g.HD);
+    const Bf16Inputs in = bf16_inputs(*ops, g, 305);
+    auto d_out = to_device(*ops, std::vector<float>(size_t(in.sout.numel()), kNaN), in.sout, DType::BF16);
+    auto d_saved = to_device(*ops, std::vector<float>(size_t(in.nsaved), kNaN), {in.nsaved});
+    ops->attention_forward(d_out.t, d_saved.t, in.d_qkv.t, g.NH, g.NKV, g.HD);
     std::vector<float> grads[2];
     for (int split = 0; split < 2; ++split) {
-      if (split)
-        setenv("MPIGPT_ATTENTION_SPLIT_BWD", "1", 1);
-      else
-        unsetenv("MPIGPT_ATTENTION_SPLIT_BWD");
-      auto d_dqkv = to_device(*ops, std::vector<float>(qkv.size(), kNaN), sqkv, DType::BF16);
-      ops->attention_backward(d_dqkv.t, d_dout.t, d_qkv.t, d_out.t, d_saved.t, g.NH, g.NKV, g.HD);
+      split_env.set(split);
+      auto d_dqkv = to_device(*ops, std::vector<float>(in.qkv.size(), kNaN), in.sqkv, DType::BF16);
+      ops->attention_backward(d_dqkv.t, in.d_dout.t, in.d_qkv.t, d_out.t, d_saved.t, g.NH, g.NKV, g.HD);
       grads[split] = to_host(*ops, d_dqkv.t);
     }
-    if (old_env)
-      setenv("MPIGPT_ATTENTION_SPLIT_BWD", saved_env.c_str(), 1);
-    else
-      unsetenv("MPIGPT_ATTENTION_SPLIT_BWD");
     std::vector<float> dq[2], dkv[2];
     const int64_t R = g.R(), C = g.C();
     for (int s = 0; s < 2; ++s)
