@@ -17,7 +17,7 @@
 // scratch: every gradient element is summed by one thread in a fixed order, so the backward is
 // deterministic, and the blockwise backward can accumulate straight into dqkv and dkv. (The
 // causal bf16 backward on tensor cores fuses the dQ kernel into the dK/dV kernel, 5 products,
-// with an fp32 dQ scratch summed in a fixed order: cuda_attention_tc.cu.)
+// with an fp32 dQ scratch summed in a fixed order: cuda_attention_tc_bwd.cu.)
 //
 // Masks: the causal kernels mask j > i and skip the key tiles past a query tile (and query tiles
 // before a key tile). The blockwise kernels take per-token positions and document ids; a tile
@@ -29,9 +29,10 @@
 // its output columns are not stored).
 //
 // Files: cuda_attention_fma.cuh (the kernels' shared tiles and products), cuda_attention_fwd.cu and
-// cuda_attention_bwd.cu (the fp32-FMA kernels), cuda_attention_tc.cu (bf16 on tensor cores, HD 64
-// and 128). This file chooses between them and holds the causal ops and the entry points that
-// cuda_attention_block.cu's blockwise ops call after checking their arguments.
+// cuda_attention_bwd.cu (the fp32-FMA kernels), cuda_attention_tc.cu and cuda_attention_tc_bwd.cu
+// (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh). This file chooses between
+// them and holds the causal ops and the entry points that cuda_attention_block.cu's blockwise ops
+// call after checking their arguments.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -49,7 +50,7 @@ using fma_attn::Problem;
 
 namespace {
 
-// The bf16 forward and backward for HD 64 and 128 run on tensor cores (cuda_attention_tc.cu) unless
+// The bf16 forward and backward for HD 64 and 128 run on tensor cores (cuda_attention_tc*.cu) unless
 // the environment variable MPIGPT_ATTENTION_FMA is set to a value other than "0" or "": then they
 // use the scalar fp32-FMA kernels (cuda_attention_fwd.cu, cuda_attention_bwd.cu; read on every
 // call, so tests can compare the two).
@@ -68,7 +69,7 @@ void run_forward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
   fma_attn::forward(p, dt, causal, stream);
 }
 
-// The causal bf16 backward on tensor cores fuses dQ into the dK/dV kernel (cuda_attention_tc.cu)
+// The causal bf16 backward on tensor cores fuses dQ into the dK/dV kernel (cuda_attention_tc_bwd.cu)
 // unless MPIGPT_ATTENTION_SPLIT_BWD is set to a value other than "0" or "": then it runs the
 // separate dQ and dK/dV kernels that the masked backward uses (read on every call, for comparison).
 bool split_forced() {

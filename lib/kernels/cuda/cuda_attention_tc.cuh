@@ -1,5 +1,6 @@
-// CUDA backend, private: the bf16 tensor-core attention of cuda_attention_tc.cu (mma.sync, tiles
-// in registers), forward and backward, which cuda_attention.cu tries before its fp32-FMA kernels.
+// CUDA backend, private: the bf16 tensor-core attention (mma.sync, tiles in registers), forward in
+// cuda_attention_tc.cu and backward in cuda_attention_tc_bwd.cu, which cuda_attention.cu tries
+// before its fp32-FMA kernels.
 #pragma once
 
 #include <cstdint>

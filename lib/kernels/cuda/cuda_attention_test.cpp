@@ -238,7 +238,7 @@ TEST_CASE("cuda attention rejects unsupported head dims and inconsistent shapes"
 
 TEST_CASE("cuda attention bf16: the fused causal backward agrees with the split one (MPIGPT_ATTENTION_SPLIT_BWD)") {
   // The causal tensor-core backward adds each key tile's share of dQ to an fp32 scratch in a fixed
-  // order (cuda_attention_tc.cu); MPIGPT_ATTENTION_SPLIT_BWD runs the separate dQ kernel instead.
+  // order (cuda_attention_tc_bwd.cu); MPIGPT_ATTENTION_SPLIT_BWD runs the separate dQ kernel instead.
   // dK and dV come from the same kernel code either way: bitwise equal. dQ sums the same bf16
   // products in another order and is rounded to bf16 once: within 1e-2 abs + rel (one bf16 step is
   // 4e-3 relative; a lost or doubled key tile is O(1)). Several key tiles per query tile (T up to

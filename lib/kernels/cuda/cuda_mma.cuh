@@ -1,6 +1,6 @@
 // CUDA backend, private: warp-level tensor-core primitives with a documented register layout (PTX
 // `mma.sync.m16n8k16` for bf16 with fp32 accumulators, and `ldmatrix`), for kernels that keep their
-// tiles in registers (the attention of cuda_attention_tc.cu). nvcuda::wmma cannot: its fragment
+// tiles in registers (the attention of cuda_attention_tc*.cu). nvcuda::wmma cannot: its fragment
 // layout is opaque, so every element-wise step between two products went through shared memory.
 //
 // The layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), for lane l
