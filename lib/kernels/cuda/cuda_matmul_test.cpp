@@ -67,7 +67,9 @@ TEST_CASE("cuda gemm matches the CPU: every transpose, alpha/beta, beta = 0 over
   CHECK_THROWS_WITH_AS(gpu->gemm(c.t, a.t, h.t, false, false, 1, 0), doctest::Contains("dtype"), Error);
 }
 
-TEST_CASE("cuda linear forward matches the CPU, with and without bias, f32 and bf16") {
+TEST_CASE("cuda linear forward, and with the residual fused, matches the CPU, with and without bias, f32 and bf16") {
+  // linear_residual_forward: out = inp @ weight^T + bias + residual in one cuBLASLt call reading the
+  // residual as C; the CPU runs linear_forward, then add. Outputs NaN-filled (all overwritten).
   auto gpu = cuda_ops_or_skip();
   auto cpu = make_cpu_ops();
   struct Dims {
@@ -93,6 +95,18 @@ TEST_CASE("cuda linear forward matches the CPU, with and without bias, f32 and b
                             with_bias ? as_tensor(bias, {d.OC}) : Tensor());
         // Outputs: 0.5 sqrt(IC) from the product plus an O(1) bias.
         check_close(to_host(*gpu, gout.t), want, tol_for(dt, d.IC, 0.5 * scale_of(d.IC) + 1.0), "out");
+
+        auto res = input(size_t(d.N * d.OC), 21, 3, dt);
+        auto gres = to_device(*gpu, res, {d.N, d.OC}, dt);
+        auto gsum = to_device(*gpu, std::vector<float>(size_t(d.N * d.OC), kNaN), {d.N, d.OC}, dt);
+        gpu->linear_residual_forward(gsum.t, gx.t, gw.t, with_bias ? gbias.t : Tensor(), gres.t);
+        std::vector<float> want_sum(size_t(d.N * d.OC));
+        cpu->linear_residual_forward(as_tensor(want_sum, {d.N, d.OC}), as_tensor(x, {d.N, d.IC}),
+                                     as_tensor(w, {d.OC, d.IC}), with_bias ? as_tensor(bias, {d.OC}) : Tensor(),
+                                     as_tensor(res, {d.N, d.OC}));
+        // Plus an O(1) residual.
+        check_close(to_host(*gpu, gsum.t), want_sum, tol_for(dt, d.IC, 0.5 * scale_of(d.IC) + 2.0), "out + residual");
+        CHECK(to_host(*gpu, gres.t) == res);  // the residual is only read
       }
     }
   }
@@ -105,45 +119,10 @@ TEST_CASE("cuda linear forward matches the CPU, with and without bias, f32 and b
 
   auto x = zeros(*gpu, {4, 5}), w = zeros(*gpu, {5, 3}), o = zeros(*gpu, {4, 3});
   CHECK_THROWS_WITH_AS(gpu->linear_forward(o.t, x.t, w.t, Tensor()), doctest::Contains("linear_forward"), Error);
-}
-
-TEST_CASE("cuda linear forward with the residual fused matches the CPU (linear_forward, then add)") {
-  // out = inp @ weight^T + bias + residual: one cuBLASLt call reading the residual as C. Outputs
-  // NaN-filled (all overwritten).
-  auto gpu = cuda_ops_or_skip();
-  auto cpu = make_cpu_ops();
-  struct Dims {
-    int64_t N, IC, OC;
-  };
-  for (DType dt : {DType::F32, DType::BF16}) {
-    for (Dims d : {Dims{15, 7, 9}, Dims{64, 96, 200}, Dims{33, 17, 31}, Dims{1, 5, 3}}) {
-      for (bool with_bias : {true, false}) {
-        const std::string dtype = dtype_name(dt);
-        CAPTURE(dtype);
-        CAPTURE(d.N);
-        CAPTURE(d.IC);
-        CAPTURE(d.OC);
-        CAPTURE(with_bias);
-        auto x = input(size_t(d.N * d.IC), 25, 0, dt), w = input(size_t(d.OC * d.IC), 25, 1, dt, 0.5f);
-        auto bias = input(size_t(d.OC), 25, 2, dt), res = input(size_t(d.N * d.OC), 25, 3, dt);
-        auto gx = to_device(*gpu, x, {d.N, d.IC}, dt), gw = to_device(*gpu, w, {d.OC, d.IC}, dt);
-        auto gbias = to_device(*gpu, bias, {d.OC}, dt), gres = to_device(*gpu, res, {d.N, d.OC}, dt);
-        auto gout = to_device(*gpu, std::vector<float>(size_t(d.N * d.OC), kNaN), {d.N, d.OC}, dt);
-        gpu->linear_residual_forward(gout.t, gx.t, gw.t, with_bias ? gbias.t : Tensor(), gres.t);
-        std::vector<float> want(size_t(d.N * d.OC));
-        cpu->linear_residual_forward(as_tensor(want, {d.N, d.OC}), as_tensor(x, {d.N, d.IC}),
-                                     as_tensor(w, {d.OC, d.IC}), with_bias ? as_tensor(bias, {d.OC}) : Tensor(),
-                                     as_tensor(res, {d.N, d.OC}));
-        // Outputs: 0.5 sqrt(IC) from the product plus an O(1) bias and an O(1) residual.
-        check_close(to_host(*gpu, gout.t), want, tol_for(dt, d.IC, 0.5 * scale_of(d.IC) + 2.0), "out");
-        CHECK(to_host(*gpu, gres.t) == res);  // the residual is only read
-      }
-    }
-  }
-  auto x = zeros(*gpu, {4, 5}), w = zeros(*gpu, {3, 5}), o = zeros(*gpu, {4, 3}), r = zeros(*gpu, {4, 2});
-  CHECK_THROWS_WITH_AS(gpu->linear_residual_forward(o.t, x.t, w.t, Tensor(), r.t), doctest::Contains("residual"),
+  auto w2 = zeros(*gpu, {3, 5}), r = zeros(*gpu, {4, 2});
+  CHECK_THROWS_WITH_AS(gpu->linear_residual_forward(o.t, x.t, w2.t, Tensor(), r.t), doctest::Contains("residual"),
                        Error);
-  CHECK_THROWS_WITH_AS(gpu->linear_residual_forward(o.t, x.t, w.t, Tensor(), o.t), doctest::Contains("not be out"),
+  CHECK_THROWS_WITH_AS(gpu->linear_residual_forward(o.t, x.t, w2.t, Tensor(), o.t), doctest::Contains("not be out"),
                        Error);
 }
 
