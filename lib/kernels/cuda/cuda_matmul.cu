@@ -372,6 +372,11 @@ LtMatmul rowmajor_product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, con
   return mm;
 }
 
+// The bias an epilogue may take: only a 16-byte aligned one (some cuBLASLt kernels read the bias
+// vectorised without saying so to the heuristic; the per-group biases of grouped_linear are often
+// not aligned); null otherwise, and the caller adds it.
+const void* epilogue_bias(const void* bias) { return bias && alignment(bias) >= 16 ? bias : nullptr; }
+
 // Row-major, contiguous c (M,N) = alpha op(a) op(b) + beta c (+ bias (N) on every row), with a
 // stored (M,K) or (K,M) when ta, b stored (K,N) or (N,K) when tb. a, b in `ab`, c and bias in `cd`.
 void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* a,
@@ -385,9 +390,7 @@ void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, in
       ops.scale(ct, beta);
   } else {
     LtMatmul mm = rowmajor_product(ta, tb, M, N, K, a, b, c, ab, cd, alpha, beta);
-    // The epilogue only for 16-byte aligned biases: some cuBLASLt kernels read the bias vectorised
-    // without saying so to the heuristic; the per-group biases of grouped_linear are often not.
-    mm.bias = bias && alignment(bias) >= 16 ? bias : nullptr;
+    mm.bias = epilogue_bias(bias);
     if (!run_matmul(ops, mm, op)) {
       mm.bias = nullptr;
       run_matmul(ops, mm, op);
@@ -500,7 +503,7 @@ void CudaOps::linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Ten
     LtMatmul mm = rowmajor_product(false, true, d.N, d.OC, d.IC, inp.ptr, weight.ptr, out.ptr, d.dt, d.dt, 1.0f,
                                    1.0f);
     mm.Cin = residual.ptr;
-    mm.bias = bias.defined() && alignment(bias.ptr) >= 16 ? bias.ptr : nullptr;  // as rowmajor_gemm
+    mm.bias = epilogue_bias(bias.ptr);
     if ((mm.bias || !bias.defined()) && run_matmul(*this, mm, op)) return;
   }
   linear_forward(out, inp, weight, bias);
