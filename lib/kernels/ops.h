@@ -249,6 +249,8 @@ class Ops {
 std::unique_ptr<Ops> make_cpu_ops();
 // The CUDA backend on GPU `device` (lib/kernels/cuda/; bf16 or f32 compute, cuBLASLt, fused
 // kernels). Only in builds with MPIGPT_WITH_CUDA; without it this fails with a message saying so.
-std::unique_ptr<Ops> make_cuda_ops(int device);
+// gemm_autotune: time cuBLASLt's candidate algorithms on each large GEMM shape's first product and
+// keep the fastest (engine.gemm_autotune; off, the heuristic's first choice, bitwise reproducible).
+std::unique_ptr<Ops> make_cuda_ops(int device, bool gemm_autotune = false);
 
 }  // namespace mpigpt

@@ -40,6 +40,7 @@ const Dims kDims[] = {{64, 96, 256}, {33, 17, 40}, {15, 7, 9}, {33, 17, 42}, {25
 TEST_CASE("cuda linear_gelu_forward matches the CPU's linear then GELU, with and without bias, f32 and bf16") {
   auto gpu = cuda_ops_or_skip();
   auto cpu = make_cpu_ops();
+  const bool tuned = gemm_tuning_subcases(*gpu);
   for (DType dt : {DType::F32, DType::BF16}) {
     for (Dims d : kDims) {
       for (bool with_bias : {true, false}) {
@@ -76,6 +77,7 @@ TEST_CASE("cuda linear_gelu_forward matches the CPU's linear then GELU, with and
       }
     }
   }
+  CHECK((tuned_products(*gpu) > 0) == tuned);
   auto x = zeros(*gpu, {4, 5}), w = zeros(*gpu, {3, 5}), o = zeros(*gpu, {4, 3}), p = zeros(*gpu, {4, 2});
   CHECK_THROWS_WITH_AS(gpu->linear_gelu_forward(o.t, p.t, x.t, w.t, Tensor()), doctest::Contains("pre"), Error);
   auto p16 = zeros(*gpu, {4, 3}, DType::BF16);
@@ -85,6 +87,7 @@ TEST_CASE("cuda linear_gelu_forward matches the CPU's linear then GELU, with and
 TEST_CASE("cuda linear_backward_gelu matches the CPU: dpre overwrites, dweight and dbias accumulate in f32") {
   auto gpu = cuda_ops_or_skip();
   auto cpu = make_cpu_ops();
+  const bool tuned = gemm_tuning_subcases(*gpu);
   for (DType dt : {DType::F32, DType::BF16}) {
     // The projection (OC outputs) whose input act = gelu(pre) has IC features: the epilogue needs
     // IC % 8 == 0.
@@ -116,6 +119,7 @@ TEST_CASE("cuda linear_backward_gelu matches the CPU: dpre overwrites, dweight a
       }
     }
   }
+  CHECK((tuned_products(*gpu) > 0) == tuned);
   auto g = zeros(*gpu, {4, 3}), w = zeros(*gpu, {3, 5}), p = zeros(*gpu, {4, 5}), bad = zeros(*gpu, {4, 4});
   CHECK_THROWS_WITH_AS(gpu->linear_backward_gelu(p.t, Tensor(), Tensor(), g.t, Tensor(), w.t, bad.t),
                        doctest::Contains("pre"), Error);

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <map>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
@@ -43,6 +44,7 @@ struct CudaOps::MatmulPlans {
   // meeting new shapes; past the bound the cache starts over (a heuristic query costs microseconds).
   static constexpr size_t kMaxPlans = 4096;
   std::map<PlanKey, Plan> plans;
+  CudaOps::TuneCounts tuned;
   void clear() {
     // Not CHECKed: this also runs in the destructor, which must not throw; descriptors hold host
     // memory only.
@@ -61,6 +63,8 @@ CudaOps::MatmulPlans& CudaOps::matmul_plans() {
   if (!plans_) plans_ = {new MatmulPlans, [](MatmulPlans* p) { delete p; }};
   return *plans_;
 }
+
+CudaOps::TuneCounts CudaOps::gemm_tune_counts() { return matmul_plans().tuned; }
 
 namespace {
 
@@ -119,6 +123,53 @@ void set_epilogue_pointers(cublasLtMatmulDesc_t desc, const LtMatmul& mm) {
                                                  sizeof(mm.aux)));
 }
 
+// The heuristic's candidates that autotuning times (cuBLASLt offers up to 8 for the model's shapes).
+constexpr int kTuneCandidates = 8;
+
+// Autotuning: which of the heuristic's candidates runs the product fastest on its own operands.
+// Each candidate runs once to warm up and then `reps` times between two stream synchronisations.
+// The result D goes to the product's own output when nothing is read from it (beta 0, or C read
+// from Cin): the chosen algorithm's run overwrites it. An accumulation in place (beta != 0, C = D)
+// writes to a scratch D instead, so the real one is added to exactly once. Candidate 0 stays
+// unless another is at least 3% faster: near-ties keep the heuristic's choice whatever the timing
+// noise.
+int fastest_candidate(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cublasLtMatmulHeuristicResult_t* cand,
+                      int found) {
+  const bool in_place = mm.beta != 0.0f && !mm.Cin;
+  const CudaOps::Scratch out{&ops, in_place ? ops.allocate_uninitialised(size_t(mm.ldc) * size_t(mm.n) *
+                                                                           dtype_size(mm.cd))
+                                            : nullptr};
+  void* const d = in_place ? out.ptr : mm.C;
+  const void* const c = mm.Cin ? mm.Cin : mm.C;
+  const double flop = 2.0 * double(mm.m) * double(mm.n) * double(mm.k);
+  const int reps = int(std::clamp(2e11 / flop, 3.0, 20.0));
+  const cudaStream_t stream = ops.cuda_stream();
+  double best_s = 0;
+  int best = 0;
+  for (int i = 0; i < found; ++i) {
+    if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    auto run = [&] {
+      return cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta, c, p.c, d, p.c,
+                            &cand[i].algo, ops.cublaslt_workspace(), CudaOps::kCublasWorkspace, stream);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run here is not chosen
+    MPIGPT_CUDA(cudaStreamSynchronize(stream));
+    const auto t0 = std::chrono::steady_clock::now();
+    bool ran = true;
+    for (int r = 0; r < reps && ran; ++r) ran = run() == CUBLAS_STATUS_SUCCESS;
+    MPIGPT_CUDA(cudaStreamSynchronize(stream));
+    if (!ran) continue;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i == 0) {
+      best_s = s;
+    } else if (s < best_s * (best == 0 ? 0.97 : 1.0)) {
+      best = i;
+      best_s = s;
+    }
+  }
+  return best;
+}
+
 Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   const PlanKey key = {mm.ta,        mm.tb,         mm.m,          mm.n,          mm.k,
                        mm.lda,       mm.ldb,        mm.ldc,        int64_t(mm.ab), int64_t(mm.cd),
@@ -172,14 +223,25 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
     MPIGPT_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
                                                        sizeof(schemes)));
   }
-  cublasLtMatmulHeuristicResult_t result{};
+  // The heuristic's first choice, or with autotuning on a large enough product its candidates.
+  const double flop = 2.0 * double(mm.m) * double(mm.n) * double(mm.k);
+  const bool tune = ops.gemm_autotune() && flop >= ops.gemm_autotune_min_flop();
+  std::array<cublasLtMatmulHeuristicResult_t, kTuneCandidates> cand{};
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(ops.cublaslt(), p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ops.cublaslt(), p.desc, p.a, p.b, p.c, p.c, pref,
+                                                           tune ? kTuneCandidates : 1, cand.data(), &found);
   MPIGPT_CUBLAS(cublasLtMatmulPreferenceDestroy(pref));
   if (st != CUBLAS_STATUS_NOT_SUPPORTED) MPIGPT_CUBLAS(st);
   p.supported = st == CUBLAS_STATUS_SUCCESS && found > 0;
-  if (p.supported) p.algo = result.algo;
+  if (!p.supported) return p;
+  int chosen = 0;
+  if (tune && found > 1) {
+    set_epilogue_pointers(p.desc, mm);
+    chosen = fastest_candidate(ops, p, mm, cand.data(), found);
+    ++cache.tuned.timed;
+    cache.tuned.changed += chosen != 0;
+  }
+  p.algo = cand[size_t(chosen)].algo;
   return p;
 }
 
@@ -597,6 +659,7 @@ void CudaOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tens
                "{}: out {} = inp {} @ weight {}^T per group has mismatched shapes", op, out.shape.str(),
                inp.shape.str(), weight.shape.str());
   // One cuBLASLt call per group; empty groups (experts that got no tokens) are skipped.
+  const TunePause untuned(*this);
   for (int64_t g = 0, r = 0; g < G; r += group_rows[g], ++g) {
     if (group_rows[g] == 0) continue;
     rowmajor_gemm(*this, op, false, true, group_rows[g], OC, IC, at(inp, r * IC), at(weight, g * OC * IC),
@@ -630,6 +693,7 @@ void CudaOps::grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias,
                  inp.shape.str(), mo.rows, IC);
   }
   if (dbias.defined()) check_dtype(dbias, DType::F32, op, "dbias (bias gradients accumulate in f32)");
+  const TunePause untuned(*this);
   for (int64_t g = 0, r = 0; g < G; r += group_rows[g], ++g) {
     const int64_t n = group_rows[g];
     if (n == 0) continue;  // dinp has no rows to write, the gradients nothing to add

@@ -30,6 +30,7 @@ std::vector<float> group(const std::vector<float>& v, int64_t g, int64_t per) {
 TEST_CASE("cuda gemm matches the CPU: every transpose, alpha/beta, beta = 0 overwrites NaN, f32 and bf16") {
   auto gpu = cuda_ops_or_skip();
   auto cpu = make_cpu_ops();
+  const bool tuned = gemm_tuning_subcases(*gpu);
   struct Dims {
     int64_t M, N, K;
   };
@@ -62,6 +63,7 @@ TEST_CASE("cuda gemm matches the CPU: every transpose, alpha/beta, beta = 0 over
       }
     }
   }
+  CHECK((tuned_products(*gpu) > 0) == tuned);
   auto a = zeros(*gpu, {2, 3}), b = zeros(*gpu, {2, 3}), c = zeros(*gpu, {2, 2}), h = zeros(*gpu, {3, 2}, DType::BF16);
   CHECK_THROWS_WITH_AS(gpu->gemm(c.t, a.t, b.t, false, false, 1, 0), doctest::Contains("gemm"), Error);
   CHECK_THROWS_WITH_AS(gpu->gemm(c.t, a.t, h.t, false, false, 1, 0), doctest::Contains("dtype"), Error);
@@ -72,6 +74,7 @@ TEST_CASE("cuda linear forward, and with the residual fused, matches the CPU, wi
   // residual as C; the CPU runs linear_forward, then add. Outputs NaN-filled (all overwritten).
   auto gpu = cuda_ops_or_skip();
   auto cpu = make_cpu_ops();
+  const bool tuned = gemm_tuning_subcases(*gpu);
   struct Dims {
     int64_t N, IC, OC;
   };
@@ -110,6 +113,7 @@ TEST_CASE("cuda linear forward, and with the residual fused, matches the CPU, wi
       }
     }
   }
+  CHECK((tuned_products(*gpu) > 0) == tuned);
   // No input features (IC = 0): the output is the bias on every row.
   auto gbias = to_device(*gpu, std::vector<float>{1, -2, 3}, {3});
   auto gw = zeros(*gpu, {3, 0}), gx = zeros(*gpu, {4, 0});
@@ -129,6 +133,7 @@ TEST_CASE("cuda linear forward, and with the residual fused, matches the CPU, wi
 TEST_CASE("cuda linear backward matches the CPU: dinp overwrites, dweight and dbias accumulate in f32") {
   auto gpu = cuda_ops_or_skip();
   auto cpu = make_cpu_ops();
+  const bool tuned = gemm_tuning_subcases(*gpu);
   struct Dims {
     int64_t N, IC, OC;
   };
@@ -178,6 +183,7 @@ TEST_CASE("cuda linear backward matches the CPU: dinp overwrites, dweight and db
       check_close(to_host(*gpu, gdw_only.t), dw_only, tol_for(DType::F32, d.N, scale_of(d.N)), "dweight only");
     }
   }
+  CHECK((tuned_products(*gpu) > 0) == tuned);
   // Weight and bias gradients must be f32 whatever the data dtype.
   auto g = zeros(*gpu, {4, 3}, DType::BF16), x = zeros(*gpu, {4, 5}, DType::BF16);
   auto dw16 = zeros(*gpu, {3, 5}, DType::BF16), db16 = zeros(*gpu, {3}, DType::BF16);

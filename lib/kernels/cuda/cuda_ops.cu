@@ -26,7 +26,11 @@ static constexpr const char* kBuiltArchs = "unknown";
 
 namespace mpigpt {
 
-std::unique_ptr<Ops> make_cuda_ops(int device) { return std::make_unique<cuda::CudaOps>(device); }
+std::unique_ptr<Ops> make_cuda_ops(int device, bool gemm_autotune) {
+  auto ops = std::make_unique<cuda::CudaOps>(device);
+  ops->set_gemm_autotune(gemm_autotune);
+  return ops;
+}
 
 namespace cuda {
 

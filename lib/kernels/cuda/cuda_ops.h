@@ -135,12 +135,35 @@ class CudaOps final : public Ops {
   cublasLtHandle_t cublaslt() const { return lt_; }
   void* cublaslt_workspace() const { return workspace_; }
   static constexpr size_t kCublasWorkspace = size_t(32) << 20;
+  // GEMM autotuning (cuda_matmul.cu): when on, the first product of each configuration with at
+  // least min_flop FLOPs times the heuristic's candidates on its own operands and keeps the
+  // fastest when it beats the heuristic's first choice by 3% or more. Off by default (the
+  // heuristic's first choice: bitwise the same result on every run); engine.gemm_autotune.
+  static constexpr double kTuneMinFlop = 1e10;
+  void set_gemm_autotune(bool on, double min_flop = kTuneMinFlop) {
+    tune_ = on;
+    tune_min_flop_ = min_flop;
+  }
+  bool gemm_autotune() const { return tune_ && !tune_paused_; }
+  double gemm_autotune_min_flop() const { return tune_min_flop_; }
+  // The grouped (MoE) products meet new row counts every step: they take the heuristic's choice.
+  struct TunePause {
+    CudaOps& ops;
+    bool was;
+    explicit TunePause(CudaOps& o) : ops(o), was(o.tune_paused_) { o.tune_paused_ = true; }
+    ~TunePause() { ops.tune_paused_ = was; }
+  };
   // Host-pinned staging for sum/sum_squares results (one double pair).
   double* host_result() const { return host_result_; }
   // cuBLASLt descriptors and the heuristic's algorithm per matmul configuration (shape, dtypes,
   // epilogue, alignment), so steady-state matmuls do not query the heuristic again (cuda_matmul.cu).
   struct MatmulPlans;
   MatmulPlans& matmul_plans();
+  // How many matmul configurations were timed and how many of those left the heuristic's choice.
+  struct TuneCounts {
+    size_t timed = 0, changed = 0;
+  };
+  TuneCounts gemm_tune_counts();
   // adamw_runs' chunk tables on the device, one per run list met (cuda_optim.cu).
   struct AdamTables;
   AdamTables& adam_tables();
@@ -151,6 +174,8 @@ class CudaOps final : public Ops {
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
   double* host_result_ = nullptr;
+  bool tune_ = false, tune_paused_ = false;
+  double tune_min_flop_ = kTuneMinFlop;
   std::unique_ptr<CachingAllocator> alloc_;
   std::unique_ptr<MatmulPlans, void (*)(MatmulPlans*)> plans_{nullptr, nullptr};  // created on first use
   std::unique_ptr<AdamTables, void (*)(AdamTables*)> adam_tables_{nullptr, nullptr};  // before alloc_ goes

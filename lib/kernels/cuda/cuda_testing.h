@@ -15,6 +15,7 @@
 #include "lib/kernels/ops.h"
 #include "lib/kernels/testing.h"
 #ifdef MPIGPT_WITH_CUDA
+#include "lib/kernels/cuda/cuda_ops.h"
 #include "lib/kernels/cuda/device.h"
 #endif
 
@@ -29,6 +30,28 @@ inline std::unique_ptr<Ops> cuda_ops_or_skip() {
   MESSAGE("built without the CUDA backend: skipped");
 #endif
   std::exit(77);
+}
+
+// Two subcases for the matmul tests: the heuristic's algorithm, and autotuning on every product
+// (no size floor: each candidate runs on the product's own operands before the real run). Returns
+// whether this pass tunes; tuned_products then says how many configurations were timed.
+inline bool gemm_tuning_subcases(Ops& gpu) {
+  bool tuned = false;
+  SUBCASE("the heuristic's algorithm") {}
+  SUBCASE("autotuned") {
+#ifdef MPIGPT_WITH_CUDA
+    dynamic_cast<cuda::CudaOps&>(gpu).set_gemm_autotune(true, 0);
+    tuned = true;
+#endif
+  }
+  return tuned;
+}
+inline size_t tuned_products(Ops& gpu) {
+#ifdef MPIGPT_WITH_CUDA
+  return dynamic_cast<cuda::CudaOps&>(gpu).gemm_tune_counts().timed;
+#else
+  return 0;
+#endif
 }
 
 // The bf16 unit roundoff (8 significand bits): the unit of the tests' bf16 tolerances.

@@ -109,13 +109,15 @@ static bool shapes_ok(cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t A, cublasLt
 }
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t A,
                                               cublasLtMatrixLayout_t B, cublasLtMatrixLayout_t C, cublasLtMatrixLayout_t D,
-                                              cublasLtMatmulPreference_t, int, cublasLtMatmulHeuristicResult_t* r, int* found) {
+                                              cublasLtMatmulPreference_t, int requested, cublasLtMatmulHeuristicResult_t* r,
+                                              int* found) {
   if (!shapes_ok(d, A, B, C, D)) {
     fprintf(stderr, "emu cublasLt: inconsistent shapes\n");
     return CUBLAS_STATUS_INVALID_VALUE;
   }
-  std::memset(r, 0, sizeof(*r));
-  *found = 1;
+  // Up to three candidates (one algorithm under three names), so that callers' autotuning runs.
+  *found = requested < 3 ? requested : 3;
+  std::memset(r, 0, sizeof(*r) * size_t(*found));
   return CUBLAS_STATUS_SUCCESS;
 }
 static double rd(const void* p, cudaDataType_t t, int64_t i) {
