@@ -15,9 +15,9 @@
 // the query tiles of all the query heads of its kv head. Both recompute the scores and dP (7
 // tile products instead of FlashAttention-2's 5) in exchange for no atomics and no fp32 dQ
 // scratch: every gradient element is summed by one thread in a fixed order, so the backward is
-// deterministic, and the blockwise backward can accumulate straight into dqkv and dkv. (The
-// causal bf16 backward on tensor cores fuses the dQ kernel into the dK/dV kernel, 5 products,
-// with an fp32 dQ scratch summed in a fixed order: cuda_attention_tc_bwd.cu.)
+// deterministic, and the blockwise backward can accumulate straight into dqkv and dkv. (A dQ
+// fused into the dK/dV kernel, 5 products, its shares summed in a fixed order through an fp32
+// scratch, measured slower on an H200 at T 1024-2048: docs/performance.md.)
 //
 // Masks: the causal kernels mask j > i and skip the key tiles past a query tile (and query tiles
 // before a key tile). The blockwise kernels take per-token positions and document ids; a tile
@@ -69,30 +69,14 @@ void run_forward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
   fma_attn::forward(p, dt, causal, stream);
 }
 
-// The causal bf16 backward on tensor cores fuses dQ into the dK/dV kernel (cuda_attention_tc_bwd.cu)
-// unless MPIGPT_ATTENTION_SPLIT_BWD is set to a value other than "0" or "": then it runs the
-// separate dQ and dK/dV kernels that the masked backward uses (read on every call, for comparison).
-bool split_forced() {
-  const char* e = std::getenv("MPIGPT_ATTENTION_SPLIT_BWD");
-  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
-}
-
-// p.D must hold B*NH*Tq floats of scratch; the fused backward's scratch is taken here.
-void run_backward(CudaOps& ops, const Problem& p, DType dt, bool causal) {
+// p.D must hold B*NH*Tq floats of scratch.
+void run_backward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
   if (p.B == 0 || p.Tq == 0 || p.Tk == 0) return;  // (causal: Tq == Tk) nothing to add or to overwrite
-  cudaStream_t stream = ops.cuda_stream();
   fma_attn::rowdot(p, dt, stream);
   if (dt == DType::BF16 && !fma_forced()) {
-    AttentionTcBackward tc{{p.q, p.k, p.v, p.out, p.lse, p.qpos, p.qseg, p.kpos, p.kseg, p.q_stride, p.kv_stride,
-                            p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2},
-                           p.dout, p.dq, p.dk, p.dv, p.D, p.scale, p.accumulate};
-    const AttentionTcScratch need =
-        split_forced() ? AttentionTcScratch{} : attention_backward_tc_scratch(tc.f, dt, causal);
-    const bool fused = need.dq_acc_bytes > 0;
-    const CudaOps::Scratch dq_acc{&ops, fused ? ops.allocate_uninitialised(need.dq_acc_bytes) : nullptr};
-    const CudaOps::Scratch sync{&ops, fused ? ops.allocate_uninitialised(need.sync_bytes) : nullptr};
-    tc.dq_acc = static_cast<float*>(dq_acc.ptr);
-    tc.sync = static_cast<unsigned*>(sync.ptr);
+    const AttentionTcBackward tc{{p.q, p.k, p.v, p.out, p.lse, p.qpos, p.qseg, p.kpos, p.kseg, p.q_stride,
+                                  p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2},
+                                 p.dout, p.dq, p.dk, p.dv, p.D, p.scale, p.accumulate};
     if (attention_backward_tc(tc, dt, causal, stream)) return;
   }
   fma_attn::backward(p, dt, causal, stream);
@@ -188,7 +172,7 @@ void fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, T
   p.vec = vector_ok(p, dt);
   CudaOps::Scratch D = ops.scratch(std::max<size_t>(1, size_t(p.B) * p.NH * p.Tq * sizeof(float)));
   p.D = static_cast<float*>(D.ptr);
-  run_backward(ops, p, dt, causal);
+  run_backward(p, dt, causal, ops.cuda_stream());
 }
 
 // ---- the causal ops -------------------------------------------------------------------------------

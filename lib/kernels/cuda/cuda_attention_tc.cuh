@@ -31,8 +31,6 @@ struct AttentionTcForward {
 
 // The backward's extra inputs: dout (B,Tq,NH*HD), D = rowsum(dout * out) (B,NH,Tq) already
 // computed, gradients dq (q's layout), dk and dv (k's layout), written (=) or added (+=, accumulate).
-// dq_acc and sync are the fused causal backward's scratch (attention_backward_tc_scratch): null,
-// or sizes given there, when the split kernels are to run.
 struct AttentionTcBackward {
   AttentionTcForward f;  // out is unused; lse as saved by the forward
   const void* dout;
@@ -42,22 +40,11 @@ struct AttentionTcBackward {
   const float* D;
   float scale;  // 1/sqrt(HD)
   bool accumulate;
-  float* dq_acc = nullptr;
-  unsigned* sync = nullptr;
 };
-
-// The device scratch of the fused causal backward, in bytes: dq_acc (an fp32 copy of dQ) and sync
-// (counters, zeroed by the launch). Both 0 when attention_backward_tc would not fuse: not causal,
-// or outside the tensor-core kernels' conditions (dtype, head dim).
-struct AttentionTcScratch {
-  size_t dq_acc_bytes = 0, sync_bytes = 0;
-};
-AttentionTcScratch attention_backward_tc_scratch(const AttentionTcForward& f, DType dt, bool causal);
 
 // Launches the tensor-core backward and returns true, or returns false (launching nothing) under
-// the forward's conditions (dout, dq, dk, dv 16-byte aligned as well). Causal with dq_acc and sync
-// given: one kernel per key tile computes dK, dV and the tile's share of dQ, and a second writes
-// dq; otherwise a dQ kernel per query tile and a dK/dV kernel per key tile.
+// the forward's conditions (dout, dq, dk, dv 16-byte aligned as well): a dQ kernel per query tile
+// and a dK/dV kernel per key tile.
 bool attention_backward_tc(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
 
 // Launches the tensor-core forward and returns true, or returns false (launching nothing) when it

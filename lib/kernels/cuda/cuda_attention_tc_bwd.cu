@@ -2,20 +2,17 @@
 // dims 64 and 128; its layout and tiles are in cuda_attention_tc_tiles.cuh, the forward in
 // cuda_attention_tc.cu.
 //
-// A dK/dV kernel per key tile summing over the query heads of its kv head works on the transposes
-// S^T = K Q^T and dP^T = V dO^T (keys as rows), so that its products take their register operand
-// from an accumulator tile: dV = P^T dO, dK = dS^T Q with dS = P (dP - D). dQ = dS K comes either
-// from the same kernel (causal: dS^T goes through shared memory, and each key tile's share is added
-// to an fp32 scratch in a fixed order, below), five tile products per key and query tile as in
-// FlashAttention-2; or from a dQ kernel per query tile that recomputes S and dP with queries as rows
-// (the masked backward, and the causal one under MPIGPT_ATTENTION_SPLIT_BWD): seven products, but
-// every dQ element summed in registers. Either way the result does not depend on timing.
+// A dQ kernel per query tile recomputes S and dP with queries as rows and sums dQ = dS K in
+// registers; a dK/dV kernel per key tile, summing over the query heads of its kv head, works on the
+// transposes S^T = K Q^T and dP^T = V dO^T (keys as rows), so that its products take their
+// register operand from an accumulator tile: dV = P^T dO, dK = dS^T Q with dS = P (dP - D). Seven
+// tile products per key and query tile where FlashAttention-2 has five, but every gradient element
+// is summed by one thread in a fixed order: the result does not depend on timing. (dQ fused into
+// the dK/dV kernel, its shares added in a fixed order through an fp32 scratch, ran slower on an
+// H200 at the models' shapes: docs/performance.md.)
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
 #include "lib/kernels/cuda/cuda_attention_tc_tiles.cuh"
@@ -115,58 +112,12 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
                  rows[0], p.Tq, scale, pb.accumulate);
 }
 
-// The fused causal backward's ordered dQ sum. The dK/dV kernel also forms each query tile's share
-// of dQ from its 64 keys, dS K, and adds it to dq_acc (B,NH,Tq,HD f32); dq_store_kernel then writes
-// dq = dq_acc / sqrt(HD). The shares of one query tile qt, from key tiles kmax(qt) down to 0, are
-// added in that order, so the sum is deterministic: the first stores, the others add once a count
-// per (b, h, qt) in `sync` says that all before them have. That is also the order in which they
-// become ready, as key tile kt + 1 starts its queries one tile after kt and so reaches every query
-// tile before it. Blocks take their key tiles in the same order by ticket (sync[0]), key tile
-// nkt-1 of a (b, kv head) first, so a block only ever waits for blocks that already run: no
-// deadlock, whatever order the hardware starts blocks in.
-
-// The last key tile whose keys some query of query tile qt (QC queries) sees.
-template <int QC>
-__device__ __forceinline__ int last_key_tile(int qt, int nkt) {
-  return min(nkt - 1, (qt * QC + QC - 1) / kTcRows);
-}
-
-// Waits until *count reaches want (every lane: each load is an acquire at GPU scope).
-__device__ __forceinline__ void wait_count(const unsigned* count, unsigned want) {
-#ifdef __CUDACC__
-  for (unsigned spins = 0;; ++spins) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(count) : "memory");
-    if (v >= want) return;
-    if (spins == (1u << 24)) __trap();  // a count that never comes is a bug: fail the launch, do not hang
-  }
-#else
-  // The emulator runs blocks one at a time in ticket order: the count must be there already.
-  if (*count < want) {
-    std::fprintf(stderr, "attention backward: dQ count %u, waiting for %u: the order of key tiles is broken\n",
-                 *count, want);
-    std::abort();
-  }
-#endif
-}
-
-// Counts one more share added, after the block's barrier: the fence (cumulative over the barrier)
-// makes every thread's additions visible GPU-wide before the count is.
-__device__ __forceinline__ void signal_count(unsigned* count) {
-  __threadfence();
-  atomicAdd(count, 1u);
-}
-
 // dk, dv (=, or +=) for the 64 keys [j0, j0+64) of kv head kh, summed over its NH/NKV query heads:
-// dK = dS^T Q / sqrt(HD), dV = P^T dO. grid (ceil(Tk/64), NKV, B); with kFuseDq (causal only) a
-// 1-D grid of B * NKV * ceil(Tk/64) blocks taking their key tiles by ticket, which also add the
-// dQ shares to dq_acc (above).
-template <int HD, bool kCausal, bool kFuseDq>
+// dK = dS^T Q / sqrt(HD), dV = P^T dO. grid (ceil(Tk/64), NKV, B).
+template <int HD, bool kCausal>
 __global__ void __launch_bounds__(kTcThreads, (kDkdvMinBlocks<HD, kCausal>))
     attention_bwd_dkdv_tc_kernel(const AttentionTcBackward pb) {
-  static_assert(kCausal || !kFuseDq, "the fused dQ is causal only");
   constexpr int LD = kLd<HD>, KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8;
-  constexpr int LDS = QC + 8;  // dS^T rows (bf16), padded as the other tiles
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_tc_smem[];
   bf16* Ks = reinterpret_cast<bf16*>(attn_tc_smem);
@@ -180,20 +131,10 @@ __global__ void __launch_bounds__(kTcThreads, (kDkdvMinBlocks<HD, kCausal>))
   int* qseg_s = qpos_s + QC;
   int* kpos_b = qseg_s + QC;  // the block's keys
   int* kseg_b = kpos_b + kTcRows;
-  bf16* dSs = reinterpret_cast<bf16*>(kseg_b + kTcRows);  // kFuseDq: dS^T, [64 keys][LDS]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int G = p.NH / p.NKV, nkt = (p.Tk + kTcRows - 1) / kTcRows;
-  int kt = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-  if constexpr (kFuseDq) {
-    __shared__ unsigned ticket_s;
-    if (threadIdx.x == 0) ticket_s = atomicAdd(pb.sync, 1u);
-    __syncthreads();
-    const unsigned ticket = ticket_s, group = ticket / unsigned(nkt);
-    kt = nkt - 1 - int(ticket % unsigned(nkt));
-    kh = int(group % unsigned(p.NKV));
-    b = int(group / unsigned(p.NKV));
-  }
+  const int G = p.NH / p.NKV;
+  const int kt = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
   const int j0 = kt * kTcRows, wr = warp * 16;
   const int keys[2] = {j0 + wr + g, j0 + wr + g + 8};  // this lane's two keys
   const int64_t ldo = int64_t(p.NH) * HD;
@@ -237,7 +178,6 @@ __global__ void __launch_bounds__(kTcThreads, (kDkdvMinBlocks<HD, kCausal>))
       __pipeline_commit();
     }
   }
-  unsigned* added = nullptr;  // kFuseDq: the count of the query tile this block added to last
   for (int n = 0; n < G * nq; ++n) {
     const int i0 = istart + (n % nq) * QC;
     const bf16* Qs = QdOs + (n % NB) * 2 * QC * LD;
@@ -298,86 +238,13 @@ __global__ void __launch_bounds__(kTcThreads, (kDkdvMinBlocks<HD, kCausal>))
         dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
       }
     }
-    if constexpr (kFuseDq) {  // dS^T in bf16 (as the dK product rounds it) for the dQ product
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const uint32_t x = mma::pack_bf16(dpt[nt][2 * rr], dpt[nt][2 * rr + 1]);
-          std::memcpy(dSs + (wr + g + 8 * rr) * LDS + nt * 8 + 2 * t, &x, 4);
-        }
-      }
-    }
     warp_acc_times<NT, DT, LD>(dv, st, dOs);  // dV += P^T dO
     warp_acc_times<NT, DT, LD>(dk, dpt, Qs);  // dK += dS^T Q
-    if constexpr (kFuseDq) {
-      __syncthreads();  // dS^T is complete; every thread's additions to the previous query tile are issued
-      if (threadIdx.x == 0 && added) signal_count(added);
-      // The share of query tile qt of head hq: each warp 16 of its QC rows and HD/CW of its columns,
-      // in passes of PC columns (fewer live registers beside dK and dV).
-      constexpr int RW = QC / 16, CW = 4 / RW, PC = HD == 128 ? 32 : 64;
-      const int hq = kh * G + n / nq, qt = i0 / QC, nqt = (p.Tq + QC - 1) / QC;
-      const int rank = last_key_tile<QC>(qt, nkt) - kt;  // 0: the first share
-      added = pb.sync + 1 + (int64_t(b) * p.NH + hq) * nqt + qt;
-      const int r0 = (warp % RW) * 16, c0 = (warp / RW) * (HD / CW);
-      if (rank > 0) wait_count(added, unsigned(rank));
-      float* acc = pb.dq_acc + ((int64_t(b) * p.NH + hq) * p.Tq + i0) * HD;
-#pragma unroll
-      for (int pass = 0; pass < HD / CW / PC; ++pass) {
-        const int c = c0 + pass * PC;
-        float part[PC / 8][4] = {};
-        mma::warp_atb<kTcRows / 16, PC / 8, LDS, LD>(part, dSs, r0, Ks + c);  // dS K
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int row = r0 + g + 8 * rr;
-          if (i0 + row >= p.Tq) continue;
-          float2* dst = reinterpret_cast<float2*>(acc + int64_t(row) * HD + c + 2 * t);
-#pragma unroll
-          for (int nt = 0; nt < PC / 8; ++nt) {
-            const float2 v = make_float2(part[nt][2 * rr], part[nt][2 * rr + 1]);
-            if (rank == 0)
-              dst[4 * nt] = v;
-            else
-              atomicAdd(dst + 4 * nt, v);
-          }
-        }
-      }
-    }
     if constexpr (kCausal) __syncthreads();  // this buffer's and the query data's readers are done
-  }
-  if constexpr (kFuseDq) {
-    __syncthreads();
-    if (threadIdx.x == 0 && added) signal_count(added);
   }
   const float kscale[2] = {pb.scale, pb.scale}, vscale[2] = {1.f, 1.f};
   store_rows<DT>(dk, static_cast<bf16*>(pb.dk) + kv_off, p.kv_stride, keys[0], p.Tk, kscale, pb.accumulate);
   store_rows<DT>(dv, static_cast<bf16*>(pb.dv) + kv_off, p.kv_stride, keys[0], p.Tk, vscale, pb.accumulate);
-}
-
-// dq (=, or += when accumulate) = dq_acc / sqrt(HD), eight elements per thread, in the order of dq's
-// rows. grid ceil(B * Tq * NH * HD / 8 / 256) of 256 threads.
-template <int HD>
-__global__ void dq_store_kernel(const AttentionTcBackward pb) {
-  const AttentionTcForward& p = pb.f;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(p.B) * p.Tq * p.NH * (HD / 8)) return;
-  const int d = int(idx % (HD / 8)) * 8;
-  int64_t r = idx / (HD / 8);
-  const int h = int(r % p.NH);
-  r /= p.NH;
-  const int i = int(r % p.Tq), b = int(r / p.Tq);
-  const float* src = pb.dq_acc + ((int64_t(b) * p.NH + h) * p.Tq + i) * HD + d;
-  bf16* dst = static_cast<bf16*>(pb.dq) + (int64_t(b) * p.Tq + i) * p.q_stride + int64_t(h) * HD + d;
-  const Pack<float, 4> lo = load_pack<4>(src), hi = load_pack<4>(src + 4);
-  Pack<bf16, 8> out;
-  if (pb.accumulate) out = load_pack<8>(dst);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    float x = (e < 4 ? lo.v[e] : hi.v[e - 4]) * pb.scale;
-    if (pb.accumulate) x += __bfloat162float(out.v[e]);
-    out.v[e] = __float2bfloat16_rn(x);
-  }
-  store_pack<8>(dst, out);
 }
 
 template <int HD, bool kCausal>
@@ -385,35 +252,20 @@ constexpr size_t dq_smem() {
   return 2 * tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kDqCols<HD>) +
          size_t(3 * kTcRows + 2 * kDqCols<HD>) * 4;
 }
-template <int HD, bool kCausal, bool kFuseDq>
+template <int HD, bool kCausal>
 constexpr size_t dkdv_smem() {
   return 2 * tile_bytes<HD>(kTcRows) + (kCausal ? 4 : 2) * tile_bytes<HD>(kBwdCols<HD>) +
-         size_t((kCausal ? 6 : 4) * kBwdCols<HD> + 2 * kTcRows) * 4 +
-         (kFuseDq ? size_t(kTcRows) * (kBwdCols<HD> + 8) * 2 : 0);
+         size_t((kCausal ? 6 : 4) * kBwdCols<HD> + 2 * kTcRows) * 4;
 }
 
 template <int HD>
 void launch_bwd_tc(const AttentionTcBackward& p, bool causal, cudaStream_t stream) {
   const int nkt = (p.f.Tk + kTcRows - 1) / kTcRows;
-  if (causal && p.dq_acc && p.sync) {  // the fused backward
-    const size_t sync_bytes = attention_backward_tc_scratch(p.f, DType::BF16, true).sync_bytes;
-    MPIGPT_CUDA(cudaMemsetAsync(p.sync, 0, sync_bytes, stream));
-    constexpr size_t bytes = dkdv_smem<HD, true, true>();
-    allow_smem(attention_bwd_dkdv_tc_kernel<HD, true, true>, bytes);
-    const int64_t blocks = int64_t(p.f.B) * p.f.NKV * nkt;
-    MPIGPT_CHECK(blocks <= INT32_MAX, "attention backward: {} key tiles exceed the CUDA grid", blocks);
-    attention_bwd_dkdv_tc_kernel<HD, true, true><<<unsigned(blocks), kTcThreads, bytes, stream>>>(p);
-    MPIGPT_CUDA_LAUNCHED();
-    const int64_t threads = int64_t(p.f.B) * p.f.Tq * p.f.NH * (HD / 8);
-    dq_store_kernel<HD><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p);
-    MPIGPT_CUDA_LAUNCHED();
-    return;
-  }
   auto dq = causal ? attention_bwd_dq_tc_kernel<HD, true> : attention_bwd_dq_tc_kernel<HD, false>;
-  auto dkdv = causal ? attention_bwd_dkdv_tc_kernel<HD, true, false> : attention_bwd_dkdv_tc_kernel<HD, false, false>;
+  auto dkdv = causal ? attention_bwd_dkdv_tc_kernel<HD, true> : attention_bwd_dkdv_tc_kernel<HD, false>;
   const size_t dq_bytes = causal ? dq_smem<HD, true>() : dq_smem<HD, false>();
   allow_smem(dq, dq_bytes);
-  const size_t dkdv_bytes = causal ? dkdv_smem<HD, true, false>() : dkdv_smem<HD, false, false>();
+  const size_t dkdv_bytes = causal ? dkdv_smem<HD, true>() : dkdv_smem<HD, false>();
   allow_smem(dkdv, dkdv_bytes);
   const dim3 gq(unsigned((p.f.Tq + kTcRows - 1) / kTcRows), unsigned(p.f.NH), unsigned(p.f.B));
   const dim3 gk(unsigned(nkt), unsigned(p.f.NKV), unsigned(p.f.B));
@@ -424,16 +276,6 @@ void launch_bwd_tc(const AttentionTcBackward& p, bool causal, cudaStream_t strea
 }
 
 }  // namespace
-
-AttentionTcScratch attention_backward_tc_scratch(const AttentionTcForward& f, DType dt, bool causal) {
-  AttentionTcScratch s;
-  if (!causal || dt != DType::BF16 || (f.HD != 64 && f.HD != 128)) return s;
-  const int QC = f.HD == 64 ? kBwdCols<64> : kBwdCols<128>;
-  const int64_t nqt = (int64_t(f.Tq) + QC - 1) / QC;
-  s.dq_acc_bytes = size_t(f.B) * f.NH * f.Tq * f.HD * sizeof(float);
-  s.sync_bytes = size_t(1 + int64_t(f.B) * f.NH * nqt) * sizeof(unsigned);
-  return s;
-}
 
 bool attention_backward_tc(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream) {
   const AttentionTcForward& f = p.f;

@@ -26,7 +26,7 @@ struct Geometry {
   int64_t C() const { return int64_t(NH) * HD; }
 };
 
-// An environment switch the CUDA ops read on every call (MPIGPT_ATTENTION_FMA, ..._SPLIT_BWD), set
+// An environment switch the CUDA ops read on every call (MPIGPT_ATTENTION_FMA), set
 // to "1" or unset by the test and back to what it was when the switch goes out of scope.
 class EnvSwitch {
  public:
@@ -143,8 +143,7 @@ void compare(const Geometry& g, DType dt, Ops& gpu, Ops& cpu) {
   r = allclose(dqkv, dqkv_cpu, tol.grad, tol.grad);
   CHECK_MESSAGE(r.ok, "dqkv: ", r.str());
 
-  // Every gradient element is summed in a fixed order (the fused causal backward adds its dQ shares
-  // in key-tile order), so a rerun is bitwise equal.
+  // Every gradient element is summed by one thread in a fixed order, so a rerun is bitwise equal.
   gpu.attention_backward(d_dqkv.t, d_dout.t, d_qkv.t, d_out.t, d_saved.t, g.NH, g.NKV, g.HD);
   CHECK(to_host(gpu, d_dqkv.t) == dqkv);
 }
@@ -234,42 +233,4 @@ TEST_CASE("cuda attention rejects unsupported head dims and inconsistent shapes"
                        Error);
   auto out_bf16 = zeros(*ops, {h.B, h.T, h.C()}, DType::BF16);  // one data dtype per call
   CHECK_THROWS_AS(ops->attention_forward(out_bf16.t, saved.t, qkv2.t, h.NH, h.NKV, h.HD), Error);
-}
-
-TEST_CASE("cuda attention bf16: the fused causal backward agrees with the split one (MPIGPT_ATTENTION_SPLIT_BWD)") {
-  // The causal tensor-core backward adds each key tile's share of dQ to an fp32 scratch in a fixed
-  // order (cuda_attention_tc_bwd.cu); MPIGPT_ATTENTION_SPLIT_BWD runs the separate dQ kernel instead.
-  // dK and dV come from the same kernel code either way: bitwise equal. dQ sums the same bf16
-  // products in another order and is rounded to bf16 once: within 1e-2 abs + rel (one bf16 step is
-  // 4e-3 relative; a lost or doubled key tile is O(1)). Several key tiles per query tile (T up to
-  // 300, the last tiles partial), GQA and plain heads, B > 1.
-  auto ops = cuda_ops_or_skip();
-  const EnvSwitch split_env("MPIGPT_ATTENTION_SPLIT_BWD");
-  const std::vector<Geometry> shapes = {
-      {2, 300, 4, 2, 64}, {1, 257, 4, 1, 128}, {2, 128, 2, 2, 64}, {1, 96, 2, 2, 128}};
-  for (const Geometry& g : shapes) {
-    CAPTURE(g.B);
-    CAPTURE(g.T);
-    CAPTURE(g.NH);
-    CAPTURE(g.NKV);
-    CAPTURE(g.HD);
-    const Bf16Inputs in = bf16_inputs(*ops, g, 305);
-    auto d_out = to_device(*ops, std::vector<float>(size_t(in.sout.numel()), kNaN), in.sout, DType::BF16);
-    auto d_saved = to_device(*ops, std::vector<float>(size_t(in.nsaved), kNaN), {in.nsaved});
-    ops->attention_forward(d_out.t, d_saved.t, in.d_qkv.t, g.NH, g.NKV, g.HD);
-    std::vector<float> grads[2];
-    for (int split = 0; split < 2; ++split) {
-      split_env.set(split);
-      auto d_dqkv = to_device(*ops, std::vector<float>(in.qkv.size(), kNaN), in.sqkv, DType::BF16);
-      ops->attention_backward(d_dqkv.t, in.d_dout.t, in.d_qkv.t, d_out.t, d_saved.t, g.NH, g.NKV, g.HD);
-      grads[split] = to_host(*ops, d_dqkv.t);
-    }
-    std::vector<float> dq[2], dkv[2];
-    const int64_t R = g.R(), C = g.C();
-    for (int s = 0; s < 2; ++s)
-      for (size_t x = 0; x < grads[s].size(); ++x) (int64_t(x) % R < C ? dq[s] : dkv[s]).push_back(grads[s][x]);
-    CHECK(dkv[0] == dkv[1]);
-    const auto r = allclose(dq[0], dq[1], 1e-2, 1e-2);
-    CHECK_MESSAGE(r.ok, "dq: ", r.str());
-  }
 }

@@ -142,33 +142,6 @@ __device__ __forceinline__ void warp_abt(float (&acc)[NT][4], const bf16* rows, 
   warp_abt_m<1, KS, NT, LD>(one_tile(acc), rows, X);
 }
 
-// The A fragment of k-step kk of the 16 rows m0..m0+15 of A = X^T, where X (k as its row, m as its
-// column) is in shared memory with leading dimension LD: A[m][k] = X[k][m], read transposed.
-template <int LD>
-__device__ __forceinline__ void load_a_t(uint32_t (&a)[4], const bf16* X, int m0, int kk) {
-  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
-  ldsm_x4_t(a, X + (kk * 16 + r + 8 * (m >> 1)) * LD + m0 + 8 * (m & 1));
-}
-
-// acc (16 x 8NT) += X^T Y: X (16KS rows of k, 16 columns from m0 on: the warp's rows of A) with
-// leading dimension LDX, Y (16KS rows of k, 8NT columns) with LDY, both in shared memory.
-template <int KS, int NT, int LDX, int LDY>
-__device__ __forceinline__ void warp_atb(float (&acc)[NT][4], const bf16* X, int m0, const bf16* Y) {
-  static_assert(NT % 2 == 0, "n-tiles come in pairs");
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-    uint32_t a[4];
-    load_a_t<LDX>(a, X, m0, kk);
-#pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-      uint32_t b[4];
-      load_b_kn<LDY>(b, Y, np * 16, kk);
-      mma_bf16(acc[2 * np], a, b[0], b[1]);
-      mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-    }
-  }
-}
-
 // The A fragments of all KS k-steps of the 16 rows at `rows`, for products that reuse them.
 template <int KS, int LD>
 __device__ __forceinline__ void load_a_all(uint32_t (&a)[KS][4], const bf16* rows) {

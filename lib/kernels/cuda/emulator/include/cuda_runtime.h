@@ -124,15 +124,6 @@ inline __nv_bfloat162 atomicAdd(__nv_bfloat162* p, __nv_bfloat162 v) {
   p->y = __float2bfloat16_rn(__bfloat162float(old.y) + __bfloat162float(v.y));
   return old;
 }
-// sm_90's vector atomics: each element added on its own, as the hardware does.
-inline float2 atomicAdd(float2* p, float2 v) {
-  const float2 old = *p;
-  p->x += v.x;
-  p->y += v.y;
-  return old;
-}
-// Blocks run one after another, so every write of a block is visible to the next without a fence.
-inline void __threadfence() {}
 inline float __uint_as_float(unsigned u) {
   float f;
   std::memcpy(&f, &u, 4);
