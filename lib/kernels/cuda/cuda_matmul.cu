@@ -17,6 +17,7 @@
 #include <array>
 #include <chrono>
 #include <map>
+#include <vector>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
@@ -36,25 +37,32 @@ struct Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool supported = false;  // the heuristic found an algorithm
+  bool tuned = false;      // its algorithm was chosen by timing (kept when the cache is full)
 };
 }  // namespace
 
 struct CudaOps::MatmulPlans {
   // A bound on the cache: the experts' row counts change every step, so grouped matmuls keep
-  // meeting new shapes; past the bound the cache starts over (a heuristic query costs microseconds).
+  // meeting new shapes; past the bound the untuned plans go (a heuristic query costs microseconds;
+  // a tuned plan, which cost many runs of its product, stays).
   static constexpr size_t kMaxPlans = 4096;
   std::map<PlanKey, Plan> plans;
   CudaOps::TuneCounts tuned;
-  void clear() {
+  void clear(bool keep_tuned = false) {
     // Not CHECKed: this also runs in the destructor, which must not throw; descriptors hold host
     // memory only.
-    for (auto& [key, p] : plans) {
+    for (auto it = plans.begin(); it != plans.end();) {
+      Plan& p = it->second;
+      if (keep_tuned && p.tuned) {
+        ++it;
+        continue;
+      }
       if (p.a) (void)cublasLtMatrixLayoutDestroy(p.a);
       if (p.b) (void)cublasLtMatrixLayoutDestroy(p.b);
       if (p.c) (void)cublasLtMatrixLayoutDestroy(p.c);
       if (p.desc) (void)cublasLtMatmulDescDestroy(p.desc);
+      it = plans.erase(it);
     }
-    plans.clear();
   }
   ~MatmulPlans() { clear(); }
 };
@@ -127,14 +135,17 @@ void set_epilogue_pointers(cublasLtMatmulDesc_t desc, const LtMatmul& mm) {
 constexpr int kTuneCandidates = 8;
 
 // Autotuning: which of the heuristic's candidates runs the product fastest on its own operands.
-// Each candidate runs once to warm up and then `reps` times between two stream synchronisations.
-// The result D goes to the product's own output when nothing is read from it (beta 0, or C read
-// from Cin): the chosen algorithm's run overwrites it. An accumulation in place (beta != 0, C = D)
-// writes to a scratch D instead, so the real one is added to exactly once. Candidate 0 stays
-// unless another is at least 3% faster: near-ties keep the heuristic's choice whatever the timing
-// noise.
+// The GPU first runs candidate 0 for about 50 ms (an idle GPU's clocks ramp up over tens of ms: a
+// candidate timed before that would look slower than it is); then kRounds rounds time every
+// candidate, `reps` runs each between two stream synchronisations, and each keeps its best round,
+// so a drift in clocks during the rounds reaches every candidate alike. The result D goes to the
+// product's own output when nothing is read from it (beta 0, or C read from Cin): the chosen
+// algorithm's run overwrites it. An accumulation in place (beta != 0, C = D) writes to a scratch D
+// instead, so the real one is added to exactly once. Candidate 0 stays unless another is at least
+// 3% faster: near-ties keep the heuristic's choice whatever the timing noise.
 int fastest_candidate(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cublasLtMatmulHeuristicResult_t* cand,
                       int found) {
+  constexpr int kRounds = 3;
   const bool in_place = mm.beta != 0.0f && !mm.Cin;
   const CudaOps::Scratch out{&ops, in_place ? ops.allocate_uninitialised(size_t(mm.ldc) * size_t(mm.n) *
                                                                            dtype_size(mm.cd))
@@ -142,30 +153,40 @@ int fastest_candidate(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cub
   void* const d = in_place ? out.ptr : mm.C;
   const void* const c = mm.Cin ? mm.Cin : mm.C;
   const double flop = 2.0 * double(mm.m) * double(mm.n) * double(mm.k);
-  const int reps = int(std::clamp(2e11 / flop, 3.0, 20.0));
+  const int reps = int(std::clamp(2e11 / flop, 2.0, 20.0));
   const cudaStream_t stream = ops.cuda_stream();
-  double best_s = 0;
-  int best = 0;
+  auto run = [&](int i) {
+    return cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta, c, p.c, d, p.c,
+                          &cand[i].algo, ops.cublaslt_workspace(), CudaOps::kCublasWorkspace, stream);
+  };
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  MPIGPT_CUBLAS(run(0));  // the heuristic's first choice runs: it is the fallback
+  MPIGPT_CUDA(cudaStreamSynchronize(stream));
+  for (const auto t0 = Clock::now(); seconds_since(t0) < 0.05;) {
+    for (int r = 0; r < reps; ++r) MPIGPT_CUBLAS(run(0));
+    MPIGPT_CUDA(cudaStreamSynchronize(stream));
+  }
+  std::vector<double> best_round(size_t(found), 0.0);  // 0: cannot run here, never chosen
   for (int i = 0; i < found; ++i) {
-    if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    auto run = [&] {
-      return cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta, c, p.c, d, p.c,
-                            &cand[i].algo, ops.cublaslt_workspace(), CudaOps::kCublasWorkspace, stream);
-    };
-    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run here is not chosen
-    MPIGPT_CUDA(cudaStreamSynchronize(stream));
-    const auto t0 = std::chrono::steady_clock::now();
-    bool ran = true;
-    for (int r = 0; r < reps && ran; ++r) ran = run() == CUBLAS_STATUS_SUCCESS;
-    MPIGPT_CUDA(cudaStreamSynchronize(stream));
-    if (!ran) continue;
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i == 0) {
-      best_s = s;
-    } else if (s < best_s * (best == 0 ? 0.97 : 1.0)) {
-      best = i;
-      best_s = s;
+    const bool ok = cand[i].state == CUBLAS_STATUS_SUCCESS && run(i) == CUBLAS_STATUS_SUCCESS;
+    best_round[size_t(i)] = ok ? 1e30 : 0.0;
+  }
+  MPIGPT_CUDA(cudaStreamSynchronize(stream));
+  for (int round = 0; round < kRounds; ++round) {
+    for (int i = 0; i < found; ++i) {
+      if (best_round[size_t(i)] == 0.0) continue;
+      const auto t0 = Clock::now();
+      bool ran = true;
+      for (int r = 0; r < reps && ran; ++r) ran = run(i) == CUBLAS_STATUS_SUCCESS;
+      MPIGPT_CUDA(cudaStreamSynchronize(stream));
+      best_round[size_t(i)] = ran ? std::min(best_round[size_t(i)], seconds_since(t0)) : 0.0;
     }
+  }
+  int best = 0;
+  for (int i = 1; i < found; ++i) {
+    const double t = best_round[size_t(i)];
+    if (t > 0.0 && t < best_round[size_t(best)] * (best == 0 ? 0.97 : 1.0)) best = i;
   }
   return best;
 }
@@ -179,7 +200,7 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   auto& cache = ops.matmul_plans();
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second;
-  if (cache.plans.size() >= CudaOps::MatmulPlans::kMaxPlans) cache.clear();  // no Plan& is held here
+  if (cache.plans.size() >= CudaOps::MatmulPlans::kMaxPlans) cache.clear(true);  // no Plan& is held here
   Plan& p = cache.plans[key];
 
   MPIGPT_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -238,6 +259,7 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   if (tune && found > 1) {
     set_epilogue_pointers(p.desc, mm);
     chosen = fastest_candidate(ops, p, mm, cand.data(), found);
+    p.tuned = true;
     ++cache.tuned.timed;
     cache.tuned.changed += chosen != 0;
   }
