@@ -47,7 +47,6 @@ struct CudaOps::MatmulPlans {
   // a tuned plan, which cost many runs of its product, stays).
   static constexpr size_t kMaxPlans = 4096;
   std::map<PlanKey, Plan> plans;
-  CudaOps::TuneCounts tuned;
   void clear(bool keep_tuned = false) {
     // Not CHECKed: this also runs in the destructor, which must not throw; descriptors hold host
     // memory only.
@@ -72,7 +71,10 @@ CudaOps::MatmulPlans& CudaOps::matmul_plans() {
   return *plans_;
 }
 
-CudaOps::TuneCounts CudaOps::gemm_tune_counts() { return matmul_plans().tuned; }
+size_t CudaOps::gemm_tuned_plans() {
+  const auto& plans = matmul_plans().plans;
+  return size_t(std::count_if(plans.begin(), plans.end(), [](const auto& kv) { return kv.second.tuned; }));
+}
 
 namespace {
 
@@ -131,6 +133,15 @@ void set_epilogue_pointers(cublasLtMatmulDesc_t desc, const LtMatmul& mm) {
                                                  sizeof(mm.aux)));
 }
 
+double product_flop(const LtMatmul& mm) { return 2.0 * double(mm.m) * double(mm.n) * double(mm.k); }
+
+// Queues the product with algorithm `algo`, its result to d (mm.C, or a scratch of its layout).
+cublasStatus_t launch_matmul(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cublasLtMatmulAlgo_t& algo,
+                             void* d) {
+  return cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta, mm.Cin ? mm.Cin : mm.C,
+                        p.c, d, p.c, &algo, ops.cublaslt_workspace(), CudaOps::kCublasWorkspace, ops.cuda_stream());
+}
+
 // The heuristic's candidates that autotuning times (cuBLASLt offers up to 8 for the model's shapes).
 constexpr int kTuneCandidates = 8;
 
@@ -151,14 +162,9 @@ int fastest_candidate(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cub
                                                                            dtype_size(mm.cd))
                                             : nullptr};
   void* const d = in_place ? out.ptr : mm.C;
-  const void* const c = mm.Cin ? mm.Cin : mm.C;
-  const double flop = 2.0 * double(mm.m) * double(mm.n) * double(mm.k);
-  const int reps = int(std::clamp(2e11 / flop, 2.0, 20.0));
+  const int reps = int(std::clamp(2e11 / product_flop(mm), 2.0, 20.0));
   const cudaStream_t stream = ops.cuda_stream();
-  auto run = [&](int i) {
-    return cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta, c, p.c, d, p.c,
-                          &cand[i].algo, ops.cublaslt_workspace(), CudaOps::kCublasWorkspace, stream);
-  };
+  auto run = [&](int i) { return launch_matmul(ops, p, mm, cand[i].algo, d); };
   using Clock = std::chrono::steady_clock;
   auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   MPIGPT_CUBLAS(run(0));  // the heuristic's first choice runs: it is the fallback
@@ -245,8 +251,7 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
                                                        sizeof(schemes)));
   }
   // The heuristic's first choice, or with autotuning on a large enough product its candidates.
-  const double flop = 2.0 * double(mm.m) * double(mm.n) * double(mm.k);
-  const bool tune = ops.gemm_autotune() && flop >= ops.gemm_autotune_min_flop();
+  const bool tune = ops.gemm_autotune() && product_flop(mm) >= ops.gemm_autotune_min_flop();
   std::array<cublasLtMatmulHeuristicResult_t, kTuneCandidates> cand{};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ops.cublaslt(), p.desc, p.a, p.b, p.c, p.c, pref,
@@ -256,12 +261,9 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   p.supported = st == CUBLAS_STATUS_SUCCESS && found > 0;
   if (!p.supported) return p;
   int chosen = 0;
-  if (tune && found > 1) {
-    set_epilogue_pointers(p.desc, mm);
+  if (tune && found > 1) {  // the epilogue's pointers are mm's already (set above)
     chosen = fastest_candidate(ops, p, mm, cand.data(), found);
     p.tuned = true;
-    ++cache.tuned.timed;
-    cache.tuned.changed += chosen != 0;
   }
   p.algo = cand[size_t(chosen)].algo;
   return p;
@@ -285,9 +287,7 @@ bool run_matmul(CudaOps& ops, const LtMatmul& mm, const char* op) {
     fail("{}: cuBLASLt offers no algorithm for {}", op, describe(mm));
   }
   set_epilogue_pointers(p.desc, mm);
-  MPIGPT_CUBLAS(cublasLtMatmul(ops.cublaslt(), p.desc, &mm.alpha, mm.A, p.a, mm.B, p.b, &mm.beta,
-                               mm.Cin ? mm.Cin : mm.C, p.c, mm.C, p.c, &p.algo, ops.cublaslt_workspace(),
-                               CudaOps::kCublasWorkspace, ops.cuda_stream()));
+  MPIGPT_CUBLAS(launch_matmul(ops, p, mm, p.algo, mm.C));
   return true;
 }
 

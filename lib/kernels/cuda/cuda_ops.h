@@ -159,11 +159,8 @@ class CudaOps final : public Ops {
   // epilogue, alignment), so steady-state matmuls do not query the heuristic again (cuda_matmul.cu).
   struct MatmulPlans;
   MatmulPlans& matmul_plans();
-  // How many matmul configurations were timed and how many of those left the heuristic's choice.
-  struct TuneCounts {
-    size_t timed = 0, changed = 0;
-  };
-  TuneCounts gemm_tune_counts();
+  // How many matmul configurations in the plan cache had their algorithm chosen by timing.
+  size_t gemm_tuned_plans();
   // adamw_runs' chunk tables on the device, one per run list met (cuda_optim.cu).
   struct AdamTables;
   AdamTables& adam_tables();

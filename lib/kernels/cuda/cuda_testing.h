@@ -48,7 +48,7 @@ inline bool gemm_tuning_subcases(Ops& gpu) {
 }
 inline size_t tuned_products(Ops& gpu) {
 #ifdef MPIGPT_WITH_CUDA
-  return dynamic_cast<cuda::CudaOps&>(gpu).gemm_tune_counts().timed;
+  return dynamic_cast<cuda::CudaOps&>(gpu).gemm_tuned_plans();
 #else
   return 0;
 #endif
