@@ -176,11 +176,7 @@ void launch_tc(const AttentionTcForward& p, bool causal, cudaStream_t stream) {
 }  // namespace
 
 bool attention_forward_tc(const AttentionTcForward& p, DType dt, bool causal, cudaStream_t stream) {
-  if (dt != DType::BF16 || (p.HD != 64 && p.HD != 128)) return false;
-  // 16-byte (8-element) loads and 4-byte stores: every base and row stride a multiple of 8 elements.
-  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.out)) return false;
-  if (p.q_stride % 8 != 0 || p.kv_stride % 8 != 0) return false;
-  if (!causal && (!p.qpos || !p.qseg || !p.kpos || !p.kseg)) return false;
+  if (!tc_inputs_ok(p, dt, causal) || !aligned16(p.out)) return false;
   if (p.B == 0 || p.Tq == 0) return true;
   if (p.HD == 64)
     launch_tc<64>(p, causal, stream);

@@ -279,12 +279,9 @@ void launch_bwd_tc(const AttentionTcBackward& p, bool causal, cudaStream_t strea
 
 bool attention_backward_tc(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream) {
   const AttentionTcForward& f = p.f;
-  if (dt != DType::BF16 || (f.HD != 64 && f.HD != 128)) return false;
-  if (!aligned16(f.q) || !aligned16(f.k) || !aligned16(f.v) || !aligned16(p.dout) || !aligned16(p.dq) ||
-      !aligned16(p.dk) || !aligned16(p.dv))
+  if (!tc_inputs_ok(f, dt, causal) || !aligned16(p.dout) || !aligned16(p.dq) || !aligned16(p.dk) ||
+      !aligned16(p.dv))
     return false;
-  if (f.q_stride % 8 != 0 || f.kv_stride % 8 != 0) return false;
-  if (!causal && (!f.qpos || !f.qseg || !f.kpos || !f.kseg)) return false;
   if (f.B == 0 || f.Tq == 0 || f.Tk == 0) return true;
   if (f.HD == 64)
     launch_bwd_tc<64>(p, causal, stream);

@@ -216,6 +216,16 @@ __device__ __forceinline__ bool kv_masked(bf16* KVs, const bf16* K, const bf16* 
   return true;
 }
 
+// What both directions need of a problem: bf16, head dim 64 or 128, q, k and v 16-byte aligned with
+// strides of whole 8-element groups (16-byte loads, 4-byte stores), and the mask arrays when not
+// causal.
+inline bool tc_inputs_ok(const AttentionTcForward& p, DType dt, bool causal) {
+  if (dt != DType::BF16 || (p.HD != 64 && p.HD != 128)) return false;
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v)) return false;
+  if (p.q_stride % 8 != 0 || p.kv_stride % 8 != 0) return false;
+  return causal || (p.qpos && p.qseg && p.kpos && p.kseg);
+}
+
 // Above 48 KiB a kernel must opt in to its dynamic shared memory (per device, so on every call).
 template <class Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {

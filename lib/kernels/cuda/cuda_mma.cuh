@@ -114,6 +114,13 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* X, int n
   ldsm_x4_t(b, X + (kk * 16 + r + 8 * (m & 1)) * LD + n0 + 8 * (m >> 1));
 }
 
+// The two n-tiles of a load_b_nk / load_b_kn fragment pair (b[0..1], b[2..3]) into acc0, acc1.
+__device__ __forceinline__ void mma_pair(float (&acc0)[4], float (&acc1)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[4]) {
+  mma_bf16(acc0, a, b[0], b[1]);
+  mma_bf16(acc1, a, b[2], b[3]);
+}
+
 // acc[mt] (16 x 8NT) += A_mt X^T: A_mt the 16 rows of 16KS columns at rows + 16 mt LD (the warp's
 // m-tiles, consecutive), X (8NT rows of 16KS columns) at X, both in shared memory with leading
 // dimension LD.
@@ -130,10 +137,7 @@ __device__ __forceinline__ void warp_abt_m(float (&acc)[MT][NT][4], const bf16* 
       uint32_t b[4];
       load_b_nk<LD>(b, X, np * 16, kk);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
-        mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-      }
+      for (int mt = 0; mt < MT; ++mt) mma_pair(acc[mt][2 * np], acc[mt][2 * np + 1], a[mt], b);
     }
   }
 }
@@ -161,10 +165,7 @@ __device__ __forceinline__ void warp_abt_m(float (&acc)[MT][NT][4], const uint32
       uint32_t b[4];
       load_b_nk<LD>(b, X, np * 16, kk);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma_bf16(acc[mt][2 * np], a[mt][kk], b[0], b[1]);
-        mma_bf16(acc[mt][2 * np + 1], a[mt][kk], b[2], b[3]);
-      }
+      for (int mt = 0; mt < MT; ++mt) mma_pair(acc[mt][2 * np], acc[mt][2 * np + 1], a[mt][kk], b);
     }
   }
 }
@@ -199,10 +200,7 @@ __device__ __forceinline__ void warp_acc_times_m(float (&out)[MT][DT][4], const 
       uint32_t b[4];
       load_b_kn<LD>(b, Y, dp * 16, s);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma_bf16(out[mt][2 * dp], a[mt], b[0], b[1]);
-        mma_bf16(out[mt][2 * dp + 1], a[mt], b[2], b[3]);
-      }
+      for (int mt = 0; mt < MT; ++mt) mma_pair(out[mt][2 * dp], out[mt][2 * dp + 1], a[mt], b);
     }
   }
 }
