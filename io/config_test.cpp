@@ -370,7 +370,8 @@ TEST_CASE("config: validate names the field, the value and the fix") {
   }
   SUBCASE("enumerations") {
     for (const char* name : {"model.family", "training.lr_schedule", "engine.recompute", "engine.grad_accum_dtype",
-                             "training.precision", "engine.backend", "engine.comm", "data.tokenizer"}) {
+                             "training.precision", "engine.backend", "engine.comm", "engine.attention_backend",
+                             "data.tokenizer"}) {
       CAPTURE(name);
       CHECK_FAILS(parsed({fmt::format("--{}=bogus", name)}).validate(1), fmt::format("{} = 'bogus' is not one of", name));
     }
@@ -413,6 +414,13 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_NOTHROW(parsed({"--comm=nccl", "--backend=cuda"}).validate(1));
     for (const char* backend : {"cpu", "cuda"})
       for (const char* comm : {"auto", "mpi"}) CHECK_NOTHROW(parsed({"--backend", backend, "--comm", comm}).validate(1));
+    // engine.attention_backend: cudnn is a GPU library; auto and builtin suit either backend.
+    CHECK_FAILS(parsed({"--attention_backend=cudnn"}).validate(1),
+                "engine.attention_backend = cudnn needs engine.backend = cuda (it is cpu)");
+    CHECK_NOTHROW(parsed({"--attention_backend=cudnn", "--backend=cuda"}).validate(1));
+    for (const char* backend : {"cpu", "cuda"})
+      for (const char* ab : {"auto", "builtin"})
+        CHECK_NOTHROW(parsed({"--backend", backend, "--attention_backend", ab}).validate(1));
   }
   SUBCASE("batch sizes") {
     CHECK_FAILS(parsed({"--micro_batch=4", "--global_batch=4"}).validate(2),

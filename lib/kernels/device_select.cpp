@@ -39,7 +39,7 @@ int visible_cuda_devices() {
 
 #ifndef MPIGPT_WITH_CUDA
 namespace mpigpt {
-std::unique_ptr<Ops> make_cuda_ops(int device, bool) {
+std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions&) {
   fail("engine.backend = cuda: this mpigpt was built without the CUDA backend (no nvcc at configure time); "
        "rebuild with the CUDA toolkit installed (cmake -DMPIGPT_CUDA=ON) or use engine.backend = cpu");
 }

@@ -249,8 +249,15 @@ class Ops {
 std::unique_ptr<Ops> make_cpu_ops();
 // The CUDA backend on GPU `device` (lib/kernels/cuda/; bf16 or f32 compute, cuBLASLt, fused
 // kernels). Only in builds with MPIGPT_WITH_CUDA; without it this fails with a message saying so.
-// gemm_autotune: time cuBLASLt's candidate algorithms on each large GEMM shape's first product and
-// keep the fastest (engine.gemm_autotune; off, the heuristic's first choice, bitwise reproducible).
-std::unique_ptr<Ops> make_cuda_ops(int device, bool gemm_autotune = false);
+struct CudaOptions {
+  // Time cuBLASLt's candidate algorithms on each large GEMM shape's first product and keep the
+  // fastest (engine.gemm_autotune; off, the heuristic's first choice, bitwise reproducible).
+  bool gemm_autotune = false;
+  // The causal attention ops (engine.attention_backend): "builtin" (the backend's own fused
+  // kernels), "cudnn" (cuDNN's fused SDPA for bf16; an error when cuDNN is missing or cannot run
+  // a shape) or "auto" (cuDNN where it loads and runs the shape, else the builtin kernels).
+  std::string attention_backend = "builtin";
+};
+std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions& options = {});
 
 }  // namespace mpigpt

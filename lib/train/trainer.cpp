@@ -131,7 +131,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     const NodeRanks node = node_ranks();
     const int dev = choose_device(node.local_rank, node.local_size, visible_cuda_devices(),
                                   cfg.engine.allow_device_sharing, node.host);
-    backend = make_cuda_ops(dev, cfg.engine.gemm_autotune);
+    backend = make_cuda_ops(dev, CudaOptions{cfg.engine.gemm_autotune, cfg.engine.attention_backend});
     mesh.enable_device_comm(cfg.engine.comm == "mpi" ? CommBackend::Mpi : CommBackend::Nccl, backend->stream());
   } else if (cfg.engine.backend == "cpu") {
     if (tc.precision != "fp32")

@@ -28,6 +28,9 @@
 // the next larger one with zero-padded columns (the padding adds nothing to the dot products and
 // its output columns are not stored).
 //
+// cuDNN: with engine.attention_backend = cudnn or auto, the causal ops on bf16 data run cuDNN's
+// fused attention instead (cudnn_sdpa.cu), which saves the same log-sum-exp.
+//
 // Files: cuda_attention_fma.cuh (the kernels' shared tiles and products), cuda_attention_fwd.cu and
 // cuda_attention_bwd.cu (the fp32-FMA kernels), cuda_attention_tc.cu and cuda_attention_tc_bwd.cu
 // (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh). This file chooses between
@@ -177,6 +180,40 @@ void fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, T
 
 // ---- the causal ops -------------------------------------------------------------------------------
 
+CudnnSdpa* CudaOps::cudnn_attention(const SdpaShape& shape, DType dt, const char* op) {
+  if (attention_backend_ == AttentionBackend::Builtin || sdpa_missing_) return nullptr;
+  const bool required = attention_backend_ == AttentionBackend::Cudnn;
+  if (dt != DType::BF16) {  // cuDNN's fused attention takes 16-bit data
+    if (required)
+      fail("{}: engine.attention_backend = cudnn runs bf16 data, but this call's data is {}; set "
+           "training.precision = bf16, or engine.attention_backend = auto (or builtin)", op, dtype_name(dt));
+    return nullptr;
+  }
+  if (!sdpa_) {
+    const std::string why = cudnn_sdpa_unavailable();
+    if (!why.empty()) {
+      if (required) fail("engine.attention_backend = cudnn: {}", why);
+      sdpa_missing_ = true;
+      return nullptr;
+    }
+    MPIGPT_CUDA(cudaSetDevice(device_));
+    try {
+      sdpa_ = std::make_unique<CudnnSdpa>(stream_);
+    } catch (const Error& e) {  // e.g. a cuDNN built for another CUDA
+      if (required) throw;
+      sdpa_missing_ = true;
+      return nullptr;
+    }
+  }
+  std::string why;
+  if (sdpa_->prepare(shape, &why)) return sdpa_.get();
+  if (required)
+    fail("{}: engine.attention_backend = cudnn, but cuDNN cannot run attention with B={} T={} NH={} NKV={} HD={}: "
+         "{}; set engine.attention_backend = auto (the builtin kernels take the shapes cuDNN does not) or builtin",
+         op, shape.B, shape.T, shape.NH, shape.NKV, shape.HD, why);
+  return nullptr;
+}
+
 void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) {
   // out (B,T,NH*HD), saved = lse (B,NH,T) f32, qkv (B,T,(NH+2*NKV)*HD)
   const char* op = "attention_forward";
@@ -193,6 +230,12 @@ void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, in
                B, T, int64_t(NH) * HD);
   MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
                attention_saved_numel(B, T, NH));
+  if (CudnnSdpa* sdpa = cudnn_attention({B, T, NH, NKV, HD}, dt, op)) {
+    const SdpaShape shape{B, T, NH, NKV, HD};
+    Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
+    sdpa->forward(shape, out.ptr, ptr<float>(saved), qkv.ptr, ws.ptr);
+    return;
+  }
   fused_attention_forward(*this, dt, out, saved, qkv, {}, {}, {}, {}, {}, NH, NKV, HD);
 }
 
@@ -218,6 +261,12 @@ void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor ou
                T, C);
   MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
                attention_saved_numel(B, T, NH));
+  if (CudnnSdpa* sdpa = cudnn_attention({B, T, NH, NKV, HD}, dt, op)) {
+    const SdpaShape shape{B, T, NH, NKV, HD};
+    Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
+    sdpa->backward(shape, dqkv.ptr, dout.ptr, qkv.ptr, out.ptr, ptr<const float>(saved), ws.ptr);
+    return;
+  }
   fused_attention_backward(*this, dt, dqkv, {}, dout, qkv, {}, out, saved, {}, {}, {}, {}, NH, NKV, HD);
 }
 

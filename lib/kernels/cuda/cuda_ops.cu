@@ -26,9 +26,18 @@ static constexpr const char* kBuiltArchs = "unknown";
 
 namespace mpigpt {
 
-std::unique_ptr<Ops> make_cuda_ops(int device, bool gemm_autotune) {
+std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions& options) {
+  using Backend = cuda::CudaOps::AttentionBackend;
+  Backend attention = Backend::Builtin;
+  if (options.attention_backend == "cudnn")
+    attention = Backend::Cudnn;
+  else if (options.attention_backend == "auto")
+    attention = Backend::Auto;
+  else if (options.attention_backend != "builtin")
+    fail("engine.attention_backend = '{}' is not one of builtin | cudnn | auto", options.attention_backend);
   auto ops = std::make_unique<cuda::CudaOps>(device);
-  ops->set_gemm_autotune(gemm_autotune);
+  ops->set_gemm_autotune(options.gemm_autotune);
+  ops->set_attention_backend(attention);
   return ops;
 }
 
@@ -229,6 +238,7 @@ CudaOps::~CudaOps() {
   // Teardown must not throw (this runs during stack unwinding after a failure too), so these calls
   // are not CHECKed: a context that is already broken has nothing left to report.
   if (stream_) (void)cudaStreamSynchronize(stream_);
+  sdpa_.reset();  // its cuDNN handle uses stream_
   plans_.reset();
   adam_tables_.reset();  // gives its blocks back to the allocator
   alloc_.reset();
@@ -241,8 +251,14 @@ CudaOps::~CudaOps() {
 std::string CudaOps::name() const {
   cudaDeviceProp prop{};
   MPIGPT_CUDA(cudaGetDeviceProperties(&prop, device_));
-  return fmt::format("cuda (device {}: {}, sm_{}{}, {:.1f} GiB)", device_, prop.name, prop.major, prop.minor,
-                     double(prop.totalGlobalMem) / double(1ull << 30));
+  std::string attention = "builtin attention";
+  if (attention_backend_ != AttentionBackend::Builtin) {
+    const std::string version = cudnn_sdpa_version();
+    attention = fmt::format("{} attention, {}", attention_backend_ == AttentionBackend::Cudnn ? "cudnn" : "auto",
+                            version.empty() ? "cuDNN not loadable" : version);
+  }
+  return fmt::format("cuda (device {}: {}, sm_{}{}, {:.1f} GiB; {})", device_, prop.name, prop.major, prop.minor,
+                     double(prop.totalGlobalMem) / double(1ull << 30), attention);
 }
 
 void CudaOps::synchronize() { MPIGPT_CUDA(cudaStreamSynchronize(stream_)); }

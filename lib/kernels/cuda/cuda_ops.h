@@ -17,6 +17,7 @@
 #include <string>
 
 #include "lib/kernels/caching_allocator.h"
+#include "lib/kernels/cuda/cudnn_sdpa.h"
 #include "lib/kernels/ops.h"
 
 namespace mpigpt::cuda {
@@ -164,6 +165,14 @@ class CudaOps final : public Ops {
   // adamw_runs' chunk tables on the device, one per run list met (cuda_optim.cu).
   struct AdamTables;
   AdamTables& adam_tables();
+  // Who runs the causal attention ops (cuda_attention.cu; engine.attention_backend): the builtin
+  // kernels, cuDNN's fused SDPA for bf16 (an error where cuDNN is missing or cannot run a shape),
+  // or cuDNN where it can and the builtin kernels elsewhere.
+  enum class AttentionBackend { Builtin, Cudnn, Auto };
+  void set_attention_backend(AttentionBackend b) { attention_backend_ = b; }
+  AttentionBackend attention_backend() const { return attention_backend_; }
+  // cuDNN's attention for this call, or null where the builtin kernels run it (cuda_attention.cu).
+  CudnnSdpa* cudnn_attention(const SdpaShape& shape, DType dt, const char* op);
 
  private:
   int device_ = 0;
@@ -172,6 +181,9 @@ class CudaOps final : public Ops {
   void* workspace_ = nullptr;
   double* host_result_ = nullptr;
   bool tune_ = false, tune_paused_ = false;
+  AttentionBackend attention_backend_ = AttentionBackend::Builtin;
+  std::unique_ptr<CudnnSdpa> sdpa_;  // created on first use
+  bool sdpa_missing_ = false;        // auto: cuDNN could not be loaded, never try again
   double tune_min_flop_ = kTuneMinFlop;
   std::unique_ptr<CachingAllocator> alloc_;
   std::unique_ptr<MatmulPlans, void (*)(MatmulPlans*)> plans_{nullptr, nullptr};  // created on first use

@@ -1,0 +1,74 @@
+// cuDNN's fused scaled-dot-product attention (flash attention: the T x T matrix never exists) for
+// the causal ops, built with cuDNN's graph (backend) API from matmul, pointwise and reduction
+// operations, the way cuDNN's own frontend builds its SDPA node. CudaOps runs it for bf16 data
+// when engine.attention_backend is cudnn or auto (cuda_attention.cu); the saved state is the same
+// log-sum-exp (B,NH,T) as the builtin kernels', so either forward pairs with either backward.
+//
+// Plain C++ (no CUDA or cuDNN types): the tests include it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+namespace mpigpt::cuda {
+
+// One causal self-attention call: qkv (B,T,(NH+2*NKV)*HD) rows hold the NH query heads, then the
+// NKV key and NKV value heads; out (B,T,NH*HD); lse (B,NH,T) f32; bf16 data.
+struct SdpaShape {
+  int64_t B = 0, T = 0;
+  int NH = 0, NKV = 0, HD = 0;
+  auto key() const { return std::tie(B, T, NH, NKV, HD); }
+  bool operator<(const SdpaShape& o) const { return key() < o.key(); }
+};
+
+// Empty when this build and machine can load cuDNN, else why not (no headers at build time, the
+// library missing or too old) and the fixes. Never throws.
+std::string cudnn_sdpa_unavailable();
+// "cuDNN X.Y.Z" of the library loaded, or empty when it cannot be loaded.
+std::string cudnn_sdpa_version();
+
+// The forward and backward graphs' operations for shape, each finalized by cuDNN (which checks
+// every attribute, tensor shape and data type) but not planned: no GPU is needed. Returns the
+// number of operations of each graph; throws mpigpt::Error naming the failing descriptor. For the
+// tests.
+struct SdpaOpCounts {
+  int forward = 0, backward = 0;
+};
+SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape& shape);
+
+// A cuDNN handle on one stream and the execution plans per shape.
+class CudnnSdpa {
+ public:
+  // On the current device, every call queued on stream (a cudaStream_t). Throws when cuDNN is
+  // unavailable.
+  explicit CudnnSdpa(void* stream);
+  ~CudnnSdpa();
+  CudnnSdpa(const CudnnSdpa&) = delete;
+  CudnnSdpa& operator=(const CudnnSdpa&) = delete;
+
+  // Whether cuDNN runs this shape: on the first call per shape it builds the forward and backward
+  // plans (both, so that a shape never pairs a cuDNN forward with a builtin backward by chance)
+  // and keeps them; when either cannot be built, false with cuDNN's reason in *why.
+  bool prepare(const SdpaShape& shape, std::string* why);
+  // Device workspace the shape's forward or backward needs (after prepare).
+  size_t workspace_bytes(const SdpaShape& shape) const;
+
+  // After prepare(shape) returned true; workspace holds workspace_bytes(shape). Queued on the stream.
+  void forward(const SdpaShape& shape, void* out, float* lse, const void* qkv, void* workspace);
+  // dqkv (B,T,(NH+2*NKV)*HD) overwritten.
+  void backward(const SdpaShape& shape, void* dqkv, const void* dout, const void* qkv, const void* out,
+                const float* lse, void* workspace);
+
+  struct Plans;
+
+ private:
+  void* stream_ = nullptr;  // cudaStream_t
+  void* handle_ = nullptr;  // cudnnHandle_t
+  std::map<SdpaShape, std::unique_ptr<Plans>> plans_;
+  std::map<SdpaShape, std::string> unsupported_;
+};
+
+}  // namespace mpigpt::cuda
