@@ -310,8 +310,9 @@ sed -e "s|@NEED_CORE@|$NEED_CORE|" -e "s|@NEED_GCC@|$NEED_GCC|" -e "s|@NEED_COMP
 #   ./run mpigpt train ...              ./run mpirun -np 8 mpigpt train ...
 #   ./run mpigpt_tests ...              ./run ompi_info
 # It reads CUDA_HOME (default /usr/local/cuda), MPIGPT_NCCL_LIB_DIR (a folder holding
-# libnccl.so.2), MPIGPT_BUNDLE_GCC_RUNTIME (auto | bundle | system) and
-# MPIGPT_BUNDLE_VERBOSE=1 (print the library path chosen). See README.txt.
+# libnccl.so.2), MPIGPT_CUDNN_LIB_DIR (a folder holding libcudnn.so.9),
+# MPIGPT_BUNDLE_GCC_RUNTIME (auto | bundle | system) and MPIGPT_BUNDLE_VERBOSE=1 (print the
+# library path chosen). See README.txt.
 set -eu
 B=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd -P)
 NEED_CORE=@NEED_CORE@      # the newest glibc the bundle needs (found when it was made)
@@ -321,7 +322,7 @@ say() { [ -z "${MPIGPT_BUNDLE_VERBOSE:-}" ] || echo "run: $*" >&2; }
 die() { echo "run: $*" >&2; exit 1; }
 
 if [ $# = 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,7p' "$B/run" | sed 's/^# \{0,1\}//'
+  sed -n '2,8p' "$B/run" | sed 's/^# \{0,1\}//'
   [ $# = 0 ] && exit 2 || exit 0
 fi
 
@@ -369,31 +370,42 @@ fi
 # The CUDA toolkit: cudart, cuBLAS/cuBLASLt. The driver (libcuda) is on the default path.
 cuda=${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}
 add "$cuda/lib64" "$cuda/lib" "$cuda"/targets/*-linux/lib
-# NCCL (opened by mpigpt at run time): a given folder, the toolkit's, the system's, or the one
-# PyTorch's pip packages install (nvidia/nccl/lib in python3's site-packages).
-has_nccl() { local d; for d in "${paths[@]}"; do [ -e "$d/libnccl.so.2" ] && return 0; done; return 1; }
-if [ -n "${MPIGPT_NCCL_LIB_DIR:-}" ]; then
-  add "$MPIGPT_NCCL_LIB_DIR"
-elif ! has_nccl && ! { /sbin/ldconfig -p 2>/dev/null || true; } | grep -q 'libnccl\.so\.2 '; then
-  add "${NCCL_HOME:-/nonexistent}/lib"
-  if ! has_nccl && command -v python3 >/dev/null; then
-    while IFS= read -r d; do add "$d"; done < <(python3 - 2>/dev/null <<'PY' || true
-import os
-try:
-    import nvidia.nccl as m
+# NCCL and cuDNN (opened by mpigpt at run time): a given folder, the toolkit's, the system's, or
+# the one PyTorch's pip packages install (nvidia/<name>/lib or nvidia/cu13/lib in python3's
+# site-packages).
+has_lib() { local d; for d in "${paths[@]}"; do [ -e "$d/$1" ] && return 0; done; return 1; }
+pip_lib_dirs() {  # SONAME MODULE...: the lib folders of python3's nvidia.MODULE packages holding SONAME
+  python3 - "$@" 2>/dev/null <<'PY' || true
+import importlib, os, sys
+so, names = sys.argv[1], sys.argv[2:]
+for name in names:
+    try:
+        m = importlib.import_module("nvidia." + name)
+    except Exception:
+        continue
     dirs = list(getattr(m, "__path__", []))
     if getattr(m, "__file__", None):
         dirs.append(os.path.dirname(m.__file__))
     for d in dirs:
-        if os.path.isdir(os.path.join(d, "lib")):
+        if os.path.exists(os.path.join(d, "lib", so)):
             print(os.path.join(d, "lib"))
-except Exception:
-    pass
 PY
-)
+}
+find_lib() {  # SONAME GIVEN_DIR HOME_DIR WHY MODULE...
+  local so=$1 given=$2 home=$3 why=$4 d; shift 4
+  if [ -n "$given" ]; then add "$given"; return; fi
+  has_lib "$so" && return
+  { /sbin/ldconfig -p 2>/dev/null || true; } | grep -q "${so//./\\.} " && return
+  add "${home:-/nonexistent}/lib"
+  if ! has_lib "$so" && command -v python3 >/dev/null; then
+    while IFS= read -r d; do add "$d"; done < <(pip_lib_dirs "$so" "$@")
   fi
-  has_nccl || say "no libnccl.so.2 found (set MPIGPT_NCCL_LIB_DIR); multi-GPU runs need it"
-fi
+  has_lib "$so" || say "no $so found ($why)"
+}
+find_lib libnccl.so.2 "${MPIGPT_NCCL_LIB_DIR:-}" "${NCCL_HOME:-}" \
+  "set MPIGPT_NCCL_LIB_DIR; multi-GPU runs need it" nccl cu13
+find_lib libcudnn.so.9 "${MPIGPT_CUDNN_LIB_DIR:-}" "${CUDNN_HOME:-}" \
+  "set MPIGPT_CUDNN_LIB_DIR; engine.attention_backend = cudnn needs it" cudnn cu13
 lp=$(IFS=:; echo "${paths[*]}")
 export LD_LIBRARY_PATH="$lp${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 [ "$U" = "$B" ] || PATH="$U/bin:$PATH"
@@ -447,6 +459,8 @@ What the node needs
   - NCCL for multi-GPU runs: libnccl.so.2 in MPIGPT_NCCL_LIB_DIR, the toolkit's or the system's
     library folder, or from PyTorch's pip packages (nvidia/nccl/lib in python3's site-packages;
     ./run asks python3 where that is).
+  - cuDNN 9 for engine.attention_backend = cudnn (or auto): libcudnn.so.9 in MPIGPT_CUDNN_LIB_DIR,
+    the toolkit's or the system's library folder, or PyTorch's pip package (nvidia/cudnn/lib).
   - xz or python3, to unpack the files stored compressed (*.xz) on the first ./run.
 
 Contents
