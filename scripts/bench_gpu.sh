@@ -7,6 +7,7 @@
 #
 #   scripts/bench_gpu.sh [CONFIG.ini ...]      (default: inputs/*_gpu.ini)
 #   MPIGPT=path/to/mpigpt  STEPS=10  WARMUP=3  RECOMPUTE="none full"  MAX_MB=64  LOG=bench_gpu.log
+#   ARGS="--engine.attention_backend cudnn"   (more options for every run)
 set -uo pipefail
 MPIGPT=${MPIGPT:-build/mpigpt}  # may be a command line, e.g. "bundle/run mpigpt"
 read -ra MPIGPT_CMD <<<"$MPIGPT"
@@ -15,6 +16,7 @@ WARMUP=${WARMUP:-3}
 RECOMPUTE=${RECOMPUTE:-"none full"}
 MAX_MB=${MAX_MB:-64}
 LOG=${LOG:-bench_gpu.log}
+read -ra EXTRA_ARGS <<<"${ARGS:-}"
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(inputs/gpt2_124m_gpu.ini inputs/gpt2_350m_gpu.ini inputs/gpt2_1p3b_gpu.ini
                                      inputs/llama_1b_gpu.ini)
@@ -25,7 +27,8 @@ run_bench() {  # config micro_batch recompute [extra args]
   local cfg=$1 mb=$2 rc=$3
   shift 3
   out=$("${MPIGPT_CMD[@]}" bench --config "$cfg" --training.micro_batch "$mb" --training.global_batch "$mb" \
-        --engine.recompute "$rc" --bench-steps "$STEPS" --bench-warmup "$WARMUP" "$@" 2>&1)
+        --engine.recompute "$rc" --bench-steps "$STEPS" --bench-warmup "$WARMUP" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} \
+        "$@" 2>&1)
   local status=$?
   { echo "== $cfg micro_batch $mb recompute $rc $*"; echo "$out"; } >>"$LOG"
   [ $status -eq 0 ] && return 0

@@ -19,10 +19,11 @@ msg=$(grep -o 'out of GPU memory on device' "$SRC/lib/kernels/cuda/cuda_ops.cu" 
 cat >"$T/fake" <<FAKE
 #!/usr/bin/env bash
 # mpigpt bench stand-in: arguments as scripts/bench_gpu.sh passes them.
-mb=0 rc=none prof=0
+mb=0 rc=none prof=0 attn=builtin
 while [ \$# -gt 0 ]; do
   case \$1 in
     --training.micro_batch) mb=\$2; shift ;;
+    --engine.attention_backend) attn=\$2; shift ;;
     --engine.recompute) rc=\$2; shift ;;
     --profile-ops) prof=1 ;;
   esac
@@ -38,7 +39,7 @@ if [ "\$mb" -gt "\$limit" ]; then
   echo "mpigpt: error: $msg 0: requested 1 bytes (1 B), but only 0 bytes (0 B) of 1 GiB are free"
   exit 1
 fi
-echo "bench: achieved 100 TFLOP/s per rank, MFU 10.1% (engine.recompute = \$rc, micro-batch \$mb)"
+echo "bench: achieved 100 TFLOP/s per rank, MFU 10.1% (engine.recompute = \$rc, micro-batch \$mb, attention \$attn)"
 [ \$prof = 1 ] && echo "bench: op attention_backward   1.000 ms  50.0%     12 calls"
 exit 0
 FAKE
@@ -58,6 +59,9 @@ for start in 4 64; do  # doubling up from 4, halving down from 64
   expect "$out" "per-op time of one profiled step \(micro-batch 16\)"
   expect "$out" "bench: op attention_backward"
 done
+# ARGS reaches every run.
+out=$(ARGS="--engine.attention_backend cudnn" run 4) || fail "bench_gpu.sh with ARGS failed: $out"
+expect "$out" "micro-batch 16, attention cudnn\)"
 if out=$(CRASH_AT=8 run 4 2>&1); then fail "a failure other than memory did not stop bench_gpu.sh: $out"; fi
 expect "$out" "micro_batch 8 recompute none failed \(not for memory\)"
 echo "bench_gpu check: ok"
