@@ -407,7 +407,7 @@ SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape& shape) {
 // A planned graph: its descriptors, the engine configuration chosen and the plan.
 struct Planned {
   Graph graph;
-  std::unique_ptr<Desc> opgraph, config, plan;
+  std::unique_ptr<Desc> opgraph, heuristics, config, plan;  // kept for the plan's life
   int64_t workspace = 0;
   explicit Planned(const char* name) : graph(name) {}
 };
@@ -465,6 +465,7 @@ void make_plan(Planned& p, cudnnHandle_t handle) {
       p.workspace = ws;
       p.plan = std::move(plan);
       p.config = std::make_unique<Desc>(std::move(configs[size_t(i)]));
+      p.heuristics = std::make_unique<Desc>(std::move(heur));
       return;
     }
     if (returned == 0) tried += fmt::format("; heuristics mode {} offered no engine", int(mode));
