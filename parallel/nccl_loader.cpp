@@ -1,13 +1,10 @@
 // Run-time loading of NCCL (see nccl_loader.h).
 #include "parallel/nccl_loader.h"
 
-#ifdef MPIGPT_HAVE_NCCL
-#include <dlfcn.h>
-
-#include <cstdlib>
-#endif
-
 #include "lib/core/error.h"
+#ifdef MPIGPT_HAVE_NCCL
+#include "lib/core/runtime_library.h"
+#endif
 
 namespace mpigpt {
 
@@ -36,45 +33,29 @@ struct Loaded {
   std::string error;  // empty when api is complete
 };
 
-template <class F>
-void bind(void* lib, const char* name, F& slot, std::string& error) {
-  slot = reinterpret_cast<F>(dlsym(lib, name));
-  if (!slot && error.empty())
-    error = fmt::format("engine.comm = nccl: {} lacks the function {} (too old?); install NCCL >= 2.13 or set "
-                        "engine.comm = mpi", kLibrary, name);
-}
-
 Loaded load() {
   Loaded l;
-  // RTLD_LOCAL: NCCL's symbols stay out of the global namespace (nothing else links against them).
-  void* lib = dlopen(kLibrary, RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    const char* why = dlerror();
-    const char* path = std::getenv("LD_LIBRARY_PATH");
-    l.error = fmt::format(
-        "engine.comm = nccl: cannot load the NCCL library {} ({}); it was searched in LD_LIBRARY_PATH = '{}', the "
-        "ld.so cache and the system library directories. Install NCCL (e.g. the libnccl2 package) or add its lib "
-        "directory to LD_LIBRARY_PATH, or set engine.comm = mpi (device memory is then staged through the host)",
-        kLibrary, why ? why : "unknown error", path ? path : "");
-    return l;
-  }
-  // The library stays loaded for the life of the process: communicators may be destroyed late.
+  RuntimeLibrary lib({kLibrary, "NCCL", "engine.comm = nccl: ",
+                      "Install NCCL (e.g. the libnccl2 package) or add its lib directory to LD_LIBRARY_PATH, or set "
+                      "engine.comm = mpi (device memory is then staged through the host)",
+                      "(too old?); install NCCL >= 2.13 or set engine.comm = mpi"});
   NcclApi& a = l.api;
-  bind(lib, "ncclGetVersion", a.GetVersion, l.error);
-  bind(lib, "ncclGetErrorString", a.GetErrorString, l.error);
-  bind(lib, "ncclGetLastError", a.GetLastError, l.error);
-  bind(lib, "ncclGetUniqueId", a.GetUniqueId, l.error);
-  bind(lib, "ncclCommInitRank", a.CommInitRank, l.error);
-  bind(lib, "ncclCommDestroy", a.CommDestroy, l.error);
-  bind(lib, "ncclCommAbort", a.CommAbort, l.error);
-  bind(lib, "ncclGroupStart", a.GroupStart, l.error);
-  bind(lib, "ncclGroupEnd", a.GroupEnd, l.error);
-  bind(lib, "ncclAllReduce", a.AllReduce, l.error);
-  bind(lib, "ncclReduceScatter", a.ReduceScatter, l.error);
-  bind(lib, "ncclAllGather", a.AllGather, l.error);
-  bind(lib, "ncclBroadcast", a.Broadcast, l.error);
-  bind(lib, "ncclSend", a.Send, l.error);
-  bind(lib, "ncclRecv", a.Recv, l.error);
+  lib.bind("ncclGetVersion", a.GetVersion);
+  lib.bind("ncclGetErrorString", a.GetErrorString);
+  lib.bind("ncclGetLastError", a.GetLastError);
+  lib.bind("ncclGetUniqueId", a.GetUniqueId);
+  lib.bind("ncclCommInitRank", a.CommInitRank);
+  lib.bind("ncclCommDestroy", a.CommDestroy);
+  lib.bind("ncclCommAbort", a.CommAbort);
+  lib.bind("ncclGroupStart", a.GroupStart);
+  lib.bind("ncclGroupEnd", a.GroupEnd);
+  lib.bind("ncclAllReduce", a.AllReduce);
+  lib.bind("ncclReduceScatter", a.ReduceScatter);
+  lib.bind("ncclAllGather", a.AllGather);
+  lib.bind("ncclBroadcast", a.Broadcast);
+  lib.bind("ncclSend", a.Send);
+  lib.bind("ncclRecv", a.Recv);
+  l.error = lib.error();
   if (!l.error.empty()) return l;
   int version = 0;
   if (a.GetVersion(&version) != ncclSuccess || version < kMinVersion)

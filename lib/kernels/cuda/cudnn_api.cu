@@ -4,10 +4,9 @@
 #include "lib/core/error.h"
 
 #ifdef MPIGPT_HAVE_CUDNN
-#include <dlfcn.h>
 #include <fmt/format.h>
 
-#include <cstdlib>
+#include "lib/core/runtime_library.h"
 #endif
 
 namespace mpigpt::cuda {
@@ -33,42 +32,26 @@ struct Loaded {
   std::string error;  // empty when api is complete
 };
 
-template <class F>
-void bind(void* lib, const char* name, F& slot, std::string& error) {
-  slot = reinterpret_cast<F>(dlsym(lib, name));
-  if (!slot && error.empty())
-    error = fmt::format("{} lacks the function {} (not cuDNN 9?); install cuDNN >= 9.0 or set "
-                        "engine.attention_backend = builtin", kLibrary, name);
-}
-
 Loaded load() {
   Loaded l;
-  // RTLD_LOCAL: cuDNN's symbols stay out of the global namespace (nothing else links against them).
-  void* lib = dlopen(kLibrary, RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    const char* why = dlerror();
-    const char* path = std::getenv("LD_LIBRARY_PATH");
-    l.error = fmt::format(
-        "cannot load the cuDNN library {} ({}); it was searched in LD_LIBRARY_PATH = '{}', the ld.so cache and the "
-        "system library directories. Install cuDNN 9 (or PyTorch's nvidia-cudnn pip package) and add its lib folder "
-        "to LD_LIBRARY_PATH, or set engine.attention_backend = builtin",
-        kLibrary, why ? why : "unknown error", path ? path : "");
-    return l;
-  }
-  // The library stays loaded for the life of the process: handles may be destroyed late.
+  RuntimeLibrary lib({kLibrary, "cuDNN", "",
+                      "Install cuDNN 9 (or PyTorch's nvidia-cudnn pip package) and add its lib folder to "
+                      "LD_LIBRARY_PATH, or set engine.attention_backend = builtin",
+                      "(not cuDNN 9?); install cuDNN >= 9.0 or set engine.attention_backend = builtin"});
   CudnnApi& a = l.api;
-  bind(lib, "cudnnGetVersion", a.GetVersion, l.error);
-  bind(lib, "cudnnGetErrorString", a.GetErrorString, l.error);
-  bind(lib, "cudnnGetLastErrorString", a.GetLastErrorString, l.error);
-  bind(lib, "cudnnCreate", a.Create, l.error);
-  bind(lib, "cudnnDestroy", a.Destroy, l.error);
-  bind(lib, "cudnnSetStream", a.SetStream, l.error);
-  bind(lib, "cudnnBackendCreateDescriptor", a.BackendCreateDescriptor, l.error);
-  bind(lib, "cudnnBackendDestroyDescriptor", a.BackendDestroyDescriptor, l.error);
-  bind(lib, "cudnnBackendFinalize", a.BackendFinalize, l.error);
-  bind(lib, "cudnnBackendSetAttribute", a.BackendSetAttribute, l.error);
-  bind(lib, "cudnnBackendGetAttribute", a.BackendGetAttribute, l.error);
-  bind(lib, "cudnnBackendExecute", a.BackendExecute, l.error);
+  lib.bind("cudnnGetVersion", a.GetVersion);
+  lib.bind("cudnnGetErrorString", a.GetErrorString);
+  lib.bind("cudnnGetLastErrorString", a.GetLastErrorString);
+  lib.bind("cudnnCreate", a.Create);
+  lib.bind("cudnnDestroy", a.Destroy);
+  lib.bind("cudnnSetStream", a.SetStream);
+  lib.bind("cudnnBackendCreateDescriptor", a.BackendCreateDescriptor);
+  lib.bind("cudnnBackendDestroyDescriptor", a.BackendDestroyDescriptor);
+  lib.bind("cudnnBackendFinalize", a.BackendFinalize);
+  lib.bind("cudnnBackendSetAttribute", a.BackendSetAttribute);
+  lib.bind("cudnnBackendGetAttribute", a.BackendGetAttribute);
+  lib.bind("cudnnBackendExecute", a.BackendExecute);
+  l.error = lib.error();
   if (!l.error.empty()) return l;
   const size_t version = a.GetVersion();
   if (version < kMinVersion)
