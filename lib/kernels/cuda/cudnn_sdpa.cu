@@ -303,9 +303,25 @@ void build_forward(Graph& g, const SdpaShape& s) {
   g.matmul("P V", p, v, o);
 }
 
+// A key or value gradient: grad = bf16(m)^T x for a score-shaped m (B,NH,T,T) and x (B,NH,T,HD),
+// formed per query head and, with grouped-query heads, summed over each kv head's group.
+void kv_gradient(Graph& g, const Layout& l, const char* m_name, const Desc& m, const char* x_name, const Desc& x,
+                 const char* grad_name, const Desc& grad) {
+  const std::string mt_name = fmt::format("{}^T", m_name), product = fmt::format("{}^T {}", m_name, x_name);
+  const Desc& mt = g.tensor(mt_name.c_str(), l.scores(), l.score_strides_t(), kBF16, 0);
+  g.reshape(mt_name.c_str(), m, mt);
+  if (l.NKV == l.NH) {
+    g.matmul(product.c_str(), mt, x, grad);
+    return;
+  }
+  const std::string full = fmt::format("{} per query head", grad_name), sum = fmt::format("{} group sum", grad_name);
+  const Desc& per_head = g.tensor(full.c_str(), l.heads(l.NH), l.packed(l.NH), kBF16, 0);
+  g.matmul(product.c_str(), mt, x, per_head);
+  g.reduction(sum.c_str(), CUDNN_REDUCE_TENSOR_ADD, per_head, grad);
+}
+
 void build_backward(Graph& g, const SdpaShape& s) {
   const Layout l(s);
-  const bool gqa = l.NKV != l.NH;
   const Desc& q = g.tensor("Q", l.heads(l.NH), l.qkv_strides(), kBF16, kQ);
   const Desc& kt = g.tensor("K^T", l.heads_t(l.NKV), l.qkv_strides_t(), kBF16, kK);
   const Desc& vt = g.tensor("V^T", l.heads_t(l.NKV), l.qkv_strides_t(), kBF16, kV);
@@ -333,16 +349,7 @@ void build_backward(Graph& g, const SdpaShape& s) {
   const Desc& p = g.tensor("P", l.scores(), l.score_strides(), kF32, 0);
   g.pointwise("exp", CUDNN_POINTWISE_EXP, sc, nullptr, nullptr, p);
 
-  // dV = P^T dO (per query head, then summed over each group with grouped-query heads).
-  const Desc& pt = g.tensor("P^T", l.scores(), l.score_strides_t(), kBF16, 0);
-  g.reshape("P^T", p, pt);
-  if (gqa) {
-    const Desc& dv_full = g.tensor("dV per query head", l.heads(l.NH), l.packed(l.NH), kBF16, 0);
-    g.matmul("P^T dO", pt, d_o, dv_full);
-    g.reduction("dV group sum", CUDNN_REDUCE_TENSOR_ADD, dv_full, dv);
-  } else {
-    g.matmul("P^T dO", pt, d_o, dv);
-  }
+  kv_gradient(g, l, "P", p, "dO", d_o, "dV", dv);  // dV = P^T dO
 
   // dS = scale * P * (dO V^T - D).
   const Desc& dp = g.tensor("dO V^T", l.scores(), l.score_strides(), kF32, 0);
@@ -354,16 +361,7 @@ void build_backward(Graph& g, const SdpaShape& s) {
   const Desc& ds = g.tensor("dS", l.scores(), l.score_strides(), kF32, 0);
   g.pointwise("scale dS", CUDNN_POINTWISE_MUL, pdp, &scale, nullptr, ds);
 
-  // dK = dS^T Q.
-  const Desc& dst = g.tensor("dS^T", l.scores(), l.score_strides_t(), kBF16, 0);
-  g.reshape("dS^T", ds, dst);
-  if (gqa) {
-    const Desc& dk_full = g.tensor("dK per query head", l.heads(l.NH), l.packed(l.NH), kBF16, 0);
-    g.matmul("dS^T Q", dst, q, dk_full);
-    g.reduction("dK group sum", CUDNN_REDUCE_TENSOR_ADD, dk_full, dk);
-  } else {
-    g.matmul("dS^T Q", dst, q, dk);
-  }
+  kv_gradient(g, l, "dS", ds, "Q", q, "dK", dk);  // dK = dS^T Q
 
   // dQ = dS K, in fp32, then to bf16.
   const Desc& k = g.tensor("K", l.heads(l.NKV), l.qkv_strides(), kF32, 0);
