@@ -230,8 +230,8 @@ void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, in
                B, T, int64_t(NH) * HD);
   MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
                attention_saved_numel(B, T, NH));
-  if (CudnnSdpa* sdpa = cudnn_attention({B, T, NH, NKV, HD}, dt, op)) {
-    const SdpaShape shape{B, T, NH, NKV, HD};
+  const SdpaShape shape{B, T, NH, NKV, HD};
+  if (CudnnSdpa* sdpa = cudnn_attention(shape, dt, op)) {
     Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
     sdpa->forward(shape, out.ptr, ptr<float>(saved), qkv.ptr, ws.ptr);
     return;
@@ -261,8 +261,8 @@ void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor ou
                T, C);
   MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
                attention_saved_numel(B, T, NH));
-  if (CudnnSdpa* sdpa = cudnn_attention({B, T, NH, NKV, HD}, dt, op)) {
-    const SdpaShape shape{B, T, NH, NKV, HD};
+  const SdpaShape shape{B, T, NH, NKV, HD};
+  if (CudnnSdpa* sdpa = cudnn_attention(shape, dt, op)) {
     Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
     sdpa->backward(shape, dqkv.ptr, dout.ptr, qkv.ptr, out.ptr, ptr<const float>(saved), ws.ptr);
     return;
