@@ -41,6 +41,20 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
   __syncthreads();
   return v;
 }
+// Two block sums for the price of one pair of barriers; sh holds 64 floats.
+__device__ __forceinline__ float2 block_sum2(float2 v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v.x = warp_sum(v.x);
+  v.y = warp_sum(v.y);
+  if (lane == 0) {
+    sh[warp] = v.x;
+    sh[32 + warp] = v.y;
+  }
+  __syncthreads();
+  v = make_float2(warp_sum(lane < nwarps ? sh[lane] : 0.0f), warp_sum(lane < nwarps ? sh[32 + lane] : 0.0f));
+  __syncthreads();
+  return v;
+}
 __device__ __forceinline__ float block_max(float v, float* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
   v = warp_max(v);

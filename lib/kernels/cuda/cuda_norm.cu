@@ -4,6 +4,7 @@
 // the same bits on every run on a given GPU model.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
@@ -105,37 +106,84 @@ __device__ __forceinline__ void smem_add(float* acc, const float (&v)[W]) {
   }
 }
 
+// One row of the backward as a thread holds it: its KP packs of dout and inp (thread t owns packs
+// t, t + blockDim.x, ...; packs past the row's end are not loaded) and the row's statistics.
+__device__ __forceinline__ int owned_pack(int k) { return int(threadIdx.x + k * blockDim.x); }
+template <class T, int W, int KP>
+struct NormRow {
+  Pack<T, W> g[KP], x[KP];
+  float m, rs;
+};
+template <class T, int W, int KP, bool kLayer>
+__device__ __forceinline__ NormRow<T, W, KP> load_norm_row(const T* dout, const T* inp, const float* mean,
+                                                          const float* rstd, int64_t row, int C) {
+  NormRow<T, W, KP> r{};
+  const int P = C / W;
+#pragma unroll
+  for (int k = 0; k < KP; ++k) {
+    const int p = owned_pack(k);
+    if (p < P) {
+      r.g[k] = load_pack<W>(dout + row * C + p * W);
+      r.x[k] = load_pack<W>(inp + row * C + p * W);
+    }
+  }
+  r.m = kLayer ? mean[row] : 0.0f;
+  r.rs = rstd[row];
+  return r;
+}
+
 // Block b takes rows [b*rows_per_block, ...) in order. Per row: dinp (ACCUMULATES) from the two
 // row means of dnorm = weight*dout and dnorm*xhat; the weight (and, for LayerNorm, bias) gradient
 // terms dout*xhat and dout go into shared accumulators acc[0:C) and acc[C:2C). A thread always
-// owns the same columns (pack p = threadIdx.x + k*blockDim.x in every row), so the accumulators
-// need neither atomics nor barriers. At the end each block writes its accumulators to its own row
-// of `partial` (G, nacc*C), which column_sum_kernel reduces in block order.
-template <class T, int W, bool kLayer>
-__global__ void norm_backward_kernel(T* dinp, float* __restrict__ partial, const T* dout, const T* inp,
-                                     const float* __restrict__ mean, const float* __restrict__ rstd,
-                                     const T* __restrict__ weight, int64_t N, int C, int64_t rows_per_block) {
+// owns the same columns, so the accumulators need neither atomics nor barriers. At the end each
+// block writes its accumulators to its own row of `partial` (G, nacc*C), which the column sums
+// reduce in block order.
+// The row stays in registers between its two uses (no second read), and with kPrefetch the next
+// row's loads are issued before this row's reductions, so that the block's memory traffic
+// overlaps its barriers and arithmetic instead of alternating with them. The dinp row is loaded
+// before the reductions for the same reason. dinp may alias dout: each thread reads its packs of
+// a row before it writes them, and the prefetched row is another one.
+template <class T, int W, int KP, bool kLayer, bool kPrefetch>
+__global__ void __launch_bounds__(kMaxThreads)
+    norm_backward_kernel(T* dinp, float* __restrict__ partial, const T* dout, const T* inp,
+                         const float* __restrict__ mean, const float* __restrict__ rstd, const T* __restrict__ weight,
+                         int64_t N, int C, int64_t rows_per_block) {
   extern __shared__ float4 acc_raw[];  // nacc * C floats when partial is wanted (16-byte aligned)
   float* acc = reinterpret_cast<float*>(acc_raw);
-  __shared__ float sh[32];
+  __shared__ float sh[64];
   constexpr int nacc = kLayer ? 2 : 1;
   const int P = C / W;
   if (partial)
     for (int p = threadIdx.x; p < P; p += blockDim.x)
       for (int j = 0; j < nacc * W; ++j) acc[(j / W) * C + p * W + j % W] = 0.0f;
+  Pack<T, W> wv[KP] = {};
+#pragma unroll
+  for (int k = 0; k < KP; ++k)
+    if (owned_pack(k) < P) wv[k] = load_pack<W>(weight + owned_pack(k) * W);
   const int64_t r0 = int64_t(blockIdx.x) * rows_per_block;
   const int64_t r1 = r0 + rows_per_block < N ? r0 + rows_per_block : N;
+  NormRow<T, W, KP> cur{};
+  if (kPrefetch && r0 < r1) cur = load_norm_row<T, W, KP, kLayer>(dout, inp, mean, rstd, r0, C);
   for (int64_t row = r0; row < r1; ++row) {
-    const T* g = dout + row * C;
-    const T* x = inp + row * C;
-    const float m = kLayer ? mean[row] : 0.0f, rs = rstd[row];
+    if (!kPrefetch) cur = load_norm_row<T, W, KP, kLayer>(dout, inp, mean, rstd, row, C);
+    NormRow<T, W, KP> next{};
+    if (kPrefetch && row + 1 < r1) next = load_norm_row<T, W, KP, kLayer>(dout, inp, mean, rstd, row + 1, C);
+    T* d = dinp ? dinp + row * C : nullptr;
+    Pack<T, W> dv[KP] = {};
+    if (d)
+#pragma unroll
+      for (int k = 0; k < KP; ++k)
+        if (owned_pack(k) < P) dv[k] = load_pack<W>(d + owned_pack(k) * W);
     float a = 0.0f, b = 0.0f;  // sums of dnorm and dnorm * xhat
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-      const Pack<T, W> gv = load_pack<W>(g + p * W), xv = load_pack<W>(x + p * W), wv = load_pack<W>(weight + p * W);
+#pragma unroll
+    for (int k = 0; k < KP; ++k) {
+      const int p = owned_pack(k);
+      if (p >= P) continue;
       float gw[W], gb[W];
 #pragma unroll
       for (int j = 0; j < W; ++j) {
-        const float gj = to_f(gv.v[j]), xh = (to_f(xv.v[j]) - m) * rs, dn = to_f(wv.v[j]) * gj;
+        const float gj = to_f(cur.g[k].v[j]), xh = (to_f(cur.x[k].v[j]) - cur.m) * cur.rs,
+                    dn = to_f(wv[k].v[j]) * gj;
         a += dn;
         b += dn * xh;
         gw[j] = gj * xh;
@@ -146,21 +194,28 @@ __global__ void norm_backward_kernel(T* dinp, float* __restrict__ partial, const
         if (kLayer) smem_add<W>(acc + C + p * W, gb);
       }
     }
-    if (!dinp) continue;  // uniform over the block: the barriers below are all skipped together
-    const float ma = kLayer ? block_sum(a, sh) / float(C) : 0.0f;
-    const float mb = block_sum(b, sh) / float(C);
-    T* d = dinp + row * C;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-      // dout and inp are read again (L1/L2) before dinp is written: dinp may even alias dout.
-      const Pack<T, W> gv = load_pack<W>(g + p * W), xv = load_pack<W>(x + p * W), wv = load_pack<W>(weight + p * W);
-      Pack<T, W> dv = load_pack<W>(d + p * W);
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const float xh = (to_f(xv.v[j]) - m) * rs, dn = to_f(wv.v[j]) * to_f(gv.v[j]);
-        dv.v[j] = from_f<T>(to_f(dv.v[j]) + (dn - ma - xh * mb) * rs);
+    if (d) {  // uniform over the block: the barriers below are all skipped together
+      float ma = 0.0f, mb;
+      if (kLayer) {
+        const float2 s = block_sum2(make_float2(a, b), sh);
+        ma = s.x / float(C);
+        mb = s.y / float(C);
+      } else {
+        mb = block_sum(b, sh) / float(C);
       }
-      store_pack<W>(d + p * W, dv);
+#pragma unroll
+      for (int k = 0; k < KP; ++k) {
+        const int p = owned_pack(k);
+        if (p >= P) continue;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const float xh = (to_f(cur.x[k].v[j]) - cur.m) * cur.rs, dn = to_f(wv[k].v[j]) * to_f(cur.g[k].v[j]);
+          dv[k].v[j] = from_f<T>(to_f(dv[k].v[j]) + (dn - ma - xh * mb) * cur.rs);
+        }
+        store_pack<W>(d + p * W, dv[k]);
+      }
     }
+    if (kPrefetch) cur = next;
   }
   if (partial) {
     float* out = partial + int64_t(blockIdx.x) * nacc * C;
@@ -169,6 +224,27 @@ __global__ void norm_backward_kernel(T* dinp, float* __restrict__ partial, const
         const int c = (j / W) * C + p * W + j % W;
         out[c] = acc[c];
       }
+  }
+}
+
+// out (S, cols) = per segment y, the sum of rows [y*rows_per_seg, ...) of partial (G, stride),
+// in a fixed order. Block (32, 8): 32 columns, 8 interleaved subsets of the segment's rows,
+// combined through shared memory. This first stage spreads the G partial rows over S segments so
+// that enough blocks share the reading; column_sum_kernel then adds the S rows.
+__global__ void segment_sum_kernel(float* __restrict__ out, const float* __restrict__ partial, int G, int cols,
+                                   int stride, int rows_per_seg) {
+  __shared__ float sh[8][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  const int g0 = blockIdx.y * rows_per_seg, g1 = g0 + rows_per_seg < G ? g0 + rows_per_seg : G;
+  float s = 0.0f;
+  if (c < cols)
+#pragma unroll 4
+    for (int g = g0 + int(threadIdx.y); g < g1; g += 8) s += partial[int64_t(g) * stride + c];
+  sh[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    for (int y = 1; y < 8; ++y) s += sh[y][threadIdx.x];
+    out[int64_t(blockIdx.y) * cols + c] = s;
   }
 }
 
@@ -245,19 +321,23 @@ void launch_forward(cudaStream_t s, Tensor out, Tensor mean, Tensor rstd, Tensor
   MPIGPT_CUDA_LAUNCHED();
 }
 
-template <class T, int W, bool kLayer>
+// Packs per thread of the backward: a row of P packs is held by at most kMaxThreads threads with
+// KP packs each. Up to kMaxPrefetchPacks the next row is prefetched (two rows in registers).
+constexpr int kMaxRowPacks = 8, kMaxPrefetchPacks = 4;
+
+template <class T, int W, int KP, bool kLayer>
 void launch_backward_w(CudaOps& ops, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
                        Tensor rstd, Tensor weight, int64_t N, int C, const char* op) {
   cudaStream_t s = ops.cuda_stream();
-  auto kernel = norm_backward_kernel<T, W, kLayer>;
-  const int threads = threads_for(C / W);
+  auto kernel = norm_backward_kernel<T, W, KP, kLayer, (KP <= kMaxPrefetchPacks)>;
+  const int threads = threads_for((C / W + KP - 1) / KP);
   const bool want_params = dweight.defined() || dbias.defined();
   constexpr int nacc = kLayer ? 2 : 1;
   const size_t smem = want_params ? size_t(nacc) * size_t(C) * sizeof(float) : 0;
   int device_smem = 0, sms = 0;
   MPIGPT_CUDA(cudaDeviceGetAttribute(&device_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, ops.device_index()));
   MPIGPT_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ops.device_index()));
-  MPIGPT_CHECK(smem + 32 * sizeof(float) <= size_t(device_smem),
+  MPIGPT_CHECK(smem + 64 * sizeof(float) <= size_t(device_smem),
                "{}: C = {} needs {} bytes of shared memory for the weight-gradient partial sums; this GPU has {}", op,
                C, smem, device_smem);
   if (smem > 48 * 1024)
@@ -275,12 +355,45 @@ void launch_backward_w(CudaOps& ops, Tensor dinp, Tensor dweight, Tensor dbias, 
                                   kLayer ? ptr<float>(mean) : nullptr, ptr<float>(rstd), ptr<T>(weight), N, C,
                                   rows_per_block);
   MPIGPT_CUDA_LAUNCHED();
-  if (want_params) {
-    column_sum_kernel<<<blocks_for(C, 32), dim3(32, 16), 0, s>>>(
-        dweight.defined() ? ptr<float>(dweight) : nullptr, kLayer && dbias.defined() ? ptr<float>(dbias) : nullptr,
-        part, G, C, nacc * C);
+  if (!want_params) return;
+  // The G partial rows are summed in two stages when one would leave most of the GPU idle: S
+  // segments of rows first (about four blocks per multiprocessor in all), then the S sums.
+  const int cols = nacc * C, col_blocks = int(blocks_for(cols, 32));
+  const int rows_per_seg = int(std::max<int64_t>(1, G / std::max<int64_t>(1, 4 * int64_t(sms) / col_blocks)));
+  const int S = (G + rows_per_seg - 1) / rows_per_seg;
+  CudaOps::Scratch sums = S > 1 ? ops.scratch(size_t(S) * size_t(cols) * sizeof(float)) : CudaOps::Scratch{};
+  if (S > 1) {
+    const dim3 grid{unsigned(col_blocks), unsigned(S)};
+    segment_sum_kernel<<<grid, dim3(32, 8), 0, s>>>(
+        static_cast<float*>(sums.ptr), part, G, cols, cols, rows_per_seg);
     MPIGPT_CUDA_LAUNCHED();
   }
+  column_sum_kernel<<<blocks_for(C, 32), dim3(32, 16), 0, s>>>(
+      dweight.defined() ? ptr<float>(dweight) : nullptr, kLayer && dbias.defined() ? ptr<float>(dbias) : nullptr,
+      S > 1 ? static_cast<float*>(sums.ptr) : part, S > 1 ? S : G, C, cols);
+  MPIGPT_CUDA_LAUNCHED();
+}
+
+template <class T, int W, bool kLayer>
+void launch_backward_packs(CudaOps& ops, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                           Tensor mean, Tensor rstd, Tensor weight, int64_t N, int C, const char* op) {
+  const int64_t P = C / W;
+  MPIGPT_CHECK(P <= int64_t(kMaxRowPacks) * kMaxThreads,
+               "{}: C = {} is more than the CUDA norm backward holds in one block: at most {} columns{}", op, C,
+               int64_t(kMaxRowPacks) * kMaxThreads * W,
+               W == 1 ? " here, where C is not a multiple of 16 bytes of data or a tensor is not 16-byte aligned" : "");
+  const auto run = [&](auto kp) {
+    launch_backward_w<T, W, decltype(kp)::value, kLayer>(ops, dinp, dweight, dbias, dout, inp, mean, rstd, weight,
+                                                         N, C, op);
+  };
+  if (P <= kMaxThreads)
+    run(std::integral_constant<int, 1>{});
+  else if (P <= 2 * kMaxThreads)
+    run(std::integral_constant<int, 2>{});
+  else if (P <= 4 * kMaxThreads)
+    run(std::integral_constant<int, 4>{});
+  else
+    run(std::integral_constant<int, kMaxRowPacks>{});
 }
 
 template <class T, bool kLayer>
@@ -288,9 +401,9 @@ void launch_backward(CudaOps& ops, Tensor dinp, Tensor dweight, Tensor dbias, Te
                      Tensor rstd, Tensor weight, int64_t N, int C, const char* op) {
   constexpr int V = 16 / sizeof(T);
   if (packs_fit(C, V, {dinp, dout, inp, weight}))
-    launch_backward_w<T, V, kLayer>(ops, dinp, dweight, dbias, dout, inp, mean, rstd, weight, N, C, op);
+    launch_backward_packs<T, V, kLayer>(ops, dinp, dweight, dbias, dout, inp, mean, rstd, weight, N, C, op);
   else
-    launch_backward_w<T, 1, kLayer>(ops, dinp, dweight, dbias, dout, inp, mean, rstd, weight, N, C, op);
+    launch_backward_packs<T, 1, kLayer>(ops, dinp, dweight, dbias, dout, inp, mean, rstd, weight, N, C, op);
 }
 
 // Shapes shared by the four ops: inp (N,C) with C < 2^31 and N < 2^31 (one block per row).

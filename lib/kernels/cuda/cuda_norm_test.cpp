@@ -127,8 +127,10 @@ struct Dims {
   int64_t N, C;
 };
 // 64: packs for both dtypes; 13: scalar; 100: f32 packs, bf16 scalar; 300 rows: several rows per
-// block in the backward; 8192: > 48 KiB of LayerNorm partial sums per block.
-const Dims kDims[] = {{37, 64}, {37, 13}, {300, 100}, {8, 8192}};
+// block in the backward (each prefetching the next) and the weight gradients' partial sums added
+// in two stages; 8192: > 48 KiB of LayerNorm partial sums per block and 2 (bf16) or 4 (f32) packs
+// per thread; 16384: 4 (bf16) or 8 (f32, no prefetch) packs per thread.
+const Dims kDims[] = {{37, 64}, {37, 13}, {300, 100}, {8, 8192}, {3, 16384}};
 
 }  // namespace
 
@@ -146,4 +148,13 @@ TEST_CASE("cuda rmsnorm forward/backward match the CPU") {
   uint64_t seed = 500;
   for (DType dt : kDtypes)
     for (Dims d : kDims) norm_case(*ops, *cpu, false, dt, d.N, d.C, ++seed);
+}
+
+TEST_CASE("cuda norm backward refuses a row wider than one block holds") {
+  auto ops = cuda_ops_or_skip();
+  const int64_t C = 16388;  // f32: 4097 packs of 4, one more than 512 threads x 8 packs
+  auto x = zeros(*ops, {2, C}), g = zeros(*ops, {2, C}), w = zeros(*ops, {C}), rstd = zeros(*ops, {2});
+  CHECK_THROWS_WITH_AS(ops->rmsnorm_backward(g.t, Tensor(), g.t, x.t, rstd.t, w.t),
+                       doctest::Contains("rmsnorm_backward: C = 16388 is more than the CUDA norm backward holds"),
+                       Error);
 }
