@@ -1,7 +1,8 @@
 // CUDA backend: fused softmax + cross-entropy loss and its logits gradient, whole or as the three
 // per-shard steps of the vocabulary-parallel version. One block per row: the fused op reads the
 // row once for an online max / sum of exponentials (fp32, combined across threads by rescaling),
-// then once more (from L2) to write the gradient in place.
+// keeping it in shared memory when it fits, then writes the gradient in place from there (or
+// from a second read, through L2, when it does not fit).
 //
 // Targets: the CPU backend rejects a target >= V before it starts; here that would need a device
 // read and a host sync per call, so such a row instead gets a NaN loss and NaN gradients, which
@@ -57,25 +58,36 @@ __device__ __forceinline__ MaxSum block_merge(MaxSum v, float* shm, float* shs) 
 
 // ---- fused cross-entropy ------------------------------------------------------------------------
 
+// Packs a thread loads before it uses any of them: U independent 16-byte loads in flight per
+// thread instead of one, so that a block's first pass over its row is not bound by the latency of
+// one load at a time.
+constexpr int kUnroll = 4;
+
 // losses (N) optional, dlogits (N,Vp) optional (may alias logits), logits (N,Vp), targets (N);
-// softmax over columns [0, V); Vp % W == 0. One block per row.
-template <class T, int W>
+// softmax over columns [0, V); Vp % W == 0. One block per row. With kStage the first pass also
+// copies the row's packs holding a column < V into shared memory (dynamic, (V+W-1)/W packs) and
+// the second pass reads them from there: the logits are read from memory once, where the
+// streaming version (kStage false, for rows larger than shared memory) reads them again from L2.
+template <class T, int W, bool kStage>
 __global__ void __launch_bounds__(kMaxThreads)
     crossentropy_kernel(float* losses, T* dlogits, const T* logits, const int32_t* __restrict__ targets, int64_t V,
                         int64_t Vp, float dloss) {
+  extern __shared__ float4 row_raw[];
+  Pack<T, W>* staged = reinterpret_cast<Pack<T, W>*>(row_raw);
   __shared__ float shm[32], shs[32];
   const int64_t row = blockIdx.x;
   const T* x = logits + row * Vp;
   T* dx = dlogits ? dlogits + row * Vp : nullptr;
   const int64_t t = targets[row];
   const int64_t P = Vp / W, Pv = (V + W - 1) / W;  // all packs; packs holding a column < V
-  if (t < 0) {                                     // ignored row (uniform over the block)
+  const int64_t stride = blockDim.x;
+  if (t < 0) {  // ignored row (uniform over the block)
     if (losses && threadIdx.x == 0) losses[row] = 0.0f;
     if (dx) {
       Pack<T, W> z;
 #pragma unroll
       for (int j = 0; j < W; ++j) z.v[j] = from_f<T>(0.0f);
-      for (int64_t p = threadIdx.x; p < P; p += blockDim.x) store_pack<W>(dx + p * W, z);
+      for (int64_t p = threadIdx.x; p < P; p += stride) store_pack<W>(dx + p * W, z);
     }
     return;
   }
@@ -83,14 +95,20 @@ __global__ void __launch_bounds__(kMaxThreads)
   // The target logit is read before the first barrier, so before any thread writes dx.
   const float xt = threadIdx.x == 0 && !bad ? to_f(x[t]) : 0.0f;
   MaxSum ms{-INFINITY, 0.0f};
-  for (int64_t p = threadIdx.x; p < Pv; p += blockDim.x) {
-    const Pack<T, W> v = load_pack<W>(x + p * W);
-    float f[W];
+  for (int64_t p0 = threadIdx.x; p0 < Pv; p0 += kUnroll * stride) {
+    Pack<T, W> v[kUnroll] = {};
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (p0 + u * stride < Pv) v[u] = load_pack<W>(x + (p0 + u * stride) * W);
     float pm = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < W; ++j) {
-      f[j] = p * W + j < V ? to_f(v.v[j]) : -INFINITY;
-      pm = fmaxf(pm, f[j]);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = p0 + u * stride;
+      if (p >= Pv) continue;
+      if (kStage) staged[p] = v[u];
+#pragma unroll
+      for (int j = 0; j < W; ++j)
+        if (p * W + j < V) pm = fmaxf(pm, to_f(v[u].v[j]));
     }
     if (pm > ms.m) {
       ms.s *= exp_shifted(ms.m, pm);
@@ -98,27 +116,38 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     if (ms.m != -INFINITY)
 #pragma unroll
-      for (int j = 0; j < W; ++j) ms.s += exp_shifted(f[j], ms.m);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t p = p0 + u * stride;
+        if (p >= Pv) continue;
+#pragma unroll
+        for (int j = 0; j < W; ++j)
+          if (p * W + j < V) ms.s += exp_shifted(to_f(v[u].v[j]), ms.m);
+      }
   }
-  ms = block_merge(ms, shm, shs);
+  ms = block_merge(ms, shm, shs);  // its barriers also order the staged writes before the reads
   if (losses && threadIdx.x == 0) losses[row] = bad ? nan_f() : logf(ms.s) + ms.m - xt;
   if (!dx) return;
   const float scale = bad ? nan_f() : dloss / ms.s;
-  for (int64_t p = threadIdx.x; p < P; p += blockDim.x) {
-    Pack<T, W> o;
-    if (p < Pv) {
-      const Pack<T, W> v = load_pack<W>(x + p * W);
+  for (int64_t p0 = threadIdx.x; p0 < P; p0 += kUnroll * stride) {
+    Pack<T, W> v[kUnroll] = {};
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = p0 + u * stride;
+      if (p < Pv) v[u] = kStage ? staged[p] : load_pack<W>(x + p * W);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = p0 + u * stride;
+      if (p >= P) continue;
+      Pack<T, W> o;
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         const int64_t c = p * W + j;
-        const float g = exp_shifted(to_f(v.v[j]), ms.m) * scale - (c == t ? dloss : 0.0f);
-        o.v[j] = from_f<T>(c < V ? g : 0.0f);
+        const float g = c < V ? exp_shifted(to_f(v[u].v[j]), ms.m) * scale - (c == t ? dloss : 0.0f) : 0.0f;
+        o.v[j] = from_f<T>(g);
       }
-    } else {
-#pragma unroll
-      for (int j = 0; j < W; ++j) o.v[j] = from_f<T>(0.0f);
+      store_pack<W>(dx + p * W, o);
     }
-    store_pack<W>(dx + p * W, o);
   }
 }
 
@@ -228,6 +257,27 @@ __global__ void __launch_bounds__(kMaxThreads)
 // Threads for one row of `packs` work items: whole warps, at most kMaxThreads.
 int threads_for(int64_t packs) { return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, kMaxThreads)); }
 
+// The fused op: 512 threads per row (two rows' blocks per multiprocessor with their rows staged
+// in shared memory at GPT-2's vocabulary); the row is staged when it fits (a gradient is wanted
+// and the device lets one block have that much shared memory), else the second pass streams.
+template <class T, int W>
+void launch_crossentropy(CudaOps& ops, float* L, T* dX, const T* X, const int32_t* targets, int64_t N, int64_t V,
+                         int64_t Vp, float dloss) {
+  const int threads = std::min(threads_for((V + W - 1) / W), 512);
+  const size_t stage = size_t((V + W - 1) / W) * W * sizeof(T);
+  int device_smem = 0;
+  MPIGPT_CUDA(cudaDeviceGetAttribute(&device_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, ops.device_index()));
+  if (dX && stage + 64 * sizeof(float) <= size_t(device_smem)) {
+    auto kernel = crossentropy_kernel<T, W, true>;
+    if (stage > 48 * 1024)
+      MPIGPT_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(stage)));
+    kernel<<<unsigned(N), threads, stage, ops.cuda_stream()>>>(L, dX, X, targets, V, Vp, dloss);
+  } else {
+    crossentropy_kernel<T, W, false><<<unsigned(N), threads, 0, ops.cuda_stream()>>>(L, dX, X, targets, V, Vp, dloss);
+  }
+  MPIGPT_CUDA_LAUNCHED();
+}
+
 void check_rows(const Tensor& t, int64_t N, const char* op, const char* what, const Tensor& logits) {
   MPIGPT_CHECK(t.numel() == N, "{}: {} {} must have N = {} elements (logits {})", op, what, t.shape.str(), N,
                logits.shape.str());
@@ -275,12 +325,9 @@ void CudaOps::crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tenso
     constexpr int W = 16 / sizeof(T);
     T* dX = dlogits.defined() ? ptr<T>(dlogits) : nullptr;
     if (Vp % W == 0 && aligned16(logits) && aligned16(dlogits))
-      crossentropy_kernel<T, W><<<unsigned(N), threads_for((V + W - 1) / W), 0, cuda_stream()>>>(
-          L, dX, ptr<T>(logits), ptr<int32_t>(targets), V, Vp, dloss);
+      launch_crossentropy<T, W>(*this, L, dX, ptr<T>(logits), ptr<int32_t>(targets), N, V, Vp, dloss);
     else
-      crossentropy_kernel<T, 1><<<unsigned(N), threads_for(V), 0, cuda_stream()>>>(L, dX, ptr<T>(logits),
-                                                                                   ptr<int32_t>(targets), V, Vp, dloss);
-    MPIGPT_CUDA_LAUNCHED();
+      launch_crossentropy<T, 1>(*this, L, dX, ptr<T>(logits), ptr<int32_t>(targets), N, V, Vp, dloss);
   });
 }
 

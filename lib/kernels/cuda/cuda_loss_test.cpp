@@ -1,11 +1,12 @@
 // GPU tests (label gpu) of the CUDA backend's softmax cross-entropy against the CPU backend, f32
 // and bf16 logits: the fused op (ignored rows, padded columns, a logit that overflows exp without
-// the max subtraction, a GPT-2-sized row, dlogits aliasing logits, either output alone) and the
-// three vocabulary-parallel steps over 1 to 4 shards (partly and wholly padded shards, targets in
-// other shards, vocab_start > 0), joined by host-side "all-reduces".
+// the max subtraction, a GPT-2-sized row staged in shared memory, a Llama-3-sized row that is not,
+// dlogits aliasing logits, either output alone) and the three vocabulary-parallel steps over 1 to
+// 4 shards (partly and wholly padded shards, targets in other shards, vocab_start > 0), joined by
+// host-side "all-reduces".
 //
 // Tolerances. Both sides see the same (bf16-rounded) logits; the GPU sums exponentials in fp32 with
-// the hardware exp2 (a few 1e-7 relative per term, ~1e-6 on a sum of 50k terms spread over 1024
+// the hardware exp2 (a few 1e-7 relative per term, ~1e-6 on a sum of 50k terms spread over 512
 // threads and a tree), the CPU in double. Losses (O(1)-O(10), log of that sum) are held to 2e-5
 // absolute + 1e-5 relative; softmax values to 1e-5 relative, i.e. the gradient to 1e-5 * dloss
 // absolute + 1e-5 relative in f32. bf16 gradients add their final rounding, u = 2^-8 (2u allowed).
@@ -63,8 +64,10 @@ TEST_CASE("cuda crossentropy_forward_backward matches the CPU (ignored rows, pad
     int64_t N, V, Vp;
     float scale;
   };
-  // 29 of 32: packs; 29 of 37: scalar; GPT-2: a 50k row over 1024 threads.
-  for (Sizes s : {Sizes{16, 29, 32, 2.0f}, Sizes{16, 29, 37, 2.0f}, Sizes{4, 50257, 50304, 3.0f}}) {
+  // 29 of 32: packs; 29 of 37: scalar; GPT-2: a 50k row over 512 threads, staged in shared memory;
+  // a Llama-3-sized row (128256 columns, 250 or 500 KiB) is larger than shared memory and streams.
+  for (Sizes s : {Sizes{16, 29, 32, 2.0f}, Sizes{16, 29, 37, 2.0f}, Sizes{4, 50257, 50304, 3.0f},
+                  Sizes{3, 128000, 128256, 3.0f}}) {
     for (DType dt : kDtypes) {
       const std::string dtype = dtype_name(dt);  // a string: doctest prints a char* as a pointer
       CAPTURE(dtype);
