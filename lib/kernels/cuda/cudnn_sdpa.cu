@@ -1,7 +1,8 @@
 // cuDNN's fused attention through the graph (backend) API (see cudnn_sdpa.h).
 //
-// cuDNN has no single causal attention operation before 9.21; its fused flash-attention engines
-// recognise a pattern of operations instead: the graphs below are that pattern, built as cuDNN's
+// cuDNN 9 runs fused flash attention for a pattern of matmul, pointwise and reduction operations
+// (its single attention operations take a causal mask only from 9.21 on, and the backward one is
+// chosen by the heuristics only from 9.27): the graphs below are that pattern, built as cuDNN's
 // own frontend builds them for causal training (bf16 in and out, fp32 softmax statistics):
 //
 // forward   S = scale * Q K^T, masked to -inf above the diagonal (GEN_INDEX rows and columns,
@@ -155,10 +156,9 @@ class Graph {
   void matmul(const char* what, const Desc& a, const Desc& b, const Desc& c) {
     Desc& mm = descs_.emplace_back(CUDNN_BACKEND_MATMUL_DESCRIPTOR, label("matmul", what));
     const cudnnDataType_t fp32 = CUDNN_DATA_FLOAT;
-    const double padding = 0.0;
-    mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, &fp32)
-        .set(CUDNN_ATTR_MATMUL_PADDING_VALUE, CUDNN_TYPE_DOUBLE, &padding)
-        .finalize();
+    // No padding value: the frontend sets one only for padded (variable-length) sequences, and the
+    // fused engines match the attention pattern as the frontend builds it.
+    mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, &fp32).finalize();
     Desc& op = add_op(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul", what);
     op.set(CUDNN_ATTR_OPERATION_MATMUL_ADESC, a)
         .set(CUDNN_ATTR_OPERATION_MATMUL_BDESC, b)
@@ -388,7 +388,7 @@ std::string shape_unsupported(const SdpaShape& s, size_t version) {
   if (s.T < 2) return "the backward needs at least 2 tokens";
   if (version == 91000 || version == 91001) return "cuDNN 9.10.0 and 9.10.1 have known bf16 attention bugs";
   if (version <= 91500 && s.T % 128 != 0)
-    return fmt::format("cuDNN {} (9.15 or older) runs the backward only for T a multiple of 128 (T = {})", version,
+    return fmt::format("cuDNN {} (9.15.0 or older) runs the backward only for T a multiple of 128 (T = {})", version,
                        s.T);
   return {};
 }
@@ -423,9 +423,10 @@ void make_plan(Planned& p, cudnnHandle_t handle) {
   const std::vector<cudnnBackendDescriptor_t> ops = p.graph.ops();
   const std::string& name = p.graph.name();
   p.opgraph = std::make_unique<Desc>(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, name + " operation graph");
-  p.opgraph->set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, ops.data(), int64_t(ops.size()))
-      .set(kGraphHandle, CUDNN_TYPE_HANDLE, &handle)
-      .finalize();
+  p.opgraph->set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, ops.data(), int64_t(ops.size()));
+  // Deprecated (as the plan's below): a cuDNN that no longer takes it does not need it.
+  (void)cudnn().BackendSetAttribute(p.opgraph->get(), kGraphHandle, CUDNN_TYPE_HANDLE, 1, &handle);
+  p.opgraph->finalize();
   std::string tried;
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A}) {
     Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, name + " heuristics");
@@ -479,7 +480,8 @@ void execute(cudnnHandle_t handle, const Planned& p, const std::vector<int64_t>&
       .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, ptrs.data(), int64_t(ptrs.size()))
       .set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, uids.data(), int64_t(uids.size()))
       .finalize();
-  check(cudnn().BackendExecute(handle, p.plan->get(), pack.get()), "executing the " + p.graph.name());
+  check(cudnn().BackendExecute(handle, p.plan->get(), pack.get()),
+        "executing the " + p.graph.name() + " (engine.attention_backend = builtin runs the builtin kernels instead)");
 }
 
 cudnnHandle_t as_handle(void* h) { return static_cast<cudnnHandle_t>(h); }
@@ -496,8 +498,11 @@ float mask_value() {
 CudnnSdpa::CudnnSdpa(void* stream) : stream_(stream) {
   cudnnHandle_t h = nullptr;
   check(cudnn().Create(&h), "creating a handle (cudnnCreate)");
+  if (const cudnnStatus_t rc = cudnn().SetStream(h, static_cast<cudaStream_t>(stream)); rc != CUDNN_STATUS_SUCCESS) {
+    (void)cudnn().Destroy(h);  // the destructor does not run for a constructor that throws
+    check(rc, "binding the handle to the stream");
+  }
   handle_ = h;
-  check(cudnn().SetStream(h, static_cast<cudaStream_t>(stream)), "binding the handle to the stream");
 }
 
 CudnnSdpa::~CudnnSdpa() {

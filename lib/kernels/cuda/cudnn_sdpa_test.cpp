@@ -40,7 +40,7 @@ bool have_cudnn() {
 cuda::SdpaShape shape_of(const Geometry& g) { return {g.B, g.T, g.NH, g.NKV, g.HD}; }
 
 // The shapes of the numerical tests: plain heads and grouped-query heads, HD 64 and 128, B > 1,
-// T a multiple of 128 (every cuDNN 9 runs these) and not (only cuDNN 9.16 and newer).
+// T a multiple of 128 (every cuDNN 9 runs these) and not (only cuDNN newer than 9.15.0).
 const std::vector<Geometry> kShapes = {
     {2, 128, 4, 4, 64}, {1, 256, 8, 2, 128}, {2, 384, 6, 3, 64}, {2, 200, 4, 2, 64}, {1, 77, 2, 2, 128},
 };
@@ -69,6 +69,8 @@ TEST_CASE("cudnn attention forward and backward match the CPU backend (bf16)") {
   auto& cuda_ops = dynamic_cast<CudaOps&>(*ops);
   auto cpu = make_cpu_ops();
   cuda::CudnnSdpa probe(ops->stream());
+  const std::string version = cuda::cudnn_sdpa_version();  // in every failure's message
+  CAPTURE(version);
   for (const Geometry& g : kShapes) {
     CAPTURE(g.B);
     CAPTURE(g.T);
