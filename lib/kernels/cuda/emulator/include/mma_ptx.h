@@ -11,6 +11,15 @@
 //             C/D 16 x 8: d[i] is D[g + 8 (i >> 1)][2t + (i & 1)]
 // Both are warp-collective (every lane publishes its operands at a warp barrier). The products of
 // bf16 values are exact in fp32; they are summed in fp32 in k order onto C.
+//
+// And Hopper's `wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16` (lib/kernels/cuda/cuda_wgmma.cuh),
+// from the PTX ISA's wgmma fragments and CUTLASS's canonical shared-memory layouts (INTERLEAVE, no
+// swizzling): warp w of the 4-warp group owns rows 16w..16w+15 of D (and of a register A, laid out
+// as mma's A); d[4j + i] is D[16w + g + 8 (i >> 1)][8j + 2t + (i & 1)]. A descriptor holds the start
+// address, LBO and SBO in 16-byte units (bits 0-13, 16-29, 32-45). Element (m or n, k) of a K-major
+// operand is at start + (mn / 8) SBO + (k / 8) LBO + 16 (mn % 8) + 2 (k % 8); of an MN-major one
+// (tnsp) at start + (mn / 8) SBO + (k / 8) LBO + 16 (k % 8) + 2 (mn % 8). The emulator runs the
+// product when it is issued, so the fences, commits and waits are no-ops here.
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -74,6 +83,58 @@ inline void mma_m16n8k16_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t
     for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
     d[i] = s;
   }
+}
+
+// Element (mn, k) of a 16-bit operand described by desc, K-major or (mn_major) MN-major.
+inline float wgmma_operand(uint64_t desc, int mn, int k, bool mn_major) {
+  if ((desc >> 62) != 0 || ((desc >> 49) & 7) != 0) {
+    fprintf(stderr, "cuda emulator: wgmma descriptor %#llx asks for swizzling or a base offset, which the "
+            "emulator does not implement\n", (unsigned long long)desc);
+    abort();
+  }
+  const size_t start = size_t(desc & 0x3FFF) << 4, lbo = size_t((desc >> 16) & 0x3FFF) << 4,
+               sbo = size_t((desc >> 32) & 0x3FFF) << 4;
+  const size_t at = start + size_t(mn / 8) * sbo + size_t(k / 8) * lbo +
+                    (mn_major ? 16 * size_t(k % 8) + 2 * size_t(mn % 8) : 16 * size_t(mn % 8) + 2 * size_t(k % 8));
+  if (at + 2 > emu::dyn_smem_bytes()) {
+    fprintf(stderr, "cuda emulator: wgmma operand element (%d, %d) at shared byte %zu is past the block's %zu bytes "
+            "of dynamic shared memory (descriptor %#llx)\n", mn, k, at, emu::dyn_smem_bytes(),
+            (unsigned long long)desc);
+    abort();
+  }
+  uint16_t v;
+  std::memcpy(&v, static_cast<const char*>(emu::dyn_smem()) + at, 2);
+  return bf16_half(v, 0);
+}
+
+// d (64 x N rows of this thread's warp, see above) = A B (+ d when accumulate): A from registers a
+// (warp-collective: the warp's lanes publish their fragments) or, when a is null, K-major from
+// desc_a; B from desc_b, MN-major when tnsp_b.
+inline void wgmma(float* d, int N, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool accumulate,
+                  bool tnsp_b) {
+  if (blockDim.x % 128 != 0) {
+    fprintf(stderr, "cuda emulator: wgmma needs whole warpgroups of 128 threads, the block has %u\n", blockDim.x);
+    abort();
+  }
+  const int lane = emu::lane(), g = lane / 4, t = lane % 4, w = int(threadIdx.x / 32) % 4;
+  float A[16][16];
+  if (a) {
+    uint32_t mine[4] = {a[0], a[1], a[2], a[3]}, all[32][4];
+    emu::warp_allgather(mine, all, sizeof(mine));
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 4; ++i)
+        for (int h = 0; h < 2; ++h) A[l / 4 + 8 * (i & 1)][2 * (l % 4) + 8 * (i >> 1) + h] = bf16_half(all[l][i], h);
+  } else {
+    for (int r = 0; r < 16; ++r)
+      for (int k = 0; k < 16; ++k) A[r][k] = wgmma_operand(desc_a, 16 * w + r, k, false);
+  }
+  for (int j = 0; j < N / 8; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i >> 1), col = 8 * j + 2 * t + (i & 1);
+      float s = accumulate ? d[4 * j + i] : 0.f;
+      for (int k = 0; k < 16; ++k) s += A[row][k] * wgmma_operand(desc_b, col, k, tnsp_b);
+      d[4 * j + i] = s;
+    }
 }
 
 }  // namespace emu::ptx
