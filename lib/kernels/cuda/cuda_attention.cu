@@ -33,8 +33,9 @@
 //
 // Files: cuda_attention_fma.cuh (the kernels' shared tiles and products), cuda_attention_fwd.cu and
 // cuda_attention_bwd.cu (the fp32-FMA kernels), cuda_attention_tc.cu and cuda_attention_tc_bwd.cu
-// (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh). This file chooses between
-// them and holds the causal ops and the entry points that cuda_attention_block.cu's blockwise ops
+// (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh), cuda_attention_wg_bwd_sm90a.cu
+// (the causal bf16 backward on Hopper's warpgroup products, opt-in with MPIGPT_ATTENTION_WGMMA until
+// it has been measured on a GPU). This file chooses between them and holds the causal ops and the entry points that cuda_attention_block.cu's blockwise ops
 // call after checking their arguments.
 #include <cmath>
 #include <cstdint>
@@ -80,7 +81,7 @@ void run_backward(const Problem& p, DType dt, bool causal, cudaStream_t stream) 
     const AttentionTcBackward tc{{p.q, p.k, p.v, p.out, p.lse, p.qpos, p.qseg, p.kpos, p.kseg, p.q_stride,
                                   p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2},
                                  p.dout, p.dq, p.dk, p.dv, p.D, p.scale, p.accumulate};
-    if (attention_backward_tc(tc, dt, causal, stream)) return;
+    if (attention_backward_wg(tc, dt, causal, stream) || attention_backward_tc(tc, dt, causal, stream)) return;
   }
   fma_attn::backward(p, dt, causal, stream);
 }

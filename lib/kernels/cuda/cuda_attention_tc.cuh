@@ -47,6 +47,14 @@ struct AttentionTcBackward {
 // and a dK/dV kernel per key tile.
 bool attention_backward_tc(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
 
+// The causal backward on Hopper's warpgroup products (cuda_attention_wg_bwd_sm90a.cu): launches it
+// and returns true when MPIGPT_ATTENTION_WGMMA is set (not "0"), the problem is causal and
+// attention_backward_tc's conditions hold, and this GPU runs sm_90a code; otherwise returns false,
+// launching nothing.
+bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
+// Whether the current device runs the sm_90a kernels (an H100/H200-class GPU; the emulator: yes).
+bool attention_wgmma_available();
+
 // Launches the tensor-core forward and returns true, or returns false (launching nothing) when it
 // does not apply: dtype other than bf16, HD not 64 or 128, or pointers/strides not 16-byte aligned.
 bool attention_forward_tc(const AttentionTcForward& p, DType dt, bool causal, cudaStream_t stream);

@@ -10,6 +10,9 @@
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_attention_testing.h"
+#ifdef MPIGPT_WITH_CUDA
+#include "lib/kernels/cuda/cuda_wgmma_check.h"
+#endif
 #include "lib/kernels/cuda/cuda_testing.h"
 #include "lib/kernels/ops.h"
 #include "lib/kernels/testing.h"
@@ -128,6 +131,36 @@ TEST_CASE("cuda attention bf16: the tensor-core path agrees with the fp32-FMA pa
     // Informational: bitwise-equal outputs would mean both runs took the same (FMA) path.
     if (g.T > 1)
       WARN_MESSAGE(outs[0] != outs[1], "tensor-core and FMA outputs are bitwise equal: is the tensor-core path on?");
+  }
+}
+
+TEST_CASE("cuda attention bf16: the Hopper (wgmma) backward matches the CPU backend (MPIGPT_ATTENTION_WGMMA)") {
+  // With MPIGPT_ATTENTION_WGMMA set, the causal bf16 backward at HD 64 and 128 runs on warpgroup
+  // products (cuda_attention_wg_bwd_sm90a.cu) on GPUs that run sm_90a code. Same checks as the
+  // other paths: forward and backward against the CPU within the bf16 tolerances, and a rerun of
+  // the backward bitwise equal. GQA and plain heads, T off the 64-row tiles and 32-query tiles of
+  // HD 128, B > 1, T = 1, and tiles where a kv head's group spans several query heads.
+  auto ops = cuda_ops_or_skip();
+#ifdef MPIGPT_WITH_CUDA
+  if (!cuda::attention_wgmma_available()) {
+    MESSAGE("this GPU does not run sm_90a code (wgmma): nothing to check");
+    return;
+  }
+#endif
+  auto cpu = make_cpu_ops();
+  const EnvSwitch wg_env("MPIGPT_ATTENTION_WGMMA");
+  wg_env.set(true);
+  const std::vector<Geometry> shapes = {
+      {2, 130, 4, 2, 64}, {1, 100, 4, 1, 128}, {1, 64, 2, 2, 64}, {2, 1, 2, 1, 128}, {1, 257, 2, 1, 128},
+      {1, 200, 8, 2, 64},
+  };
+  for (const Geometry& g : shapes) {
+    CAPTURE(g.B);
+    CAPTURE(g.T);
+    CAPTURE(g.NH);
+    CAPTURE(g.NKV);
+    CAPTURE(g.HD);
+    compare(g, DType::BF16, *ops, *cpu);
   }
 }
 

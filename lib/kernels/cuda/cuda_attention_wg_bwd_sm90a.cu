@@ -1,0 +1,338 @@
+// CUDA backend: the causal bf16 attention backward on Hopper's warpgroup products (wgmma,
+// cuda_wgmma.cuh), head dims 64 and 128. Compiled for sm_90a only (CMakeLists.txt: files named
+// *_sm90a.cu), so it runs on H100/H200-class GPUs; cuda_attention.cu tries it before the mma.sync
+// kernels of cuda_attention_tc_bwd.cu when MPIGPT_ATTENTION_WGMMA is set (opt-in until it has been
+// measured on a GPU: docs/performance.md).
+//
+// The algorithm is cuda_attention_tc_bwd.cu's, deterministic as it is (every gradient element
+// summed by one thread in a fixed order, no atomics): a dQ kernel per 64-query tile, a dK/dV kernel
+// per 64-key tile summing over the query heads of its kv head. What changes is how the tile
+// products run: each 128-thread block is one warpgroup, and every product is a chain of wgmma
+// instructions (64 rows x N columns x 16 per instruction) that read their shared-memory operands
+// through descriptors, where the mma.sync kernels issue 16 x 8 x 16 products fed by ldmatrix.
+// Score-like products (S, dP and their transposes) take both operands from shared memory (K-major);
+// the gradient products take the probabilities or dS from registers (the accumulator layout is an
+// A operand's) and read Q, dO or K MN-major from the same tiles. Tiles are stored in the canonical
+// core-matrix layout (cm_index) by 16-byte asynchronous copies, two buffers deep.
+#include <cuda_pipeline_primitives.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "lib/kernels/cuda/cuda_attention_tc.cuh"
+#include "lib/kernels/cuda/cuda_attention_tc_tiles.cuh"
+#include "lib/kernels/cuda/cuda_wgmma.cuh"
+
+// The kernels' bodies exist only where wgmma does: the sm_90a device code (and the host emulator).
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MPIGPT_WG_BODY 1
+#else
+#define MPIGPT_WG_BODY 0
+#endif
+
+namespace mpigpt::cuda {
+
+namespace {
+
+using namespace tc;
+using mma::acc_to_a;
+using wg::cm_index;
+using wg::desc_k;
+using wg::desc_mn;
+using wg::Wgmma;
+
+// dst (canonical tile of ROWS x HD) = rows [row0, row0 + ROWS) of the strided bf16 matrix src, rows
+// at or past end zero; asynchronous 16-byte copies into the current batch. Eight consecutive
+// threads fill one core matrix (128 contiguous bytes): the stores do not conflict.
+template <int HD, int ROWS>
+__device__ __forceinline__ void load_cm_async(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {
+  constexpr int kChunks = HD / 8;
+  static_assert(ROWS % 8 == 0, "whole row groups");
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kTcThreads) {
+    const int r8 = idx & 7, rest = idx >> 3, c = (rest % kChunks) * 8, r = (rest / kChunks) * 8 + r8;
+    const int row = row0 + r;
+    bf16* d = dst + cm_index<HD>(r, c);
+    if (row < end)
+      __pipeline_memcpy_async(d, src + int64_t(row) * stride + c, 16);
+    else
+      *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Waits for the batch before the newest one, then publishes the tiles to the products of every
+// thread (the generic-proxy writes are fenced for wgmma's asynchronous proxy before the barrier).
+__device__ __forceinline__ void tiles_ready() {
+  __pipeline_commit();
+  __pipeline_wait_prior(1);
+  wg::proxy_fence();
+  __syncthreads();
+}
+
+template <int HD>
+constexpr int kWgDqKeys = 64;  // the dQ kernel's key tile (the mma.sync kernel's kDqCols)
+
+// dq = dS K / sqrt(HD) for the 64 queries [i0, i0+64) of head h, batch row b (causal).
+// grid (ceil(T/64), NH, B).
+template <int HD>
+__global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(const AttentionTcBackward pb) {
+#if MPIGPT_WG_BODY
+  constexpr int KS = HD / 16, DT = HD / 8, KC = kWgDqKeys<HD>, NT = KC / 8, KCS = KC / 16;
+  const AttentionTcForward& p = pb.f;
+  extern __shared__ __align__(128) unsigned char attn_wg_smem[];
+  bf16* Qs = reinterpret_cast<bf16*>(attn_wg_smem);
+  bf16* dOs = Qs + kTcRows * HD;
+  bf16* KVs = dOs + kTcRows * HD;  // [2] x (K, V), KC x HD each
+  float* lse2_s = reinterpret_cast<float*>(KVs + 4 * KC * HD);
+
+  const QueryBlock qb = query_block<true>(p);
+  const int g = qb.g, t = qb.t, h = qb.h, b = qb.b, i0 = qb.i0, wr = qb.wr;
+  const int rows[2] = {qb.rows[0], qb.rows[1]};
+  const bf16 *K = qb.K, *V = qb.V;
+  const int64_t ldo = int64_t(p.NH) * HD;
+  load_cm_async<HD, kTcRows>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
+                             p.q_stride, i0, p.Tq);
+  load_cm_async<HD, kTcRows>(dOs, static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(h) * HD,
+                             ldo, i0, p.Tq);
+  load_cm_async<HD, KC>(KVs, K, p.kv_stride, 0, p.Tk);
+  load_cm_async<HD, KC>(KVs + KC * HD, V, p.kv_stride, 0, p.Tk);
+  __pipeline_commit();
+  if (threadIdx.x < kTcRows) {
+    const int ii = i0 + threadIdx.x;
+    // -inf for a query past Tq or one that saw no key: no gradient flows through it.
+    lse2_s[threadIdx.x] = ii < p.Tq ? p.lse[(int64_t(b) * p.NH + h) * p.Tq + ii] * kTcLog2e : -INFINITY;
+  }
+  float Dr[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr)
+    Dr[rr] = rows[rr] < p.Tq ? pb.D[(int64_t(b) * p.NH + h) * p.Tq + rows[rr]] : 0.f;
+  __syncthreads();
+  const float lse2[2] = {lse2_s[wr + g], lse2_s[wr + g + 8]};
+  float dq[DT][4] = {};
+
+  const int kend = min(p.Tk, i0 + kTcRows);
+  for (int j0 = 0, n = 0; j0 < kend; j0 += KC, ++n) {
+    const bf16* Ks = KVs + (n & 1) * 2 * KC * HD;
+    const bf16* Vs = Ks + KC * HD;
+    if (j0 + KC < kend) {  // the next key tile into the other buffer (its readers finished last iteration)
+      bf16* next = KVs + ((n + 1) & 1) * 2 * KC * HD;
+      load_cm_async<HD, KC>(next, K, p.kv_stride, j0 + KC, p.Tk);
+      load_cm_async<HD, KC>(next + KC * HD, V, p.kv_stride, j0 + KC, p.Tk);
+    }
+    tiles_ready();
+
+    float s[NT][4] = {}, dp[NT][4] = {};
+    wg::fence();
+#pragma unroll
+    for (int k = 0; k < KS; ++k) Wgmma<KC>::template ss<0>(s, desc_k<HD>(Qs, k), desc_k<HD>(Ks, k), k > 0);  // Q K^T
+#pragma unroll
+    for (int k = 0; k < KS; ++k) Wgmma<KC>::template ss<0>(dp, desc_k<HD>(dOs, k), desc_k<HD>(Vs, k), k > 0);
+    wg::commit();
+    wg::wait<0>();
+    wg::fence_operands(s);
+    wg::fence_operands(dp);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
+        const bool vis = lse2[rr] != -INFINITY && j < p.Tk && j <= rows[rr];
+        const float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
+        s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;  // dS
+      }
+    }
+    uint32_t a[KCS][4];
+#pragma unroll
+    for (int k = 0; k < KCS; ++k) acc_to_a<NT>(a[k], s, k);
+    wg::fence_operands(dq);
+    wg::fence();
+#pragma unroll
+    for (int k = 0; k < KCS; ++k) Wgmma<HD>::template rs<1>(dq, a[k], desc_mn<HD>(Ks, k), 1);  // dQ += dS K
+    wg::commit();
+    wg::wait<0>();
+    wg::fence_operands(dq);
+    __syncthreads();  // this buffer's readers are done before it is refilled
+  }
+  const float scale[2] = {pb.scale, pb.scale};
+  store_rows<DT>(dq, static_cast<bf16*>(pb.dq) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD, p.q_stride,
+                 rows[0], p.Tq, scale, pb.accumulate);
+#else
+  __trap();  // not sm_90a code: the host never launches it (wgmma_backward_available)
+#endif
+}
+
+// dk = dS^T Q / sqrt(HD), dv = P^T dO for the 64 keys [j0, j0+64) of kv head kh, summed over its
+// NH/NKV query heads (causal). grid (ceil(T/64), NKV, B).
+template <int HD>
+__global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(const AttentionTcBackward pb) {
+#if MPIGPT_WG_BODY
+  constexpr int KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8, QS = QC / 16;
+  const AttentionTcForward& p = pb.f;
+  extern __shared__ __align__(128) unsigned char attn_wg_smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(attn_wg_smem);
+  bf16* Vs = Ks + kTcRows * HD;
+  bf16* QdOs = Vs + kTcRows * HD;  // [2] x (Q, dO), QC x HD each
+  // [2] x QC of the query tile's lse (natural log, as saved) and D, copied with its Q and dO.
+  float* lse_b = reinterpret_cast<float*>(QdOs + 4 * QC * HD);
+  float* D_b = lse_b + 2 * QC;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int G = p.NH / p.NKV;
+  const int kh = blockIdx.y, b = blockIdx.z;
+  const int j0 = int(blockIdx.x) * kTcRows, wr = warp * 16;
+  const int keys[2] = {j0 + wr + g, j0 + wr + g + 8};  // this lane's two keys
+  const int64_t ldo = int64_t(p.NH) * HD;
+  const int64_t kv_off = int64_t(b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
+  load_cm_async<HD, kTcRows>(Ks, static_cast<const bf16*>(p.k) + kv_off, p.kv_stride, j0, p.Tk);
+  load_cm_async<HD, kTcRows>(Vs, static_cast<const bf16*>(p.v) + kv_off, p.kv_stride, j0, p.Tk);
+  // The query tiles, head by head: tile n is head kh*G + n/nq, queries j0 + (n%nq)*QC (queries
+  // before the block's first key see none of its keys).
+  const int nq = j0 < p.Tq ? (p.Tq - j0 + QC - 1) / QC : 0;
+  auto q_src = [&](int n) {
+    return static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(kh * G + n / nq) * HD;
+  };
+  auto do_src = [&](int n) {
+    return static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(kh * G + n / nq) * HD;
+  };
+  // Tile n's Q, dO, lse and D into buffer n % 2 (lse and D by 4-byte copies: a row of them need not
+  // be 16-byte aligned; -inf and 0 past Tq, so that no gradient flows through those queries).
+  auto tile_async = [&](int n) {
+    const int i0 = j0 + (n % nq) * QC;
+    bf16* Qn = QdOs + (n & 1) * 2 * QC * HD;
+    load_cm_async<HD, QC>(Qn, q_src(n), p.q_stride, i0, p.Tq);
+    load_cm_async<HD, QC>(Qn + QC * HD, do_src(n), ldo, i0, p.Tq);
+    const int64_t row0 = (int64_t(b) * p.NH + kh * G + n / nq) * p.Tq;
+    for (int x = threadIdx.x; x < 2 * QC; x += kTcThreads) {
+      const bool is_lse = x < QC;
+      const int c = is_lse ? x : x - QC, ii = i0 + c;
+      float* dst = (is_lse ? lse_b : D_b) + (n & 1) * QC + c;
+      if (ii < p.Tq)
+        __pipeline_memcpy_async(dst, (is_lse ? p.lse : pb.D) + row0 + ii, 4);
+      else
+        *dst = is_lse ? -INFINITY : 0.f;
+    }
+  };
+  if (nq > 0) tile_async(0);
+  __pipeline_commit();  // K, V and the first query tile
+
+  float dk[DT][4] = {}, dv[DT][4] = {};
+  for (int n = 0; n < G * nq; ++n) {
+    const int i0 = j0 + (n % nq) * QC;
+    const bf16* Qs = QdOs + (n & 1) * 2 * QC * HD;
+    const bf16* dOs = Qs + QC * HD;
+    const float* lse_s = lse_b + (n & 1) * QC;
+    const float* D_s = D_b + (n & 1) * QC;
+    if (n + 1 < G * nq) tile_async(n + 1);  // into the buffer whose readers finished last iteration
+    tiles_ready();
+
+    float st[NT][4] = {}, dpt[NT][4] = {};
+    wg::fence();
+#pragma unroll
+    for (int k = 0; k < KS; ++k) Wgmma<QC>::template ss<0>(st, desc_k<HD>(Ks, k), desc_k<HD>(Qs, k), k > 0);  // K Q^T
+#pragma unroll
+    for (int k = 0; k < KS; ++k) Wgmma<QC>::template ss<0>(dpt, desc_k<HD>(Vs, k), desc_k<HD>(dOs, k), k > 0);
+    wg::commit();
+    wg::wait<0>();
+    wg::fence_operands(st);
+    wg::fence_operands(dpt);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
+        const bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY && keys[rr] <= i0 + x;
+        const float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
+        st[nt][e] = pr;                                             // P^T
+        dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
+      }
+    }
+    uint32_t ap[QS][4], ads[QS][4];
+#pragma unroll
+    for (int k = 0; k < QS; ++k) {
+      acc_to_a<NT>(ap[k], st, k);
+      acc_to_a<NT>(ads[k], dpt, k);
+    }
+    wg::fence_operands(dv);
+    wg::fence_operands(dk);
+    wg::fence();
+#pragma unroll
+    for (int k = 0; k < QS; ++k) Wgmma<HD>::template rs<1>(dv, ap[k], desc_mn<HD>(dOs, k), 1);  // dV += P^T dO
+#pragma unroll
+    for (int k = 0; k < QS; ++k) Wgmma<HD>::template rs<1>(dk, ads[k], desc_mn<HD>(Qs, k), 1);  // dK += dS^T Q
+    wg::commit();
+    wg::wait<0>();
+    wg::fence_operands(dv);
+    wg::fence_operands(dk);
+    __syncthreads();  // this buffer's readers are done before it is refilled
+  }
+  const float kscale[2] = {pb.scale, pb.scale}, vscale[2] = {1.f, 1.f};
+  store_rows<DT>(dk, static_cast<bf16*>(pb.dk) + kv_off, p.kv_stride, keys[0], p.Tk, kscale, pb.accumulate);
+  store_rows<DT>(dv, static_cast<bf16*>(pb.dv) + kv_off, p.kv_stride, keys[0], p.Tk, vscale, pb.accumulate);
+#else
+  __trap();
+#endif
+}
+
+template <int HD>
+constexpr size_t dq_wg_smem() {
+  return size_t(2 * kTcRows + 4 * kWgDqKeys<HD>) * HD * 2 + size_t(kTcRows) * 4;
+}
+template <int HD>
+constexpr size_t dkdv_wg_smem() {
+  return size_t(2 * kTcRows + 4 * kBwdCols<HD>) * HD * 2 + size_t(4 * kBwdCols<HD>) * 4;
+}
+
+template <int HD>
+void launch_bwd_wg(const AttentionTcBackward& p, cudaStream_t stream) {
+  const unsigned tiles = unsigned((p.f.Tq + kTcRows - 1) / kTcRows);
+  auto dq = attention_bwd_dq_wg_kernel<HD>;
+  auto dkdv = attention_bwd_dkdv_wg_kernel<HD>;
+  const size_t dq_bytes = dq_wg_smem<HD>(), dkdv_bytes = dkdv_wg_smem<HD>();
+  allow_smem(dq, dq_bytes);
+  allow_smem(dkdv, dkdv_bytes);
+  const dim3 gq{tiles, unsigned(p.f.NH), unsigned(p.f.B)};
+  const dim3 gk{tiles, unsigned(p.f.NKV), unsigned(p.f.B)};
+  dq<<<gq, kTcThreads, dq_bytes, stream>>>(p);
+  MPIGPT_CUDA_LAUNCHED();
+  dkdv<<<gk, kTcThreads, dkdv_bytes, stream>>>(p);
+  MPIGPT_CUDA_LAUNCHED();
+}
+
+bool wgmma_requested() {
+  const char* e = std::getenv("MPIGPT_ATTENTION_WGMMA");
+  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
+}
+
+}  // namespace
+
+bool attention_wgmma_available() {
+  // The kernels exist only as sm_90a code: on another GPU there is no image to load.
+  constexpr int kMaxDevices = 64;
+  static int known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  MPIGPT_CUDA(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return false;
+  if (known[dev] == 0) {
+    cudaFuncAttributes a{};
+    const cudaError_t rc = cudaFuncGetAttributes(&a, attention_bwd_dq_wg_kernel<64>);
+    if (rc != cudaSuccess) (void)cudaGetLastError();  // clear the sticky "no kernel image" error
+    known[dev] = rc == cudaSuccess ? 1 : 2;
+  }
+  return known[dev] == 1;
+}
+
+bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream) {
+  const AttentionTcForward& f = p.f;
+  if (!causal || !wgmma_requested() || !tc_inputs_ok(f, dt, causal) || !aligned16(p.dout) || !aligned16(p.dq) ||
+      !aligned16(p.dk) || !aligned16(p.dv) || !attention_wgmma_available())
+    return false;
+  if (f.B == 0 || f.Tq == 0) return true;
+  if (f.HD == 64)
+    launch_bwd_wg<64>(p, stream);
+  else
+    launch_bwd_wg<128>(p, stream);
+  return true;
+}
+
+}  // namespace mpigpt::cuda
