@@ -3,11 +3,14 @@
 # OUT_DIR: `unit` the gpu unit tests (every CUDA op against the CPU op, NCCL on one rank, two
 # ranks sharing the GPU over staged MPI), `regression` the loss curves with CUDA compute (fp32
 # layouts and 50 bf16 steps against the CPU curves, as regression/regression.cmake's gpu tests),
-# `bench` scripts/bench_gpu.sh.
+# `bench` scripts/bench_gpu.sh, `attention` the attention variants against each other.
 #
-#   scripts/gpu_check.sh BUNDLE_DIR OUT_DIR [unit] [regression] [bench]     (default: all three)
+#   scripts/gpu_check.sh BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention]
+#                                          (default: unit, regression and bench)
 #   DATA=PREFIX   the regression's dataset (PREFIX.bin/.idx, e.g. a copy of build/regression/data/
 #                 fortunes: the node has no fortune files to prepare it from)
+#   MODELS=...    attention: the inputs/*_gpu.ini models (default gpt2_124m gpt2_1p3b llama_1b)
+#   ROUNDS=N      attention: rounds of the alternated variants (default 1)
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BUNDLE_DIR OUT_DIR [unit] [regression] [bench]" >&2; exit 2; }
 mkdir -p "$2"
@@ -47,7 +50,24 @@ for part in "${parts[@]}"; do
     bench)
       step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" "$SRC/scripts/bench_gpu.sh" \
         "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;
-    *) echo "gpu_check: unknown part $part (unit, regression, bench)" >&2; exit 2 ;;
+    attention)
+      # One training step's time with each attention variant, alternated so that they share the
+      # machine's state: the builtin kernels (mma.sync), the builtin forward with the warpgroup
+      # backward (MPIGPT_ATTENTION_WGMMA=1, sm_90a), and cuDNN's fused attention. Micro-batch 64
+      # (Llama 1B: 32), no recompute; each run's summary line is in its log.
+      for model in ${MODELS:-gpt2_124m gpt2_1p3b llama_1b}; do
+        mb=64
+        [ "$model" = llama_1b ] && mb=32
+        args=(mpigpt bench --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
+              --training.global_batch $mb --engine.recompute none --bench-steps 10 --bench-warmup 3)
+        for ((round = 1; round <= ${ROUNDS:-1}; ++round)); do
+          step "attention_${model}_builtin_$round" "$B/run" "${args[@]}" --engine.attention_backend builtin
+          step "attention_${model}_wgmma_$round" env MPIGPT_ATTENTION_WGMMA=1 "$B/run" "${args[@]}" \
+            --engine.attention_backend builtin
+          step "attention_${model}_cudnn_$round" "$B/run" "${args[@]}" --engine.attention_backend cudnn
+        done
+      done ;;
+    *) echo "gpu_check: unknown part $part (unit, regression, bench, attention)" >&2; exit 2 ;;
   esac
 done
 exit $status
