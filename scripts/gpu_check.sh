@@ -52,8 +52,8 @@ for part in "${parts[@]}"; do
         "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;
     attention)
       # One training step's time with each attention variant, alternated so that they share the
-      # machine's state: the builtin kernels (mma.sync), the builtin forward with the warpgroup
-      # backward (MPIGPT_ATTENTION_WGMMA=1, sm_90a), and cuDNN's fused attention. Micro-batch 64
+      # machine's state: the builtin kernels (mma.sync), the builtin kernels on warpgroup products
+      # (MPIGPT_ATTENTION_WGMMA=1, sm_90a), and cuDNN's fused attention. Micro-batch 64
       # (Llama 1B: 32), no recompute; each run's summary line is in its log.
       for model in ${MODELS:-gpt2_124m gpt2_1p3b llama_1b}; do
         mb=64

@@ -33,9 +33,9 @@
 //
 // Files: cuda_attention_fma.cuh (the kernels' shared tiles and products), cuda_attention_fwd.cu and
 // cuda_attention_bwd.cu (the fp32-FMA kernels), cuda_attention_tc.cu and cuda_attention_tc_bwd.cu
-// (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh), cuda_attention_wg_bwd_sm90a.cu
-// (the causal bf16 backward on Hopper's warpgroup products, opt-in with MPIGPT_ATTENTION_WGMMA until
-// it has been measured on a GPU). This file chooses between them and holds the causal ops and the entry points that cuda_attention_block.cu's blockwise ops
+// (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh), cuda_attention_wg_fwd_sm90a.cu
+// and cuda_attention_wg_bwd_sm90a.cu (the causal bf16 forward and backward on Hopper's warpgroup
+// products, opt-in with MPIGPT_ATTENTION_WGMMA until they have been measured on a GPU). This file chooses between them and holds the causal ops and the entry points that cuda_attention_block.cu's blockwise ops
 // call after checking their arguments.
 #include <cmath>
 #include <cstdint>
@@ -68,7 +68,7 @@ void run_forward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
   if (dt == DType::BF16 && !fma_forced()) {
     const AttentionTcForward tc{p.q,    p.k,    p.v,    p.out,  p.lse,  p.qpos, p.qseg, p.kpos, p.kseg,
                                 p.q_stride, p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2};
-    if (attention_forward_tc(tc, dt, causal, stream)) return;
+    if (attention_forward_wg(tc, dt, causal, stream) || attention_forward_tc(tc, dt, causal, stream)) return;
   }
   fma_attn::forward(p, dt, causal, stream);
 }

@@ -47,11 +47,14 @@ struct AttentionTcBackward {
 // and a dK/dV kernel per key tile.
 bool attention_backward_tc(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
 
-// The causal backward on Hopper's warpgroup products (cuda_attention_wg_bwd_sm90a.cu): launches it
-// and returns true when MPIGPT_ATTENTION_WGMMA is set (not "0"), the problem is causal and
-// attention_backward_tc's conditions hold, and this GPU runs sm_90a code; otherwise returns false,
-// launching nothing.
+// The causal forward and backward on Hopper's warpgroup products (cuda_attention_wg_*_sm90a.cu):
+// each launches its kernels and returns true when MPIGPT_ATTENTION_WGMMA is set (not "0"), the
+// problem is causal, the tensor-core path's conditions hold and this GPU runs sm_90a code;
+// otherwise returns false, launching nothing.
+bool attention_forward_wg(const AttentionTcForward& p, DType dt, bool causal, cudaStream_t stream);
 bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
+// Whether MPIGPT_ATTENTION_WGMMA asks for them (read on every call, so tests can switch it).
+bool attention_wgmma_requested();
 // Whether the current device runs the sm_90a kernels (an H100/H200-class GPU; the emulator: yes).
 bool attention_wgmma_available();
 

@@ -134,12 +134,12 @@ TEST_CASE("cuda attention bf16: the tensor-core path agrees with the fp32-FMA pa
   }
 }
 
-TEST_CASE("cuda attention bf16: the Hopper (wgmma) backward matches the CPU backend (MPIGPT_ATTENTION_WGMMA)") {
-  // With MPIGPT_ATTENTION_WGMMA set, the causal bf16 backward at HD 64 and 128 runs on warpgroup
-  // products (cuda_attention_wg_bwd_sm90a.cu) on GPUs that run sm_90a code. Same checks as the
-  // other paths: forward and backward against the CPU within the bf16 tolerances, and a rerun of
-  // the backward bitwise equal. GQA and plain heads, T off the 64-row tiles and 32-query tiles of
-  // HD 128, B > 1, T = 1, and tiles where a kv head's group spans several query heads.
+TEST_CASE("cuda attention bf16: the Hopper (wgmma) kernels match the CPU backend (MPIGPT_ATTENTION_WGMMA)") {
+  // With MPIGPT_ATTENTION_WGMMA set, the causal bf16 forward and backward at HD 64 and 128 run on
+  // warpgroup products (cuda_attention_wg_*_sm90a.cu) on GPUs that run sm_90a code. Same checks as
+  // the other paths: forward and backward against the CPU within the bf16 tolerances, and a rerun
+  // of the backward bitwise equal. GQA and plain heads, T off the 128-query blocks, 64-row tiles
+  // and 32-query tiles of HD 128, B > 1, T = 1, and kv heads whose group spans several query heads.
   auto ops = cuda_ops_or_skip();
 #ifdef MPIGPT_WITH_CUDA
   if (!cuda::attention_wgmma_available()) {
@@ -152,7 +152,7 @@ TEST_CASE("cuda attention bf16: the Hopper (wgmma) backward matches the CPU back
   wg_env.set(true);
   const std::vector<Geometry> shapes = {
       {2, 130, 4, 2, 64}, {1, 100, 4, 1, 128}, {1, 64, 2, 2, 64}, {2, 1, 2, 1, 128}, {1, 257, 2, 1, 128},
-      {1, 200, 8, 2, 64},
+      {1, 200, 8, 2, 64}, {1, 300, 2, 2, 128},
   };
   for (const Geometry& g : shapes) {
     CAPTURE(g.B);

@@ -14,8 +14,6 @@
 // the gradient products take the probabilities or dS from registers (the accumulator layout is an
 // A operand's) and read Q, dO or K MN-major from the same tiles. Tiles are stored in the canonical
 // core-matrix layout (cm_index) by 16-byte asynchronous copies, two buffers deep.
-#include <cuda_pipeline_primitives.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -43,32 +41,12 @@ using wg::desc_k;
 using wg::desc_mn;
 using wg::Wgmma;
 
-// dst (canonical tile of ROWS x HD) = rows [row0, row0 + ROWS) of the strided bf16 matrix src, rows
-// at or past end zero; asynchronous 16-byte copies into the current batch. Eight consecutive
-// threads fill one core matrix (128 contiguous bytes): the stores do not conflict.
+// The canonical tiles of the block's 128 threads (one warpgroup).
 template <int HD, int ROWS>
 __device__ __forceinline__ void load_cm_async(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {
-  constexpr int kChunks = HD / 8;
-  static_assert(ROWS % 8 == 0, "whole row groups");
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kTcThreads) {
-    const int r8 = idx & 7, rest = idx >> 3, c = (rest % kChunks) * 8, r = (rest / kChunks) * 8 + r8;
-    const int row = row0 + r;
-    bf16* d = dst + cm_index<HD>(r, c);
-    if (row < end)
-      __pipeline_memcpy_async(d, src + int64_t(row) * stride + c, 16);
-    else
-      *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
-  }
+  wg::load_tile_async<HD, ROWS, kTcThreads>(dst, src, stride, row0, end);
 }
-
-// Waits for the batch before the newest one, then publishes the tiles to the products of every
-// thread (the generic-proxy writes are fenced for wgmma's asynchronous proxy before the barrier).
-__device__ __forceinline__ void tiles_ready() {
-  __pipeline_commit();
-  __pipeline_wait_prior(1);
-  wg::proxy_fence();
-  __syncthreads();
-}
+using wg::tiles_ready;
 
 template <int HD>
 constexpr int kWgDqKeys = 64;  // the dQ kernel's key tile (the mma.sync kernel's kDqCols)
@@ -299,12 +277,12 @@ void launch_bwd_wg(const AttentionTcBackward& p, cudaStream_t stream) {
   MPIGPT_CUDA_LAUNCHED();
 }
 
-bool wgmma_requested() {
+}  // namespace
+
+bool attention_wgmma_requested() {
   const char* e = std::getenv("MPIGPT_ATTENTION_WGMMA");
   return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
 }
-
-}  // namespace
 
 bool attention_wgmma_available() {
   // The kernels exist only as sm_90a code: on another GPU there is no image to load.
@@ -324,7 +302,7 @@ bool attention_wgmma_available() {
 
 bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream) {
   const AttentionTcForward& f = p.f;
-  if (!causal || !wgmma_requested() || !tc_inputs_ok(f, dt, causal) || !aligned16(p.dout) || !aligned16(p.dq) ||
+  if (!causal || !attention_wgmma_requested() || !tc_inputs_ok(f, dt, causal) || !aligned16(p.dout) || !aligned16(p.dq) ||
       !aligned16(p.dk) || !aligned16(p.dv) || !attention_wgmma_available())
     return false;
   if (f.B == 0 || f.Tq == 0) return true;

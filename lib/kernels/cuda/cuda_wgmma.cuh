@@ -36,6 +36,8 @@
 // which decodes the descriptors and layouts above independently of the kernels.
 #pragma once
 
+#include <cuda_pipeline_primitives.h>
+
 #include <cstdint>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
@@ -107,6 +109,34 @@ __device__ __forceinline__ void fence_operands(float (&d)[NT][4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
 #endif
+}
+
+// dst (canonical tile of ROWS x COLS) = rows [row0, row0 + ROWS) of the strided bf16 matrix src
+// (COLS columns; rows at or past end are zero), by the THREADS threads of the block: asynchronous
+// 16-byte copies into the current batch (src and stride 16-byte aligned). Eight consecutive threads
+// fill one core matrix (128 contiguous bytes), so the stores do not conflict.
+template <int COLS, int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {
+  constexpr int kChunks = COLS / 8;
+  static_assert(ROWS % 8 == 0, "whole row groups");
+  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
+    const int r8 = idx & 7, rest = idx >> 3, c = (rest % kChunks) * 8, r = (rest / kChunks) * 8 + r8;
+    const int row = row0 + r;
+    bf16* d = dst + cm_index<COLS>(r, c);
+    if (row < end)
+      __pipeline_memcpy_async(d, src + int64_t(row) * stride + c, 16);
+    else
+      *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Commits the current batch of copies, waits for the one before it, and publishes the tiles to
+// every thread's products (fenced for wgmma's proxy before the block barrier).
+__device__ __forceinline__ void tiles_ready() {
+  __pipeline_commit();
+  __pipeline_wait_prior(1);
+  proxy_fence();
+  __syncthreads();
 }
 
 // Wgmma<N>::ss<kTransB>(d, da, db, accumulate): d (64 x N) = A B (+ d when accumulate), A K-major
