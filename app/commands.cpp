@@ -36,6 +36,7 @@ int cmd_help() {
       "  bench          time training steps of a configuration and print the median ms/step\n"
       "  checkpoint     checkpoint info DIR [--verify]: what a save holds\n"
       "  bench-checkpoint  save/load time and bandwidth of a model with its optimizer state\n"
+      "  bench-attention   time the causal attention's forward and backward alone, at a model's shape\n"
       "  convert        a checkpoint to/from a Hugging Face directory or an llm.c model file\n"
       "  help           this text\n"
       "  --version      version and build facts\n\n"
@@ -60,7 +61,9 @@ int dispatch(const std::vector<std::string>& args, const MpiEnv& mpi) {
   if (cmd == "checkpoint") return cmd_checkpoint(rest, mpi);
   if (cmd == "convert") return cmd_convert(rest, mpi);
   if (cmd == "bench-checkpoint") return cmd_bench_checkpoint(rest, mpi);
-  fail("unknown command '{}'; the commands are train, prepare-data, bench, bench-checkpoint, checkpoint, convert, help, --version", cmd);
+  if (cmd == "bench-attention") return cmd_bench_attention(rest, mpi);
+  fail("unknown command '{}'; the commands are train, prepare-data, bench, bench-checkpoint, bench-attention, "
+       "checkpoint, convert, help, --version", cmd);
 }
 
 }  // namespace mpigpt::app

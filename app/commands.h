@@ -12,6 +12,7 @@ int dispatch(const std::vector<std::string>& args, const MpiEnv& mpi);
 
 int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench);
 int cmd_bench_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi);
+int cmd_bench_attention(const std::vector<std::string>& args, const MpiEnv& mpi);
 int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi);
 int cmd_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi);
 int cmd_version();

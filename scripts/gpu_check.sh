@@ -3,7 +3,8 @@
 # OUT_DIR: `unit` the gpu unit tests (every CUDA op against the CPU op, NCCL on one rank, two
 # ranks sharing the GPU over staged MPI), `regression` the loss curves with CUDA compute (fp32
 # layouts and 50 bf16 steps against the CPU curves, as regression/regression.cmake's gpu tests),
-# `bench` scripts/bench_gpu.sh, `attention` the attention variants against each other.
+# `bench` scripts/bench_gpu.sh, `attention` the attention variants against each other (kernels
+# alone and training steps).
 #
 #   scripts/gpu_check.sh BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention]
 #                                          (default: unit, regression and bench)
@@ -51,13 +52,20 @@ for part in "${parts[@]}"; do
       step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" "$SRC/scripts/bench_gpu.sh" \
         "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;
     attention)
-      # One training step's time with each attention variant, alternated so that they share the
-      # machine's state: the builtin kernels (mma.sync), the builtin kernels on warpgroup products
-      # (MPIGPT_ATTENTION_WGMMA=1, sm_90a), and cuDNN's fused attention. Micro-batch 64
-      # (Llama 1B: 32), no recompute; each run's summary line is in its log.
+      # Each attention variant alone (`mpigpt bench-attention`: the kernels at the model's shape)
+      # and in a training step, alternated so that they share the machine's state: the builtin
+      # kernels (mma.sync), the builtin kernels on warpgroup products (MPIGPT_ATTENTION_WGMMA=1,
+      # sm_90a), and cuDNN's fused attention. Micro-batch 64 (Llama 1B: 32), no recompute; each
+      # run's summary lines are in its log.
       for model in ${MODELS:-gpt2_124m gpt2_1p3b llama_1b}; do
         mb=64
         [ "$model" = llama_1b ] && mb=32
+        kargs=(mpigpt bench-attention --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
+               --bench-steps 20 --bench-warmup 5)
+        step "kernels_${model}_builtin" "$B/run" "${kargs[@]}" --engine.attention_backend builtin
+        step "kernels_${model}_wgmma" env MPIGPT_ATTENTION_WGMMA=1 "$B/run" "${kargs[@]}" \
+          --engine.attention_backend builtin
+        step "kernels_${model}_cudnn" "$B/run" "${kargs[@]}" --engine.attention_backend cudnn
         args=(mpigpt bench --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
               --training.global_batch $mb --engine.recompute none --bench-steps 10 --bench-warmup 3)
         for ((round = 1; round <= ${ROUNDS:-1}; ++round)); do

@@ -302,8 +302,8 @@ bool attention_wgmma_available() {
 
 bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream) {
   const AttentionTcForward& f = p.f;
-  if (!causal || !attention_wgmma_requested() || !tc_inputs_ok(f, dt, causal) || !aligned16(p.dout) || !aligned16(p.dq) ||
-      !aligned16(p.dk) || !aligned16(p.dv) || !attention_wgmma_available())
+  if (!causal || !attention_wgmma_requested() || !tc_inputs_ok(f, dt, causal) || !aligned16(p.dout) ||
+      !aligned16(p.dq) || !aligned16(p.dk) || !aligned16(p.dv) || !attention_wgmma_available())
     return false;
   if (f.B == 0 || f.Tq == 0) return true;
   if (f.HD == 64)
