@@ -10,9 +10,13 @@
 // products run: each 128-thread block is one warpgroup, and every product is a chain of wgmma
 // instructions (64 rows x N columns x 16 per instruction) that read their shared-memory operands
 // through descriptors, where the mma.sync kernels issue 16 x 8 x 16 products fed by ldmatrix.
-// Score-like products (S, dP and their transposes) take both operands from shared memory (K-major);
-// the gradient products take the probabilities or dS from registers (the accumulator layout is an
-// A operand's) and read Q, dO or K MN-major from the same tiles. Tiles are stored in the canonical
+// Score-like products (S, dP and their transposes) read their B operand K-major from shared memory
+// and take their A operand, the block's own rows that stay the same for every tile (Q and dO in the
+// dQ kernel; K and V in the dK/dV kernel at HD 64, where the registers allow), from registers: an
+// instruction that reads both operands from shared memory (m64n64k16: 4 KB per 32 cycles of tensor
+// work) would use all of the shared-memory bandwidth. The gradient products take the
+// probabilities or dS from registers (the accumulator layout is an A operand's) and read Q, dO or
+// K MN-major from the same tiles. Tiles are stored in the canonical
 // core-matrix layout (cm_index) by 16-byte asynchronous copies, two buffers deep.
 #include <cmath>
 #include <cstdint>
@@ -73,9 +77,9 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
                              p.q_stride, i0, p.Tq);
   load_cm_async<HD, kTcRows>(dOs, static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(h) * HD,
                              ldo, i0, p.Tq);
+  __pipeline_commit();  // Q and dO
   load_cm_async<HD, KC>(KVs, K, p.kv_stride, 0, p.Tk);
   load_cm_async<HD, KC>(KVs + KC * HD, V, p.kv_stride, 0, p.Tk);
-  __pipeline_commit();
   if (threadIdx.x < kTcRows) {
     const int ii = i0 + threadIdx.x;
     // -inf for a query past Tq or one that saw no key: no gradient flows through it.
@@ -85,8 +89,13 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr)
     Dr[rr] = rows[rr] < p.Tq ? pb.D[(int64_t(b) * p.NH + h) * p.Tq + rows[rr]] : 0.f;
-  __syncthreads();
+  tiles_ready();  // Q and dO (the first key tile is the batch now in flight)
   const float lse2[2] = {lse2_s[wr + g], lse2_s[wr + g + 8]};
+  // The warp's Q and dO rows, the A operands of S and dP for every key tile, stay in registers:
+  // those products read only K and V from shared memory.
+  uint32_t qa[KS][4], doa[KS][4];
+  wg::load_a_regs<HD, KS>(qa, Qs, wr);
+  wg::load_a_regs<HD, KS>(doa, dOs, wr);
   float dq[DT][4] = {};
 
   const int kend = min(p.Tk, i0 + kTcRows);
@@ -103,9 +112,9 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
     float s[NT][4] = {}, dp[NT][4] = {};
     wg::fence();
 #pragma unroll
-    for (int k = 0; k < KS; ++k) Wgmma<KC>::template ss<0>(s, desc_k<HD>(Qs, k), desc_k<HD>(Ks, k), k > 0);  // Q K^T
+    for (int k = 0; k < KS; ++k) Wgmma<KC>::template rs<0>(s, qa[k], desc_k<HD>(Ks, k), k > 0);  // S = Q K^T
 #pragma unroll
-    for (int k = 0; k < KS; ++k) Wgmma<KC>::template ss<0>(dp, desc_k<HD>(dOs, k), desc_k<HD>(Vs, k), k > 0);
+    for (int k = 0; k < KS; ++k) Wgmma<KC>::template rs<0>(dp, doa[k], desc_k<HD>(Vs, k), k > 0);  // dP = dO V^T
     wg::commit();
     wg::wait<0>();
     wg::fence_operands(s);
@@ -164,6 +173,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
   const int64_t kv_off = int64_t(b) * p.Tk * p.kv_stride + int64_t(kh) * HD;
   load_cm_async<HD, kTcRows>(Ks, static_cast<const bf16*>(p.k) + kv_off, p.kv_stride, j0, p.Tk);
   load_cm_async<HD, kTcRows>(Vs, static_cast<const bf16*>(p.v) + kv_off, p.kv_stride, j0, p.Tk);
+  __pipeline_commit();  // K and V
   // The query tiles, head by head: tile n is head kh*G + n/nq, queries j0 + (n%nq)*QC (queries
   // before the block's first key see none of its keys).
   const int nq = j0 < p.Tq ? (p.Tq - j0 + QC - 1) / QC : 0;
@@ -192,7 +202,16 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
     }
   };
   if (nq > 0) tile_async(0);
-  __pipeline_commit();  // K, V and the first query tile
+  tiles_ready();  // K and V (the first query tile is the batch now in flight)
+  // At HD 64 the warp's K and V rows, the A operands of S^T and dP^T for every query tile, stay in
+  // registers (32 of them), so that those products read only Q and dO from shared memory; at HD
+  // 128 the 64 registers they would take are not there, and the products read both operands.
+  constexpr bool kRegKV = HD == 64;
+  uint32_t ka[kRegKV ? KS : 1][4], va[kRegKV ? KS : 1][4];
+  if constexpr (kRegKV) {
+    wg::load_a_regs<HD, KS>(ka, Ks, wr);
+    wg::load_a_regs<HD, KS>(va, Vs, wr);
+  }
 
   float dk[DT][4] = {}, dv[DT][4] = {};
   for (int n = 0; n < G * nq; ++n) {
@@ -207,9 +226,15 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
     float st[NT][4] = {}, dpt[NT][4] = {};
     wg::fence();
 #pragma unroll
-    for (int k = 0; k < KS; ++k) Wgmma<QC>::template ss<0>(st, desc_k<HD>(Ks, k), desc_k<HD>(Qs, k), k > 0);  // K Q^T
-#pragma unroll
-    for (int k = 0; k < KS; ++k) Wgmma<QC>::template ss<0>(dpt, desc_k<HD>(Vs, k), desc_k<HD>(dOs, k), k > 0);
+    for (int k = 0; k < KS; ++k) {  // S^T = K Q^T, dP^T = V dO^T
+      if constexpr (kRegKV) {
+        Wgmma<QC>::template rs<0>(st, ka[k], desc_k<HD>(Qs, k), k > 0);
+        Wgmma<QC>::template rs<0>(dpt, va[k], desc_k<HD>(dOs, k), k > 0);
+      } else {
+        Wgmma<QC>::template ss<0>(st, desc_k<HD>(Ks, k), desc_k<HD>(Qs, k), k > 0);
+        Wgmma<QC>::template ss<0>(dpt, desc_k<HD>(Vs, k), desc_k<HD>(dOs, k), k > 0);
+      }
+    }
     wg::commit();
     wg::wait<0>();
     wg::fence_operands(st);

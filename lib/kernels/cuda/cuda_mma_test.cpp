@@ -90,17 +90,19 @@ TEST_CASE("cuda wgmma primitives: canonical tiles, descriptors and warpgroup fra
       for (int k = 0; k < 64; ++k) E[size_t(i * 64 + j)] += D[size_t(i * 64 + k)] * Y[size_t(k * 64 + j)];
   auto dA = to_device(*ops, A, {64, 32}, DType::BF16), dX = to_device(*ops, X, {64, 32}, DType::BF16),
        dY = to_device(*ops, Y, {64, 64}, DType::BF16);
-  auto d = zeros(*ops, {64, 64}), e = zeros(*ops, {64, 64});
+  auto d = zeros(*ops, {64, 64}), e = zeros(*ops, {64, 64}), f = zeros(*ops, {64, 64});
   ops->synchronize();
   cuda::wgmma_primitives_check(dA.t.ptr, dX.t.ptr, dY.t.ptr, static_cast<float*>(d.t.ptr),
-                               static_cast<float*>(e.t.ptr));
-  const auto hd = to_host(*ops, d.t), he = to_host(*ops, e.t);
-  int bad_d = 0, bad_e = 0;
+                               static_cast<float*>(e.t.ptr), static_cast<float*>(f.t.ptr));
+  const auto hd = to_host(*ops, d.t), he = to_host(*ops, e.t), hf = to_host(*ops, f.t);
+  int bad_d = 0, bad_e = 0, bad_f = 0;
   for (size_t i = 0; i < hd.size(); ++i) {
     bad_d += hd[i] != D[i];
     bad_e += he[i] != E[i];
+    bad_f += hf[i] != D[i];
   }
-  CHECK(bad_d == 0);
-  CHECK(bad_e == 0);
+  CHECK(bad_d == 0);  // SS, both operands K-major
+  CHECK(bad_e == 0);  // RS from an accumulator, B MN-major
+  CHECK(bad_f == 0);  // RS from load_a_regs, B K-major
 #endif
 }

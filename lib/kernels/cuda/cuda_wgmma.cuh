@@ -130,6 +130,20 @@ __device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, int6
   }
 }
 
+// The A operands (the register layout above) of k-steps 0..KS-1 for this thread's warp's 16 rows,
+// starting at row0, of a canonical tile of COLS columns: for products whose A does not change
+// from one tile to the next, so that they read only B from shared memory.
+template <int COLS, int KS>
+__device__ __forceinline__ void load_a_regs(uint32_t (&a)[KS][4], const bf16* tile, int row0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int s = 0; s < KS; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      a[s][i] = *reinterpret_cast<const uint32_t*>(tile + cm_index<COLS>(row0 + g + 8 * (i & 1),
+                                                                           16 * s + 2 * t + 8 * (i >> 1)));
+}
+
 // Commits the current batch of copies, waits for the one before it, and publishes the tiles to
 // every thread's products (fenced for wgmma's proxy before the block barrier).
 __device__ __forceinline__ void tiles_ready() {

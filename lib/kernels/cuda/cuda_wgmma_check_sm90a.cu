@@ -9,7 +9,7 @@ namespace mpigpt::cuda {
 namespace {
 
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const bf16* a, const bf16* x, const bf16* y, float* d,
-                                                          float* e) {
+                                                          float* e, float* f) {
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char wgmma_check_smem[];
   bf16* As = reinterpret_cast<bf16*>(wgmma_check_smem);  // 64 x 32, canonical
@@ -22,12 +22,16 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const bf16* a, const b
   for (int i = threadIdx.x; i < 64 * 64; i += 128) Ys[wg::cm_index<64>(i / 64, i % 64)] = y[i];
   wg::proxy_fence();
   __syncthreads();
-  float acc[8][4] = {}, out[8][4] = {};
+  float acc[8][4] = {}, out[8][4] = {}, again[8][4] = {};
+  uint32_t ar[2][4];  // A's rows of this warp in registers, for the RS form with a K-major B
+  wg::load_a_regs<32, 2>(ar, As, 16 * (threadIdx.x >> 5));
   wg::fence();
   for (int k = 0; k < 2; ++k) wg::Wgmma<64>::ss<0>(acc, wg::desc_k<32>(As, k), wg::desc_k<32>(Xs, k), k > 0);
+  for (int k = 0; k < 2; ++k) wg::Wgmma<64>::rs<0>(again, ar[k], wg::desc_k<32>(Xs, k), k > 0);
   wg::commit();
   wg::wait<0>();
   wg::fence_operands(acc);
+  wg::fence_operands(again);
   uint32_t af[4][4];
   for (int k = 0; k < 4; ++k) mma::acc_to_a<8>(af[k], acc, k);
   wg::fence_operands(out);
@@ -42,6 +46,7 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const bf16* a, const b
       const int idx = (16 * w + g + 8 * (i >> 1)) * 64 + 8 * j + 2 * t + (i & 1);
       d[idx] = acc[j][i];
       e[idx] = out[j][i];
+      f[idx] = again[j][i];
     }
 #else
   __trap();
@@ -50,10 +55,10 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const bf16* a, const b
 
 }  // namespace
 
-void wgmma_primitives_check(const void* a, const void* x, const void* y, float* d, float* e) {
+void wgmma_primitives_check(const void* a, const void* x, const void* y, float* d, float* e, float* f) {
   const size_t bytes = (2 * 64 * 32 + 64 * 64) * sizeof(bf16);
   wgmma_check_kernel<<<1, 128, bytes>>>(static_cast<const bf16*>(a), static_cast<const bf16*>(x),
-                                        static_cast<const bf16*>(y), d, e);
+                                        static_cast<const bf16*>(y), d, e, f);
   MPIGPT_CUDA_LAUNCHED();
   MPIGPT_CUDA(cudaDeviceSynchronize());
 }
