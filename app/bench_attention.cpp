@@ -13,6 +13,7 @@
 #include "app/commands.h"
 #include "io/config.h"
 #include "lib/core/log.h"
+#include "lib/core/rng.h"
 #include "lib/kernels/buffer.h"
 #include "lib/kernels/device_select.h"
 #include "lib/kernels/ops.h"
@@ -22,17 +23,11 @@ namespace mpigpt::app {
 
 namespace {
 
-// n values uniform in [-2, 2) from a fixed seed (the timing does not depend on them; finite,
-// varied scores do keep the softmax honest).
+// n standard normal values from a fixed seed (lib/core/rng.h; the timing does not depend on them,
+// varied finite scores keep the softmax honest).
 std::vector<float> random_values(size_t n, uint64_t seed) {
   std::vector<float> v(n);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (float& f : v) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    f = float(double(x >> 11) / double(1ull << 53) * 4.0 - 2.0);
-  }
+  for (size_t i = 0; i < n; ++i) v[i] = normal_at(seed, 0, i);
   return v;
 }
 

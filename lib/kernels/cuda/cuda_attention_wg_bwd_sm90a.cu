@@ -27,20 +27,12 @@
 #include "lib/kernels/cuda/cuda_attention_tc_tiles.cuh"
 #include "lib/kernels/cuda/cuda_wgmma.cuh"
 
-// The kernels' bodies exist only where wgmma does: the sm_90a device code (and the host emulator).
-#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MPIGPT_WG_BODY 1
-#else
-#define MPIGPT_WG_BODY 0
-#endif
-
 namespace mpigpt::cuda {
 
 namespace {
 
 using namespace tc;
 using mma::acc_to_a;
-using wg::cm_index;
 using wg::desc_k;
 using wg::desc_mn;
 using wg::Wgmma;
@@ -59,7 +51,7 @@ constexpr int kWgDqKeys = 64;  // the dQ kernel's key tile (the mma.sync kernel'
 // grid (ceil(T/64), NH, B).
 template <int HD>
 __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(const AttentionTcBackward pb) {
-#if MPIGPT_WG_BODY
+#if MPIGPT_WGMMA_CODE
   constexpr int KS = HD / 16, DT = HD / 8, KC = kWgDqKeys<HD>, NT = KC / 8, KCS = KC / 16;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_wg_smem[];
@@ -153,7 +145,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
 // NH/NKV query heads (causal). grid (ceil(T/64), NKV, B).
 template <int HD>
 __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(const AttentionTcBackward pb) {
-#if MPIGPT_WG_BODY
+#if MPIGPT_WGMMA_CODE
   constexpr int KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8, QS = QC / 16;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_wg_smem[];

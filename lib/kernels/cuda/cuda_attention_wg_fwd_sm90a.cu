@@ -15,12 +15,6 @@
 #include "lib/kernels/cuda/cuda_attention_tc_tiles.cuh"
 #include "lib/kernels/cuda/cuda_wgmma.cuh"
 
-#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MPIGPT_WG_BODY 1
-#else
-#define MPIGPT_WG_BODY 0
-#endif
-
 namespace mpigpt::cuda {
 
 namespace {
@@ -44,7 +38,7 @@ __device__ __forceinline__ void load_cm_async(bf16* dst, const bf16* src, int64_
 // grid (ceil(T/128), NH, B).
 template <int HD>
 __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const AttentionTcForward p) {
-#if MPIGPT_WG_BODY
+#if MPIGPT_WGMMA_CODE
   constexpr int KS = HD / 16, DT = HD / 8, KC = kWgFwdKeys, NT = KC / 8, KCS = KC / 16;
   extern __shared__ __align__(128) unsigned char attn_wg_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(attn_wg_smem);  // 128 x HD

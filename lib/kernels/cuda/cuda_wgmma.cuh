@@ -46,6 +46,15 @@
 #include "mma_ptx.h"
 #endif
 
+// 1 where a kernel may use wgmma: the sm_90a device pass (and the host emulator, and nvcc's host
+// pass, which compiles no kernel bodies into device code). The *_sm90a.cu kernels put their bodies
+// under `#if MPIGPT_WGMMA_CODE` and trap otherwise.
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MPIGPT_WGMMA_CODE 1
+#else
+#define MPIGPT_WGMMA_CODE 0
+#endif
+
 namespace mpigpt::cuda::wg {
 
 // The element index of (row r, column c) in a canonical tile of COLS columns.

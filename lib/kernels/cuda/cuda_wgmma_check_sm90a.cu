@@ -10,7 +10,7 @@ namespace {
 
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const bf16* a, const bf16* x, const bf16* y, float* d,
                                                           float* e, float* f) {
-#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if MPIGPT_WGMMA_CODE
   extern __shared__ __align__(128) unsigned char wgmma_check_smem[];
   bf16* As = reinterpret_cast<bf16*>(wgmma_check_smem);  // 64 x 32, canonical
   bf16* Xs = As + 64 * 32;                                 // 64 x 32
