@@ -50,6 +50,26 @@ set_source_files_properties(${emu_generated} PROPERTIES COMPILE_OPTIONS
   "-include;cuda_runtime.h;-Wno-unknown-pragmas;-Wno-subobject-linkage;-fsanitize=alignment;-fno-sanitize-recover=alignment")
 target_link_options(mpigpt_kernels_emulated INTERFACE -fsanitize=alignment)
 
+# The emulator's own checks of its model of the asynchronous warpgroup products (wgmma): one block
+# uses cuda_wgmma.cuh correctly (`ok`), then with one ordering mistake per mode, each of which the
+# emulator must stop with its message (emulator/emulator_checks.cpp). The output decides.
+add_executable(mpigpt_emulator_checks ${EMU_SRC}/emulator_checks.cpp)
+target_link_libraries(mpigpt_emulator_checks PRIVATE mpigpt_kernels_emulated)
+target_include_directories(mpigpt_emulator_checks PRIVATE ${PROJECT_SOURCE_DIR})
+target_compile_options(mpigpt_emulator_checks PRIVATE -include cuda_runtime.h -Wno-unknown-pragmas)
+foreach(check "ok|emulator wgmma checks: ok"
+              "no_fence|with no wgmma.fence before it"
+              "no_proxy_fence|no fence.proxy.async after them"
+              "overwritten|changed between the product's issue and the wgmma.wait_group"
+              "not_retired|ended with warpgroup products")
+  string(REPLACE "|" ";" parts "${check}")
+  list(GET parts 0 mode)
+  list(GET parts 1 expected)
+  add_test(NAME emulated/emulator_wgmma_${mode} COMMAND mpigpt_emulator_checks ${mode})
+  set_tests_properties(emulated/emulator_wgmma_${mode} PROPERTIES LABELS emulated
+                       PASS_REGULAR_EXPRESSION "${expected}")
+endforeach()
+
 # The whole program on the emulated kernels: mpigpt_emulated is `mpigpt` built again with the
 # layers above the kernels (parallel, model, optim, io, train, app) compiled against the
 # emulator's headers, so that training with engine.backend = cuda runs on any machine. The

@@ -33,7 +33,8 @@
 // publishes it to the products.
 //
 // Compiled as C++ by the host emulator (docs/testing.md), the products come from its mma_ptx.h,
-// which decodes the descriptors and layouts above independently of the kernels.
+// which decodes the descriptors and layouts above independently of the kernels and runs the
+// products asynchronously, checking the ordering rules above (cuda_runtime.h, wgmma_issue).
 #pragma once
 
 #include <cuda_pipeline_primitives.h>
@@ -91,22 +92,30 @@ __device__ __forceinline__ uint64_t desc_mn(const bf16* tile, int s) {
 __device__ __forceinline__ void fence() {
 #ifdef __CUDACC__
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  emu::wgmma_fence();
 #endif
 }
 __device__ __forceinline__ void commit() {
 #ifdef __CUDACC__
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  emu::wgmma_commit();
 #endif
 }
 template <int N>
 __device__ __forceinline__ void wait() {
 #ifdef __CUDACC__
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#else
+  emu::wgmma_wait(N);
 #endif
 }
 __device__ __forceinline__ void proxy_fence() {
 #ifdef __CUDACC__
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+  emu::proxy_fence_async();
 #endif
 }
 // Keeps the compiler from moving accesses of an accumulator across the asynchronous products.

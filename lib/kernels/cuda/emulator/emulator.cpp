@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -100,6 +101,17 @@ struct Fiber {
   };
   std::vector<Copy> open;
   std::deque<std::vector<Copy>> committed;
+  bool copies_unfenced = false;  // copies landed with no fence.proxy.async after them
+  // Warpgroup products (wgmma_issue): the open group and the committed ones, oldest first; each
+  // keeps its accumulators, its base and its result, and how to compute it again.
+  struct Product {
+    float* d;
+    std::vector<float> base, result;
+    std::function<void(const float*, float*)> run;
+  };
+  std::vector<Product> wg_open;
+  std::deque<std::vector<Product>> wg_committed;
+  bool wg_fenced = false;  // a wgmma.fence since the thread's products last all retired
 };
 std::vector<Fiber> fibers;
 Context sched;
@@ -115,9 +127,15 @@ cudaError_t last_error = cudaSuccess;
 int nthreads = 0;
 long launch_count = 0;
 size_t smem_size = 0;  // the launch's dynamic shared memory bytes
+int unfenced_copies = 0;  // fibers of the block whose copies_unfenced is set
 
 void trampoline() {
   (*body)();
+  if (!fibers[cur].wg_open.empty() || !fibers[cur].wg_committed.empty()) {
+    fprintf(stderr, "cuda emulator: thread %d of block (%u,%u,%u) ended with warpgroup products (wgmma) that no "
+            "wgmma.wait_group retired\n", cur, blockIdx.x, blockIdx.y, blockIdx.z);
+    abort();
+  }
   fibers[cur].state = Done;
   switch_to(fibers[cur].ctx, sched);
 }
@@ -134,10 +152,15 @@ void run_block() {
     f.vote_gen = 0;
     f.open.clear();
     f.committed.clear();
+    f.copies_unfenced = false;
+    f.wg_open.clear();
+    f.wg_committed.clear();
+    f.wg_fenced = false;
     f.tid = {unsigned(i % blockDim.x), unsigned((i / blockDim.x) % blockDim.y), unsigned(i / (blockDim.x * blockDim.y))};
     start(f.ctx, f.stack, trampoline);
   }
   votes[0] = votes[1] = votes[2] = 0;
+  unfenced_copies = 0;
   for (;;) {
     for (int i = 0; i < nthreads; ++i) {  // every runnable fiber up to its next barrier
       if (fibers[i].state != Runnable) continue;
@@ -217,8 +240,86 @@ void pipeline_wait_prior(size_t prior) {
   Fiber& f = fibers[cur];
   while (f.committed.size() > prior) {
     for (auto& c : f.committed.front()) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
+    if (!f.committed.front().empty() && !f.copies_unfenced) {
+      f.copies_unfenced = true;
+      ++unfenced_copies;
+    }
     f.committed.pop_front();
   }
+}
+void proxy_fence_async() {
+  Fiber& f = fibers[cur];
+  if (f.copies_unfenced) {
+    f.copies_unfenced = false;
+    --unfenced_copies;
+  }
+}
+namespace {
+[[noreturn]] void wgmma_fail(const char* what) {
+  fprintf(stderr, "cuda emulator: thread %d of block (%u,%u,%u): %s\n", cur, blockIdx.x, blockIdx.y, blockIdx.z,
+          what);
+  abort();
+}
+void poison(float* d, size_t n) { std::fill(d, d + n, std::numeric_limits<float>::quiet_NaN()); }
+}  // namespace
+void wgmma_fence() { fibers[cur].wg_fenced = true; }
+void wgmma_issue(float* d, int count, bool accumulate, std::function<void(const float*, float*)> product) {
+  Fiber& f = fibers[cur];
+  if (!f.wg_fenced)
+    wgmma_fail("wgmma.mma_async with no wgmma.fence before it since the thread's products last all retired (or "
+               "the kernel began): the registers it reads may not be ready (PTX ISA, wgmma.fence)");
+  if (unfenced_copies > 0) {
+    int i = 0;
+    while (!fibers[i].copies_unfenced) ++i;
+    fprintf(stderr, "cuda emulator: thread %d of block (%u,%u,%u) issues a wgmma while thread %d's asynchronous "
+            "copies have reached shared memory with no fence.proxy.async after them: the product may not see "
+            "them\n", cur, blockIdx.x, blockIdx.y, blockIdx.z, i);
+    abort();
+  }
+  // The latest product still in flight into the same accumulators: this one adds onto its result.
+  const Fiber::Product* prev = nullptr;
+  for (const auto& p : f.wg_open)
+    if (p.d == d) prev = &p;
+  if (!prev)
+    for (auto g = f.wg_committed.rbegin(); g != f.wg_committed.rend() && !prev; ++g)
+      for (const auto& p : *g)
+        if (p.d == d) prev = &p;
+  if (prev && prev->result.size() != size_t(count))
+    wgmma_fail("two products in flight share accumulators but not their shape");
+  Fiber::Product p{d, {}, std::vector<float>(count), std::move(product)};
+  if (!accumulate)
+    p.base.assign(count, 0.f);
+  else if (prev)
+    p.base = prev->result;
+  else
+    p.base.assign(d, d + count);
+  p.run(p.base.data(), p.result.data());
+  poison(d, count);
+  f.wg_open.push_back(std::move(p));
+}
+void wgmma_commit() {
+  Fiber& f = fibers[cur];
+  f.wg_committed.push_back(std::move(f.wg_open));
+  f.wg_open.clear();
+}
+void wgmma_wait(int pending) {
+  Fiber& f = fibers[cur];
+  while (f.wg_committed.size() > size_t(std::max(pending, 0))) {
+    for (auto& p : f.wg_committed.front()) {
+      std::vector<float> again(p.result.size());
+      p.run(p.base.data(), again.data());
+      if (std::memcmp(again.data(), p.result.data(), again.size() * sizeof(float)) != 0)
+        wgmma_fail("shared memory that a wgmma reads changed between the product's issue and the wgmma.wait_group "
+                   "that retired it: an operand was overwritten before the product finished (retire the products, "
+                   "then a block barrier, before refilling their tiles)");
+      std::copy(p.result.begin(), p.result.end(), p.d);
+    }
+    f.wg_committed.pop_front();
+  }
+  for (const auto& g : f.wg_committed)
+    for (const auto& p : g) poison(p.d, p.result.size());
+  for (const auto& p : f.wg_open) poison(p.d, p.result.size());
+  if (f.wg_open.empty() && f.wg_committed.empty()) f.wg_fenced = false;
 }
 size_t dyn_smem_bytes() { return smem_size; }
 void shfl_exchange(const void* in, void* out, size_t bytes, int lane_xor) {

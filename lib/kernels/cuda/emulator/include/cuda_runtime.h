@@ -73,6 +73,21 @@ const void* kernel_id(F kernel) {
 }
 void set_max_dynamic_smem(const void* kernel, int bytes);  // cudaFuncAttributeMaxDynamicSharedMemorySize
 
+// Hopper's asynchronous warpgroup products (wgmma.mma_async, mma_ptx.h), run as a GPU may run
+// them: `product(base, out)` computes a thread's `count` accumulator values onto base (the
+// accumulators when `accumulate`, or the result still in flight for them, else zeros), reading its
+// shared-memory operands when it is called. Issued, the product's accumulators read NaN until the
+// wgmma.wait_group that retires its group, which runs it again and aborts if the shared memory it
+// reads changed in between (an operand tile refilled too early). A product issued without a
+// wgmma.fence since the thread's products last all retired, one issued while some thread's
+// asynchronous copies have reached shared memory with no fence.proxy.async after them, and a
+// thread that ends with products not retired abort too.
+void wgmma_fence();
+void wgmma_issue(float* d, int count, bool accumulate, std::function<void(const float* base, float* out)> product);
+void wgmma_commit();
+void wgmma_wait(int pending);
+void proxy_fence_async();  // fence.proxy.async.shared::cta
+
 // Work that is not done when it is issued: the NCCL stand-in (nccl_mpi.cpp) issues its operations
 // as nonblocking MPI and registers these hooks; the runtime calls them where a GPU would order
 // work after it. `issued` numbers a stream's operations so far; `complete` finishes a stream's

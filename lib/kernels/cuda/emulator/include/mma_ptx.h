@@ -18,8 +18,8 @@
 // as mma's A); d[4j + i] is D[16w + g + 8 (i >> 1)][8j + 2t + (i & 1)]. A descriptor holds the start
 // address, LBO and SBO in 16-byte units (bits 0-13, 16-29, 32-45). Element (m or n, k) of a K-major
 // operand is at start + (mn / 8) SBO + (k / 8) LBO + 16 (mn % 8) + 2 (k % 8); of an MN-major one
-// (tnsp) at start + (mn / 8) SBO + (k / 8) LBO + 16 (k % 8) + 2 (mn % 8). The emulator runs the
-// product when it is issued, so the fences, commits and waits are no-ops here.
+// (tnsp) at start + (mn / 8) SBO + (k / 8) LBO + 16 (k % 8) + 2 (mn % 8). The products run
+// asynchronously, with their fences, commits and waits checked (emu::wgmma_issue, cuda_runtime.h).
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -108,8 +108,9 @@ inline float wgmma_operand(uint64_t desc, int mn, int k, bool mn_major) {
 }
 
 // d (64 x N rows of this thread's warp, see above) = A B (+ d when accumulate): A from registers a
-// (warp-collective: the warp's lanes publish their fragments) or, when a is null, K-major from
-// desc_a; B from desc_b, MN-major when tnsp_b.
+// (warp-collective: the warp's lanes publish their fragments when it is issued) or, when a is null,
+// K-major from desc_a; B from desc_b, MN-major when tnsp_b. Asynchronous as on the GPU
+// (emu::wgmma_issue): d reads NaN until the wgmma.wait_group that retires it.
 inline void wgmma(float* d, int N, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool accumulate,
                   bool tnsp_b) {
   if (blockDim.x % 128 != 0) {
@@ -117,24 +118,34 @@ inline void wgmma(float* d, int N, const uint32_t* a, uint64_t desc_a, uint64_t 
     abort();
   }
   const int lane = emu::lane(), g = lane / 4, t = lane % 4, w = int(threadIdx.x / 32) % 4;
-  float A[16][16];
+  struct Regs {
+    float A[16][16];
+  } regs{};
   if (a) {
     uint32_t mine[4] = {a[0], a[1], a[2], a[3]}, all[32][4];
     emu::warp_allgather(mine, all, sizeof(mine));
     for (int l = 0; l < 32; ++l)
       for (int i = 0; i < 4; ++i)
-        for (int h = 0; h < 2; ++h) A[l / 4 + 8 * (i & 1)][2 * (l % 4) + 8 * (i >> 1) + h] = bf16_half(all[l][i], h);
-  } else {
-    for (int r = 0; r < 16; ++r)
-      for (int k = 0; k < 16; ++k) A[r][k] = wgmma_operand(desc_a, 16 * w + r, k, false);
+        for (int h = 0; h < 2; ++h)
+          regs.A[l / 4 + 8 * (i & 1)][2 * (l % 4) + 8 * (i >> 1) + h] = bf16_half(all[l][i], h);
   }
-  for (int j = 0; j < N / 8; ++j)
-    for (int i = 0; i < 4; ++i) {
-      const int row = g + 8 * (i >> 1), col = 8 * j + 2 * t + (i & 1);
-      float s = accumulate ? d[4 * j + i] : 0.f;
-      for (int k = 0; k < 16; ++k) s += A[row][k] * wgmma_operand(desc_b, col, k, tnsp_b);
-      d[4 * j + i] = s;
-    }
+  const bool a_in_regs = a != nullptr;
+  emu::wgmma_issue(d, N / 2, accumulate, [=](const float* base, float* out) {
+    // This thread's two rows of A (g and g + 8 of its warp's 16) and its N/4 columns of B.
+    float A[2][16], B[32][16];
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 16; ++k)
+        A[h][k] = a_in_regs ? regs.A[g + 8 * h][k] : wgmma_operand(desc_a, 16 * w + g + 8 * h, k, false);
+    for (int c = 0; c < N / 4; ++c)
+      for (int k = 0; k < 16; ++k) B[c][k] = wgmma_operand(desc_b, 8 * (c / 2) + 2 * t + c % 2, k, tnsp_b);
+    for (int j = 0; j < N / 8; ++j)
+      for (int i = 0; i < 4; ++i) {
+        const int h = i >> 1, c = 2 * j + (i & 1);
+        float s = base[4 * j + i];
+        for (int k = 0; k < 16; ++k) s += A[h][k] * B[c][k];
+        out[4 * j + i] = s;
+      }
+  });
 }
 
 }  // namespace emu::ptx
