@@ -111,14 +111,25 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
     wg::wait<0>();
     wg::fence_operands(s);
     wg::fence_operands(dp);
+    // dS. A tile wholly visible to the warp's 16 queries (its last key at or before the first of
+    // them, inside Tk; queries inside Tq, so each saw a key and has a finite lse) needs no mask:
+    // most tiles of a long sequence, and the mask is a third of this per-element work.
+    if (j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk && i0 + wr + 16 <= p.Tq) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
-        const bool vis = lse2[rr] != -INFINITY && j < p.Tk && j <= rows[rr];
-        const float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
-        s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;  // dS
+        for (int e = 0; e < 4; ++e)
+          s[nt][e] = exp2f(s[nt][e] * p.scale_log2 - lse2[e >> 1]) * (dp[nt][e] - Dr[e >> 1]);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
+          const bool vis = lse2[rr] != -INFINITY && j < p.Tk && j <= rows[rr];
+          const float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
+          s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;
+        }
       }
     }
     uint32_t a[KCS][4];
@@ -231,15 +242,29 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
     wg::wait<0>();
     wg::fence_operands(st);
     wg::fence_operands(dpt);
+    // P^T and dS^T. Unmasked when the warp's 16 keys (inside Tk) all precede the tile's first query
+    // and the tile's queries are inside Tq (each saw a key: a finite lse), as in the dQ kernel.
+    if (j0 + wr + 15 <= i0 && j0 + wr + 16 <= p.Tk && i0 + QC <= p.Tq) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
-        const bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY && keys[rr] <= i0 + x;
-        const float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
-        st[nt][e] = pr;                                             // P^T
-        dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
+        for (int e = 0; e < 4; ++e) {
+          const int x = nt * 8 + 2 * t + (e & 1);
+          const float pr = exp2f(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e);
+          st[nt][e] = pr;
+          dpt[nt][e] = pr * (dpt[nt][e] - D_s[x]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
+          const bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY && keys[rr] <= i0 + x;
+          const float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
+          st[nt][e] = pr;                                             // P^T
+          dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
+        }
       }
     }
     uint32_t ap[QS][4], ads[QS][4];
