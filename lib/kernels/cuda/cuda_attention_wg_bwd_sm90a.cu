@@ -42,23 +42,43 @@ template <int HD, int ROWS>
 __device__ __forceinline__ void load_cm_async(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {
   wg::load_tile_async<HD, ROWS, kTcThreads>(dst, src, stride, row0, end);
 }
-using wg::tiles_ready;
 
 template <int HD>
 constexpr int kWgDqKeys = 64;  // the dQ kernel's key tile (the mma.sync kernel's kDqCols)
+
+// Tile buffers. With 3, a tile's gradient products (dQ; dV and dK) stay in flight while the next
+// tile's score products are issued behind them: the loop waits for both together, so the tensor
+// cores are not left idle between the two chains while the warpgroup waits, and a buffer is
+// refilled only after the barrier that follows its last reader's retirement (two tiles later).
+// With 2, each tile's products are retired before the next tile. Both kernels keep 2 at HD 128:
+// the dQ kernel's three buffers (128 KiB of shared memory) would leave one block per
+// multiprocessor, and with the dK/dV kernel's accumulators in flight across tiles ptxas serializes
+// its wgmmas (C7515: at 199 registers it defines accumulator registers between the products).
+template <int HD>
+constexpr int kWgDqBufs = HD == 64 ? 3 : 2;
+template <int HD>
+constexpr int kWgDkdvBufs = HD == 64 ? 3 : 2;
+
+// Waits for this thread's copies (the tile that the loop is about to use) and publishes them, and
+// the retirement of the products of two tiles back, to the whole block.
+__device__ __forceinline__ void tile_landed() {
+  __pipeline_wait_prior(0);
+  wg::proxy_fence();
+  __syncthreads();
+}
 
 // dq = dS K / sqrt(HD) for the 64 queries [i0, i0+64) of head h, batch row b (causal).
 // grid (ceil(T/64), NH, B).
 template <int HD>
 __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(const AttentionTcBackward pb) {
 #if MPIGPT_WGMMA_CODE
-  constexpr int KS = HD / 16, DT = HD / 8, KC = kWgDqKeys<HD>, NT = KC / 8, KCS = KC / 16;
+  constexpr int KS = HD / 16, DT = HD / 8, KC = kWgDqKeys<HD>, NT = KC / 8, KCS = KC / 16, NB = kWgDqBufs<HD>;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_wg_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(attn_wg_smem);
   bf16* dOs = Qs + kTcRows * HD;
-  bf16* KVs = dOs + kTcRows * HD;  // [2] x (K, V), KC x HD each
-  float* lse2_s = reinterpret_cast<float*>(KVs + 4 * KC * HD);
+  bf16* KVs = dOs + kTcRows * HD;  // [NB] x (K, V), KC x HD each
+  float* lse2_s = reinterpret_cast<float*>(KVs + NB * 2 * KC * HD);
 
   const QueryBlock qb = query_block<true>(p);
   const int g = qb.g, t = qb.t, h = qb.h, b = qb.b, i0 = qb.i0, wr = qb.wr;
@@ -81,7 +101,8 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr)
     Dr[rr] = rows[rr] < p.Tq ? pb.D[(int64_t(b) * p.NH + h) * p.Tq + rows[rr]] : 0.f;
-  tiles_ready();  // Q and dO (the first key tile is the batch now in flight)
+  __pipeline_commit();  // the first key tile
+  tile_landed();         // Q, dO and the first key tile
   const float lse2[2] = {lse2_s[wr + g], lse2_s[wr + g + 8]};
   // The warp's Q and dO rows, the A operands of S and dP for every key tile, stay in registers:
   // those products read only K and V from shared memory.
@@ -92,16 +113,17 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
 
   const int kend = min(p.Tk, i0 + kTcRows);
   for (int j0 = 0, n = 0; j0 < kend; j0 += KC, ++n) {
-    const bf16* Ks = KVs + (n & 1) * 2 * KC * HD;
+    const bf16* Ks = KVs + (n % NB) * 2 * KC * HD;
     const bf16* Vs = Ks + KC * HD;
-    if (j0 + KC < kend) {  // the next key tile into the other buffer (its readers finished last iteration)
-      bf16* next = KVs + ((n + 1) & 1) * 2 * KC * HD;
+    if (n > 0) tile_landed();
+    if (j0 + KC < kend) {  // the next key tile, into the buffer whose products were retired before the barrier
+      bf16* next = KVs + ((n + 1) % NB) * 2 * KC * HD;
       load_cm_async<HD, KC>(next, K, p.kv_stride, j0 + KC, p.Tk);
       load_cm_async<HD, KC>(next + KC * HD, V, p.kv_stride, j0 + KC, p.Tk);
     }
-    tiles_ready();
+    __pipeline_commit();
 
-    float s[NT][4] = {}, dp[NT][4] = {};
+    float s[NT][4], dp[NT][4];  // no zero fill, as in the dK/dV kernel below
     wg::fence();
 #pragma unroll
     for (int k = 0; k < KS; ++k) Wgmma<KC>::template rs<0>(s, qa[k], desc_k<HD>(Ks, k), k > 0);  // S = Q K^T
@@ -140,10 +162,10 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
 #pragma unroll
     for (int k = 0; k < KCS; ++k) Wgmma<HD>::template rs<1>(dq, a[k], desc_mn<HD>(Ks, k), 1);  // dQ += dS K
     wg::commit();
-    wg::wait<0>();
-    wg::fence_operands(dq);
-    __syncthreads();  // this buffer's readers are done before it is refilled
+    if constexpr (NB == 2) wg::wait<0>();  // else retired with the next tile's S and dP
   }
+  wg::wait<0>();
+  wg::fence_operands(dq);
   const float scale[2] = {pb.scale, pb.scale};
   store_rows<DT>(dq, static_cast<bf16*>(pb.dq) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD, p.q_stride,
                  rows[0], p.Tq, scale, pb.accumulate);
@@ -157,15 +179,15 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
 template <int HD>
 __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(const AttentionTcBackward pb) {
 #if MPIGPT_WGMMA_CODE
-  constexpr int KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8, QS = QC / 16;
+  constexpr int KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8, QS = QC / 16, NB = kWgDkdvBufs<HD>;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_wg_smem[];
   bf16* Ks = reinterpret_cast<bf16*>(attn_wg_smem);
   bf16* Vs = Ks + kTcRows * HD;
-  bf16* QdOs = Vs + kTcRows * HD;  // [2] x (Q, dO), QC x HD each
-  // [2] x QC of the query tile's lse (natural log, as saved) and D, copied with its Q and dO.
-  float* lse_b = reinterpret_cast<float*>(QdOs + 4 * QC * HD);
-  float* D_b = lse_b + 2 * QC;
+  bf16* QdOs = Vs + kTcRows * HD;  // [NB] x (Q, dO), QC x HD each
+  // [NB] x QC of the query tile's lse (natural log, as saved) and D, copied with its Q and dO.
+  float* lse_b = reinterpret_cast<float*>(QdOs + NB * 2 * QC * HD);
+  float* D_b = lse_b + NB * QC;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int G = p.NH / p.NKV;
@@ -186,18 +208,18 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
   auto do_src = [&](int n) {
     return static_cast<const bf16*>(pb.dout) + int64_t(b) * p.Tq * ldo + int64_t(kh * G + n / nq) * HD;
   };
-  // Tile n's Q, dO, lse and D into buffer n % 2 (lse and D by 4-byte copies: a row of them need not
+  // Tile n's Q, dO, lse and D into buffer n % NB (lse and D by 4-byte copies: a row of them need not
   // be 16-byte aligned; -inf and 0 past Tq, so that no gradient flows through those queries).
   auto tile_async = [&](int n) {
     const int i0 = j0 + (n % nq) * QC;
-    bf16* Qn = QdOs + (n & 1) * 2 * QC * HD;
+    bf16* Qn = QdOs + (n % NB) * 2 * QC * HD;
     load_cm_async<HD, QC>(Qn, q_src(n), p.q_stride, i0, p.Tq);
     load_cm_async<HD, QC>(Qn + QC * HD, do_src(n), ldo, i0, p.Tq);
     const int64_t row0 = (int64_t(b) * p.NH + kh * G + n / nq) * p.Tq;
     for (int x = threadIdx.x; x < 2 * QC; x += kTcThreads) {
       const bool is_lse = x < QC;
       const int c = is_lse ? x : x - QC, ii = i0 + c;
-      float* dst = (is_lse ? lse_b : D_b) + (n & 1) * QC + c;
+      float* dst = (is_lse ? lse_b : D_b) + (n % NB) * QC + c;
       if (ii < p.Tq)
         __pipeline_memcpy_async(dst, (is_lse ? p.lse : pb.D) + row0 + ii, 4);
       else
@@ -205,7 +227,8 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
     }
   };
   if (nq > 0) tile_async(0);
-  tiles_ready();  // K and V (the first query tile is the batch now in flight)
+  __pipeline_commit();  // the first query tile
+  tile_landed();        // K, V and the first query tile
   // At HD 64 the warp's K and V rows, the A operands of S^T and dP^T for every query tile, stay in
   // registers (32 of them), so that those products read only Q and dO from shared memory; at HD
   // 128 the 64 registers they would take are not there, and the products read both operands.
@@ -219,14 +242,17 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
   float dk[DT][4] = {}, dv[DT][4] = {};
   for (int n = 0; n < G * nq; ++n) {
     const int i0 = j0 + (n % nq) * QC;
-    const bf16* Qs = QdOs + (n & 1) * 2 * QC * HD;
+    const bf16* Qs = QdOs + (n % NB) * 2 * QC * HD;
     const bf16* dOs = Qs + QC * HD;
-    const float* lse_s = lse_b + (n & 1) * QC;
-    const float* D_s = D_b + (n & 1) * QC;
-    if (n + 1 < G * nq) tile_async(n + 1);  // into the buffer whose readers finished last iteration
-    tiles_ready();
+    const float* lse_s = lse_b + (n % NB) * QC;
+    const float* D_s = D_b + (n % NB) * QC;
+    if (n > 0) tile_landed();
+    if (n + 1 < G * nq) tile_async(n + 1);  // into the buffer whose products were retired before the barrier
+    __pipeline_commit();
 
-    float st[NT][4] = {}, dpt[NT][4] = {};
+    // No zero fill: the first product of each chain does not read its accumulators (and a write to
+    // them here, with the last tile's products in flight, would make ptxas serialize the wgmmas).
+    float st[NT][4], dpt[NT][4];
     wg::fence();
 #pragma unroll
     for (int k = 0; k < KS; ++k) {  // S^T = K Q^T, dP^T = V dO^T
@@ -281,11 +307,11 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
 #pragma unroll
     for (int k = 0; k < QS; ++k) Wgmma<HD>::template rs<1>(dk, ads[k], desc_mn<HD>(Qs, k), 1);  // dK += dS^T Q
     wg::commit();
-    wg::wait<0>();
-    wg::fence_operands(dv);
-    wg::fence_operands(dk);
-    __syncthreads();  // this buffer's readers are done before it is refilled
+    if constexpr (NB == 2) wg::wait<0>();  // else retired with the next tile's S^T and dP^T
   }
+  wg::wait<0>();
+  wg::fence_operands(dv);
+  wg::fence_operands(dk);
   const float kscale[2] = {pb.scale, pb.scale}, vscale[2] = {1.f, 1.f};
   store_rows<DT>(dk, static_cast<bf16*>(pb.dk) + kv_off, p.kv_stride, keys[0], p.Tk, kscale, pb.accumulate);
   store_rows<DT>(dv, static_cast<bf16*>(pb.dv) + kv_off, p.kv_stride, keys[0], p.Tk, vscale, pb.accumulate);
@@ -296,11 +322,12 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
 
 template <int HD>
 constexpr size_t dq_wg_smem() {
-  return size_t(2 * kTcRows + 4 * kWgDqKeys<HD>) * HD * 2 + size_t(kTcRows) * 4;
+  return size_t(2 * kTcRows + 2 * kWgDqBufs<HD> * kWgDqKeys<HD>) * HD * 2 + size_t(kTcRows) * 4;
 }
 template <int HD>
 constexpr size_t dkdv_wg_smem() {
-  return size_t(2 * kTcRows + 4 * kBwdCols<HD>) * HD * 2 + size_t(4 * kBwdCols<HD>) * 4;
+  constexpr size_t cols = size_t(kWgDkdvBufs<HD>) * kBwdCols<HD>;  // query rows buffered
+  return (2 * kTcRows + 2 * cols) * HD * 2 + 2 * cols * 4;
 }
 
 template <int HD>
