@@ -55,7 +55,8 @@ for part in "${parts[@]}"; do
       # Each attention variant alone (`mpigpt bench-attention`: the kernels at the model's shape)
       # and in a training step, alternated so that they share the machine's state: the builtin
       # kernels (mma.sync), the builtin kernels on warpgroup products (MPIGPT_ATTENTION_WGMMA=1,
-      # sm_90a), and cuDNN's fused attention. Micro-batch 64 (Llama 1B: 32), no recompute; each
+      # sm_90a; `wgmma2` with the backward's two-buffer variant at head dim 64), and cuDNN's fused
+      # attention. Micro-batch 64 (Llama 1B: 32), no recompute; each
       # run's summary lines are in its log.
       for model in ${MODELS:-gpt2_124m gpt2_1p3b llama_1b}; do
         mb=64
@@ -65,6 +66,8 @@ for part in "${parts[@]}"; do
         step "kernels_${model}_builtin" "$B/run" "${kargs[@]}" --engine.attention_backend builtin
         step "kernels_${model}_wgmma" env MPIGPT_ATTENTION_WGMMA=1 "$B/run" "${kargs[@]}" \
           --engine.attention_backend builtin
+        step "kernels_${model}_wgmma2" env MPIGPT_ATTENTION_WGMMA=1 MPIGPT_ATTENTION_WG_TWO_BUFFERS=1 "$B/run" \
+          "${kargs[@]}" --engine.attention_backend builtin
         step "kernels_${model}_cudnn" "$B/run" "${kargs[@]}" --engine.attention_backend cudnn
         args=(mpigpt bench --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
               --training.global_batch $mb --engine.recompute none --bench-steps 10 --bench-warmup 3)

@@ -148,7 +148,7 @@ TEST_CASE("cuda attention bf16: the Hopper (wgmma) kernels match the CPU backend
   }
 #endif
   auto cpu = make_cpu_ops();
-  const EnvSwitch wg_env("MPIGPT_ATTENTION_WGMMA");
+  const EnvSwitch wg_env("MPIGPT_ATTENTION_WGMMA"), two_env("MPIGPT_ATTENTION_WG_TWO_BUFFERS");
   wg_env.set(true);
   const std::vector<Geometry> shapes = {
       {2, 130, 4, 2, 64}, {1, 100, 4, 1, 128}, {1, 64, 2, 2, 64}, {2, 1, 2, 1, 128}, {1, 257, 2, 1, 128},
@@ -161,6 +161,12 @@ TEST_CASE("cuda attention bf16: the Hopper (wgmma) kernels match the CPU backend
     CAPTURE(g.NKV);
     CAPTURE(g.HD);
     compare(g, DType::BF16, *ops, *cpu);
+    if (g.HD == 64) {  // the backward's two-buffer variant too (HD 128 has only that one)
+      INFO("MPIGPT_ATTENTION_WG_TWO_BUFFERS=1");
+      two_env.set(true);
+      compare(g, DType::BF16, *ops, *cpu);
+      two_env.set(false);
+    }
   }
 }
 

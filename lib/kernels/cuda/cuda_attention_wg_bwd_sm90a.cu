@@ -50,14 +50,15 @@ constexpr int kWgDqKeys = 64;  // the dQ kernel's key tile (the mma.sync kernel'
 // tile's score products are issued behind them: the loop waits for both together, so the tensor
 // cores are not left idle between the two chains while the warpgroup waits, and a buffer is
 // refilled only after the barrier that follows its last reader's retirement (two tiles later).
-// With 2, each tile's products are retired before the next tile. Both kernels keep 2 at HD 128:
-// the dQ kernel's three buffers (128 KiB of shared memory) would leave one block per
-// multiprocessor, and with the dK/dV kernel's accumulators in flight across tiles ptxas serializes
-// its wgmmas (C7515: at 199 registers it defines accumulator registers between the products).
-template <int HD>
-constexpr int kWgDqBufs = HD == 64 ? 3 : 2;
-template <int HD>
-constexpr int kWgDkdvBufs = HD == 64 ? 3 : 2;
+// With 2, each tile's products are retired before the next tile. HD 128 has 2 only: the dQ
+// kernel's three buffers (128 KiB of shared memory) would leave one block per multiprocessor, and
+// with the dK/dV kernel's accumulators in flight across tiles ptxas serializes its wgmmas (C7515:
+// at 199 registers it defines accumulator registers between the products). At HD 64, 3 unless
+// MPIGPT_ATTENTION_WG_TWO_BUFFERS is set (kept for measuring the one against the other).
+bool wg_two_buffers() {
+  const char* e = std::getenv("MPIGPT_ATTENTION_WG_TWO_BUFFERS");
+  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
+}
 
 // Waits for this thread's copies (the tile that the loop is about to use) and publishes them, and
 // the retirement of the products of two tiles back, to the whole block.
@@ -69,10 +70,10 @@ __device__ __forceinline__ void tile_landed() {
 
 // dq = dS K / sqrt(HD) for the 64 queries [i0, i0+64) of head h, batch row b (causal).
 // grid (ceil(T/64), NH, B).
-template <int HD>
+template <int HD, int NB>
 __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(const AttentionTcBackward pb) {
 #if MPIGPT_WGMMA_CODE
-  constexpr int KS = HD / 16, DT = HD / 8, KC = kWgDqKeys<HD>, NT = KC / 8, KCS = KC / 16, NB = kWgDqBufs<HD>;
+  constexpr int KS = HD / 16, DT = HD / 8, KC = kWgDqKeys<HD>, NT = KC / 8, KCS = KC / 16;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_wg_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(attn_wg_smem);
@@ -176,10 +177,10 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
 
 // dk = dS^T Q / sqrt(HD), dv = P^T dO for the 64 keys [j0, j0+64) of kv head kh, summed over its
 // NH/NKV query heads (causal). grid (ceil(T/64), NKV, B).
-template <int HD>
+template <int HD, int NB>
 __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(const AttentionTcBackward pb) {
 #if MPIGPT_WGMMA_CODE
-  constexpr int KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8, QS = QC / 16, NB = kWgDkdvBufs<HD>;
+  constexpr int KS = HD / 16, DT = HD / 8, QC = kBwdCols<HD>, NT = QC / 8, QS = QC / 16;
   const AttentionTcForward& p = pb.f;
   extern __shared__ __align__(128) unsigned char attn_wg_smem[];
   bf16* Ks = reinterpret_cast<bf16*>(attn_wg_smem);
@@ -320,22 +321,23 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
 #endif
 }
 
-template <int HD>
+template <int HD, int NB>
 constexpr size_t dq_wg_smem() {
-  return size_t(2 * kTcRows + 2 * kWgDqBufs<HD> * kWgDqKeys<HD>) * HD * 2 + size_t(kTcRows) * 4;
+  return size_t(2 * kTcRows + 2 * NB * kWgDqKeys<HD>) * HD * 2 + size_t(kTcRows) * 4;
 }
-template <int HD>
+template <int HD, int NB>
 constexpr size_t dkdv_wg_smem() {
-  constexpr size_t cols = size_t(kWgDkdvBufs<HD>) * kBwdCols<HD>;  // query rows buffered
+  constexpr size_t cols = size_t(NB) * kBwdCols<HD>;  // query rows buffered
   return (2 * kTcRows + 2 * cols) * HD * 2 + 2 * cols * 4;
 }
 
-template <int HD>
+template <int HD, int NB>
 void launch_bwd_wg(const AttentionTcBackward& p, cudaStream_t stream) {
+  static_assert(HD == 64 || NB == 2, "HD 128 has two tile buffers (see wg_two_buffers)");
   const unsigned tiles = unsigned((p.f.Tq + kTcRows - 1) / kTcRows);
-  auto dq = attention_bwd_dq_wg_kernel<HD>;
-  auto dkdv = attention_bwd_dkdv_wg_kernel<HD>;
-  const size_t dq_bytes = dq_wg_smem<HD>(), dkdv_bytes = dkdv_wg_smem<HD>();
+  auto dq = attention_bwd_dq_wg_kernel<HD, NB>;
+  auto dkdv = attention_bwd_dkdv_wg_kernel<HD, NB>;
+  const size_t dq_bytes = dq_wg_smem<HD, NB>(), dkdv_bytes = dkdv_wg_smem<HD, NB>();
   allow_smem(dq, dq_bytes);
   allow_smem(dkdv, dkdv_bytes);
   const dim3 gq{tiles, unsigned(p.f.NH), unsigned(p.f.B)};
@@ -362,7 +364,7 @@ bool attention_wgmma_available() {
   if (dev < 0 || dev >= kMaxDevices) return false;
   if (known[dev] == 0) {
     cudaFuncAttributes a{};
-    const cudaError_t rc = cudaFuncGetAttributes(&a, attention_bwd_dq_wg_kernel<64>);
+    const cudaError_t rc = cudaFuncGetAttributes(&a, attention_bwd_dq_wg_kernel<64, 3>);
     if (rc != cudaSuccess) (void)cudaGetLastError();  // clear the sticky "no kernel image" error
     known[dev] = rc == cudaSuccess ? 1 : 2;
   }
@@ -375,10 +377,12 @@ bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, 
       !aligned16(p.dq) || !aligned16(p.dk) || !aligned16(p.dv) || !attention_wgmma_available())
     return false;
   if (f.B == 0 || f.Tq == 0) return true;
-  if (f.HD == 64)
-    launch_bwd_wg<64>(p, stream);
+  if (f.HD == 128)
+    launch_bwd_wg<128, 2>(p, stream);
+  else if (wg_two_buffers())
+    launch_bwd_wg<64, 2>(p, stream);
   else
-    launch_bwd_wg<128>(p, stream);
+    launch_bwd_wg<64, 3>(p, stream);
   return true;
 }
 
