@@ -4,10 +4,12 @@
 //
 // The algorithm is cuda_attention_tc.cu's causal forward (FlashAttention-2: online softmax in fp32
 // and base 2, the lse saved in natural log). A block of 256 threads is two warpgroups and owns 128
-// queries, 64 per warpgroup, and streams 64-key tiles of K and V through shared memory, two buffers
-// deep; per tile each warpgroup computes S = Q K^T (both operands from shared memory, K-major) and
-// O += P V (P from the registers of S, V read MN-major). A warpgroup whose queries all precede a
-// tile's first key skips the tile's products (its condition is uniform over the warpgroup).
+// queries, 64 per warpgroup, and streams 64-key tiles of K and V through shared memory, three
+// buffers deep; per tile each warpgroup computes S = Q K^T (both operands from shared memory,
+// K-major) and O += P V (P from the registers of S, V read MN-major), and issues the next tile's S
+// behind that P V, so that one wait per tile retires both and the tensor cores go from one to the
+// other without the warpgroup in between. A warpgroup whose queries all precede a tile's first key
+// skips the tile's products (its condition is uniform over the warpgroup).
 #include <cmath>
 #include <cstdint>
 
@@ -28,6 +30,17 @@ using wg::Wgmma;
 constexpr int kWgFwdThreads = 256;  // two warpgroups
 constexpr int kWgFwdRows = 128;     // queries per block, 64 per warpgroup
 constexpr int kWgFwdKeys = 64;      // keys per tile
+// K and V tile buffers: tile n + 1's scores are issued behind tile n's P V (one wait retires both),
+// so tile n + 2 goes into a third buffer while n and n + 1 are still read.
+constexpr int kWgFwdBufs = 3;
+
+// Waits for this thread's copies (the next tile) and publishes them, and the retirement of the
+// products of the tile before this one, to the whole block.
+__device__ __forceinline__ void tile_landed() {
+  __pipeline_wait_prior(0);
+  wg::proxy_fence();
+  __syncthreads();
+}
 
 template <int HD, int ROWS>
 __device__ __forceinline__ void load_cm_async(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {
@@ -42,7 +55,7 @@ __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const A
   constexpr int KS = HD / 16, DT = HD / 8, KC = kWgFwdKeys, NT = KC / 8, KCS = KC / 16;
   extern __shared__ __align__(128) unsigned char attn_wg_smem[];
   bf16* Qs = reinterpret_cast<bf16*>(attn_wg_smem);  // 128 x HD
-  bf16* KVs = Qs + kWgFwdRows * HD;                   // [2] x (K, V), KC x HD each
+  bf16* KVs = Qs + kWgFwdRows * HD;                   // [kWgFwdBufs] x (K, V), KC x HD each
 
   const QueryTile<bf16> qt = query_tile<bf16, kWgFwdRows, true>(p);
   const int h = qt.h, b = qt.b, i0 = qt.i0;
@@ -53,87 +66,107 @@ __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const A
   const int rows[2] = {i0 + wr + g, i0 + wr + g + 8};        // this lane's queries
   const bf16* Qw = Qs + wg_row * HD;                         // the warpgroup's 64 rows (whole row groups)
 
+  const int kend = min(p.Tk, i0 + kWgFwdRows), ntiles = (kend + KC - 1) / KC;
+  auto load_tile = [&](int n) {  // keys [n KC, n KC + KC) into buffer n % kWgFwdBufs
+    bf16* buf = KVs + (n % kWgFwdBufs) * 2 * KC * HD;
+    load_cm_async<HD, KC>(buf, K, p.kv_stride, n * KC, p.Tk);
+    load_cm_async<HD, KC>(buf + KC * HD, V, p.kv_stride, n * KC, p.Tk);
+  };
   load_cm_async<HD, kWgFwdRows>(Qs, static_cast<const bf16*>(p.q) + int64_t(b) * p.Tq * p.q_stride + int64_t(h) * HD,
                                 p.q_stride, i0, p.Tq);
-  load_cm_async<HD, KC>(KVs, K, p.kv_stride, 0, p.Tk);
-  load_cm_async<HD, KC>(KVs + KC * HD, V, p.kv_stride, 0, p.Tk);
+  load_tile(0);
+  __pipeline_commit();
+  tile_landed();
+  if (ntiles > 1) load_tile(1);
   __pipeline_commit();
 
   float o[DT][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running row max (base 2); lane's share of the sum
-  const int kend = min(p.Tk, i0 + kWgFwdRows);
-  for (int j0 = 0, n = 0; j0 < kend; j0 += KC, ++n) {
-    const bf16* Ks = KVs + (n & 1) * 2 * KC * HD;
-    const bf16* Vs = Ks + KC * HD;
-    if (j0 + KC < kend) {  // the next tile into the other buffer (its readers finished last iteration)
-      bf16* next = KVs + ((n + 1) & 1) * 2 * KC * HD;
-      load_cm_async<HD, KC>(next, K, p.kv_stride, j0 + KC, p.Tk);
-      load_cm_async<HD, KC>(next + KC * HD, V, p.kv_stride, j0 + KC, p.Tk);
+  float s[NT][4];       // no zero fill: the first product of a chain does not read it
+  uint32_t a[KCS][4];   // P, the A operand of O += P V
+  auto scores = [&](int n) {  // issues S = Q K^T for tile n
+    const bf16* Ks = KVs + (n % kWgFwdBufs) * 2 * KC * HD;
+#pragma unroll
+    for (int k = 0; k < KS; ++k) Wgmma<KC>::template ss<0>(s, desc_k<HD>(Qw, k), desc_k<HD>(Ks, k), k > 0);
+    wg::commit();
+  };
+  auto values = [&](int n) {  // issues O += P V for tile n
+    const bf16* Vs = KVs + (n % kWgFwdBufs) * 2 * KC * HD + KC * HD;
+#pragma unroll
+    for (int k = 0; k < KCS; ++k) Wgmma<HD>::template rs<1>(o, a[k], desc_mn<HD>(Vs, k), 1);
+    wg::commit();
+  };
+  // P (into a) from the retired S of tile n, and the running max, sum and O rescaled. A tile wholly
+  // in the warpgroup's future (the last one of the first warpgroup) gives P = 0 and leaves them be.
+  auto softmax = [&](int n) {
+    const int j0 = n * KC;
+    wg::fence_operands(s);
+    // Scale to base 2 and mask. A tile entirely at or below the warp's first query and inside Tk
+    // needs no mask (rows past Tq are computed from zero Q rows and never written).
+    const bool unmasked = j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
+        const bool vis = unmasked || (j < p.Tk && j <= rows[rr]);
+        s[nt][e] = vis ? s[nt][e] * p.scale_log2 : -INFINITY;
+        mx[rr] = fmaxf(mx[rr], s[nt][e]);
+      }
     }
-    wg::tiles_ready();
+    float alpha[2], base[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+      mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+      const float mnew = fmaxf(m[rr], mx[rr]);
+      base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
+      alpha[rr] = exp2f(m[rr] - base[rr]);
+      m[rr] = mnew;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
+        sum[e >> 1] += s[nt][e];
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
+#pragma unroll
+    for (int k = 0; k < KCS; ++k) acc_to_a<NT>(a[k], s, k);
+    wg::fence_operands(o);
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][0] *= alpha[0];
+      o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1];
+      o[dt][3] *= alpha[1];
+    }
+  };
 
-    if (j0 <= i0 + wg_row + 63) {  // some query of the warpgroup sees some key of the tile
-      float s[NT][4] = {};
-      wg::fence();
-#pragma unroll
-      for (int k = 0; k < KS; ++k) Wgmma<KC>::template ss<0>(s, desc_k<HD>(Qw, k), desc_k<HD>(Ks, k), k > 0);
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(s);
-      // Scale to base 2 and mask. A tile entirely at or below the warp's first query and inside Tk
-      // needs no mask (rows past Tq are computed from zero Q rows and never written).
-      const bool unmasked = j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk;
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
-          const bool vis = unmasked || (j < p.Tk && j <= rows[rr]);
-          s[nt][e] = vis ? s[nt][e] * p.scale_log2 : -INFINITY;
-          mx[rr] = fmaxf(mx[rr], s[nt][e]);
-        }
-      }
-      float alpha[2], base[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-        const float mnew = fmaxf(m[rr], mx[rr]);
-        base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
-        alpha[rr] = exp2f(m[rr] - base[rr]);
-        m[rr] = mnew;
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
-          sum[e >> 1] += s[nt][e];
-        }
-      }
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) l[rr] = l[rr] * alpha[rr] + sum[rr];
-      uint32_t a[KCS][4];
-#pragma unroll
-      for (int k = 0; k < KCS; ++k) acc_to_a<NT>(a[k], s, k);
-      wg::fence_operands(o);
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        o[dt][0] *= alpha[0];
-        o[dt][1] *= alpha[0];
-        o[dt][2] *= alpha[1];
-        o[dt][3] *= alpha[1];
-      }
-      wg::fence();
-#pragma unroll
-      for (int k = 0; k < KCS; ++k) Wgmma<HD>::template rs<1>(o, a[k], desc_mn<HD>(Vs, k), 1);  // O += P V
-      wg::commit();
-      wg::wait<0>();
-      wg::fence_operands(o);
-    }
-    __syncthreads();  // this buffer's readers are done before it is refilled
+  wg::fence();
+  scores(0);
+  wg::wait<0>();
+  for (int n = 0; n + 1 < ntiles; ++n) {
+    softmax(n);
+    // Tile n + 1 has landed, and every warp has retired its products of tile n - 1, whose buffer
+    // takes tile n + 2.
+    tile_landed();
+    if (n + 2 < ntiles) load_tile(n + 2);
+    __pipeline_commit();
+    wg::fence();
+    values(n);
+    scores(n + 1);  // queued behind P V: one wait retires both
+    wg::wait<0>();
   }
+  softmax(ntiles - 1);
+  wg::fence();
+  values(ntiles - 1);
+  wg::wait<0>();
+  wg::fence_operands(o);
 
   float inv[2], lse[2];
 #pragma unroll
@@ -157,7 +190,7 @@ __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const A
 
 template <int HD>
 constexpr size_t fwd_wg_smem() {
-  return size_t(kWgFwdRows + 4 * kWgFwdKeys) * HD * 2;
+  return size_t(kWgFwdRows + 2 * kWgFwdBufs * kWgFwdKeys) * HD * 2;
 }
 
 template <int HD>
