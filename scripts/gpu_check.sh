@@ -12,6 +12,8 @@
 #                 fortunes: the node has no fortune files to prepare it from)
 #   MODELS=...    attention: the inputs/*_gpu.ini models (default gpt2_124m gpt2_1p3b llama_1b)
 #   ROUNDS=N      attention: rounds of the alternated variants (default 1)
+#   STEP_TIMEOUT=S  seconds each command may run before it is killed and reported failed (exit 124):
+#                 a kernel that hangs costs one step, not the session (default none; attention 150)
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BUNDLE_DIR OUT_DIR [unit] [regression] [bench]" >&2; exit 2; }
 mkdir -p "$2"
@@ -25,7 +27,7 @@ step() {  # name command...: runs it, its output to OUT/name.log, and reports th
   local name=$1
   shift
   local t0=$SECONDS
-  "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 10 "${STEP_TIMEOUT:-0}" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "gpu_check: $name exit $rc ($((SECONDS - t0)) s)"
   [ $rc -eq 0 ] || status=1
@@ -52,6 +54,8 @@ for part in "${parts[@]}"; do
       step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" "$SRC/scripts/bench_gpu.sh" \
         "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;
     attention)
+      saved_timeout=${STEP_TIMEOUT-}
+      STEP_TIMEOUT=${STEP_TIMEOUT:-150}
       # Each attention variant alone (`mpigpt bench-attention`: the kernels at the model's shape)
       # and in a training step, alternated so that they share the machine's state: the builtin
       # kernels (mma.sync), the builtin kernels on warpgroup products (MPIGPT_ATTENTION_WGMMA=1,
@@ -77,7 +81,8 @@ for part in "${parts[@]}"; do
             --engine.attention_backend builtin
           step "attention_${model}_cudnn_$round" "$B/run" "${args[@]}" --engine.attention_backend cudnn
         done
-      done ;;
+      done
+      STEP_TIMEOUT=$saved_timeout ;;
     *) echo "gpu_check: unknown part $part (unit, regression, bench, attention)" >&2; exit 2 ;;
   esac
 done
