@@ -18,6 +18,7 @@
 #include "lib/kernels/device_select.h"
 #include "lib/kernels/ops.h"
 #include "lib/train/trainer.h"
+#include "parallel/mpi_env.h"
 
 namespace mpigpt::app {
 
@@ -95,7 +96,7 @@ int cmd_bench_attention(const std::vector<std::string>& args, const MpiEnv& mpi)
   std::unique_ptr<Ops> ops;
   DType dt = DType::F32;
   if (cfg.engine.backend == "cuda") {
-    const int dev = choose_device(0, 1, visible_cuda_devices(), false, "this host");
+    const int dev = choose_device(0, 1, visible_cuda_devices(), false, node_ranks().host);
     ops = make_cuda_ops(dev, CudaOptions{cfg.engine.gemm_autotune, cfg.engine.attention_backend});
     if (cfg.training.precision == "bf16") dt = DType::BF16;
   } else {
