@@ -12,12 +12,12 @@
 // through descriptors, where the mma.sync kernels issue 16 x 8 x 16 products fed by ldmatrix.
 // Score-like products (S, dP and their transposes) read their B operand K-major from shared memory
 // and take their A operand, the block's own rows that stay the same for every tile (Q and dO in the
-// dQ kernel; K and V in the dK/dV kernel at HD 64, where the registers allow), from registers: an
-// instruction that reads both operands from shared memory (m64n64k16: 4 KB per 32 cycles of tensor
-// work) would use all of the shared-memory bandwidth. The gradient products take the
-// probabilities or dS from registers (the accumulator layout is an A operand's) and read Q, dO or
-// K MN-major from the same tiles. Tiles are stored in the canonical
-// core-matrix layout (cm_index) by 16-byte asynchronous copies, two buffers deep.
+// dQ kernel; K, and at HD 64 V, in the dK/dV kernel, as far as the registers allow), from
+// registers: an instruction that reads both operands from shared memory (m64n64k16: 4 KB per 32
+// cycles of tensor work) would use all of the shared-memory bandwidth. The gradient products take
+// the probabilities or dS from registers (the accumulator layout is an A operand's) and read Q, dO
+// or K MN-major from the same tiles. Tiles are stored in the canonical core-matrix layout
+// (cm_index) by 16-byte asynchronous copies, two or three buffers deep (wg_two_buffers below).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -230,15 +230,13 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
   if (nq > 0) tile_async(0);
   __pipeline_commit();  // the first query tile
   tile_landed();        // K, V and the first query tile
-  // At HD 64 the warp's K and V rows, the A operands of S^T and dP^T for every query tile, stay in
-  // registers (32 of them), so that those products read only Q and dO from shared memory; at HD
-  // 128 the 64 registers they would take are not there, and the products read both operands.
+  // The warp's K rows, the A operand of S^T for every query tile, stay in registers, so that S^T
+  // reads only Q from shared memory; at HD 64 its V rows too (dP^T reads only dO). At HD 128 the V
+  // rows' 32 registers are not there (K's take the kernel to 230), and dP^T reads both operands.
   constexpr bool kRegKV = HD == 64;
-  uint32_t ka[kRegKV ? KS : 1][4], va[kRegKV ? KS : 1][4];
-  if constexpr (kRegKV) {
-    wg::load_a_regs<HD, KS>(ka, Ks, wr);
-    wg::load_a_regs<HD, KS>(va, Vs, wr);
-  }
+  uint32_t ka[KS][4], va[kRegKV ? KS : 1][4];
+  wg::load_a_regs<HD, KS>(ka, Ks, wr);
+  if constexpr (kRegKV) wg::load_a_regs<HD, KS>(va, Vs, wr);
 
   float dk[DT][4] = {}, dv[DT][4] = {};
   for (int n = 0; n < G * nq; ++n) {
@@ -261,7 +259,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
         Wgmma<QC>::template rs<0>(st, ka[k], desc_k<HD>(Qs, k), k > 0);
         Wgmma<QC>::template rs<0>(dpt, va[k], desc_k<HD>(dOs, k), k > 0);
       } else {
-        Wgmma<QC>::template ss<0>(st, desc_k<HD>(Ks, k), desc_k<HD>(Qs, k), k > 0);
+        Wgmma<QC>::template rs<0>(st, ka[k], desc_k<HD>(Qs, k), k > 0);
         Wgmma<QC>::template ss<0>(dpt, desc_k<HD>(Vs, k), desc_k<HD>(dOs, k), k > 0);
       }
     }
