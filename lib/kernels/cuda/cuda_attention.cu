@@ -39,8 +39,6 @@
 // call after checking their arguments.
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "lib/kernels/cuda/cuda_attention_fma.cuh"
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
@@ -58,10 +56,7 @@ namespace {
 // the environment variable MPIGPT_ATTENTION_FMA is set to a value other than "0" or "": then they
 // use the scalar fp32-FMA kernels (cuda_attention_fwd.cu, cuda_attention_bwd.cu; read on every
 // call, so tests can compare the two).
-bool fma_forced() {
-  const char* e = std::getenv("MPIGPT_ATTENTION_FMA");
-  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
-}
+bool fma_forced() { return attention_switch("MPIGPT_ATTENTION_FMA"); }
 
 void run_forward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
   if (p.B == 0 || p.Tq == 0) return;

@@ -4,10 +4,19 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
 
 namespace mpigpt::cuda {
+
+// An attention switch of the environment (MPIGPT_ATTENTION_FMA, _WGMMA, _WG_TWO_BUFFERS): on when
+// set to a value other than "" or "0"; read on every call, so tests can flip it.
+inline bool attention_switch(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
+}
 
 // One forward problem, laid out as cuda_attention.cu's Problem: element d of query head h of token
 // (b, i) is q[(b*Tq + i)*q_stride + h*HD + d]; key/value head kh of token (b, j) is at

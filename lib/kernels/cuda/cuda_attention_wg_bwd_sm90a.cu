@@ -20,8 +20,6 @@
 // (cm_index) by 16-byte asynchronous copies, two or three buffers deep (wg_two_buffers below).
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
 #include "lib/kernels/cuda/cuda_attention_tc_tiles.cuh"
@@ -55,18 +53,9 @@ constexpr int kWgDqKeys = 64;  // the dQ kernel's key tile (the mma.sync kernel'
 // with the dK/dV kernel's accumulators in flight across tiles ptxas serializes its wgmmas (C7515:
 // at 199 registers it defines accumulator registers between the products). At HD 64, 3 unless
 // MPIGPT_ATTENTION_WG_TWO_BUFFERS is set (kept for measuring the one against the other).
-bool wg_two_buffers() {
-  const char* e = std::getenv("MPIGPT_ATTENTION_WG_TWO_BUFFERS");
-  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
-}
+bool wg_two_buffers() { return attention_switch("MPIGPT_ATTENTION_WG_TWO_BUFFERS"); }
 
-// Waits for this thread's copies (the tile that the loop is about to use) and publishes them, and
-// the retirement of the products of two tiles back, to the whole block.
-__device__ __forceinline__ void tile_landed() {
-  __pipeline_wait_prior(0);
-  wg::proxy_fence();
-  __syncthreads();
-}
+using wg::tile_landed;
 
 // dq = dS K / sqrt(HD) for the 64 queries [i0, i0+64) of head h, batch row b (causal).
 // grid (ceil(T/64), NH, B).
@@ -348,10 +337,7 @@ void launch_bwd_wg(const AttentionTcBackward& p, cudaStream_t stream) {
 
 }  // namespace
 
-bool attention_wgmma_requested() {
-  const char* e = std::getenv("MPIGPT_ATTENTION_WGMMA");
-  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
-}
+bool attention_wgmma_requested() { return attention_switch("MPIGPT_ATTENTION_WGMMA"); }
 
 bool attention_wgmma_available() {
   // The kernels exist only as sm_90a code: on another GPU there is no image to load.

@@ -33,14 +33,7 @@ constexpr int kWgFwdKeys = 64;      // keys per tile
 // K and V tile buffers: tile n + 1's scores are issued behind tile n's P V (one wait retires both),
 // so tile n + 2 goes into a third buffer while n and n + 1 are still read.
 constexpr int kWgFwdBufs = 3;
-
-// Waits for this thread's copies (the next tile) and publishes them, and the retirement of the
-// products of the tile before this one, to the whole block.
-__device__ __forceinline__ void tile_landed() {
-  __pipeline_wait_prior(0);
-  wg::proxy_fence();
-  __syncthreads();
-}
+using wg::tile_landed;
 
 template <int HD, int ROWS>
 __device__ __forceinline__ void load_cm_async(bf16* dst, const bf16* src, int64_t stride, int row0, int end) {

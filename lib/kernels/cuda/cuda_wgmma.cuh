@@ -162,11 +162,11 @@ __device__ __forceinline__ void load_a_regs(uint32_t (&a)[KS][4], const bf16* ti
                                                                            16 * s + 2 * t + 8 * (i >> 1)));
 }
 
-// Commits the current batch of copies, waits for the one before it, and publishes the tiles to
-// every thread's products (fenced for wgmma's proxy before the block barrier).
-__device__ __forceinline__ void tiles_ready() {
-  __pipeline_commit();
-  __pipeline_wait_prior(1);
+// Waits for all of this thread's committed copies and publishes them to every thread's products
+// (fenced for wgmma's proxy before the block barrier); the barrier also tells every thread that
+// the products each warp retired before it have finished reading their tiles.
+__device__ __forceinline__ void tile_landed() {
+  __pipeline_wait_prior(0);
   proxy_fence();
   __syncthreads();
 }
