@@ -93,6 +93,7 @@ struct Fiber {
   State state = Runnable;
   uint3 tid;
   int vote_gen = 0;
+  int exchange_gen = 0;  // the warp exchanges (shuffles, all-gathers) this thread has made
   // Asynchronous copies (cuda_pipeline_primitives.h): the open batch and the committed ones, oldest
   // first; each copy keeps its destination and the source bytes taken at issue.
   struct Copy {
@@ -121,7 +122,10 @@ struct alignas(128) SmemChunk {
   float v[32];
 };
 std::vector<SmemChunk> smem;  // dynamic shared memory, 128-byte aligned as __align__(128) asks
-unsigned char warp_buf[32][32][256];  // [warp][lane][bytes]: shuffles and all-gathers
+// [generation % 2][warp][lane][bytes]: shuffles and all-gathers. A lane writes its value, waits at
+// the warp barrier and reads; the next exchange writes the other buffer, and the one after reuses
+// this one only past that next exchange's barrier, when every lane has read this one.
+unsigned char warp_buf[2][32][32][256];
 int votes[3];
 cudaError_t last_error = cudaSuccess;
 int nthreads = 0;
@@ -150,6 +154,7 @@ void run_block() {
     Fiber& f = fibers[i];
     f.state = Runnable;
     f.vote_gen = 0;
+    f.exchange_gen = 0;
     f.open.clear();
     f.committed.clear();
     f.copies_unfenced = false;
@@ -322,20 +327,24 @@ void wgmma_wait(int pending) {
   if (f.wg_open.empty() && f.wg_committed.empty()) f.wg_fenced = false;
 }
 size_t dyn_smem_bytes() { return smem_size; }
+namespace {
+// This thread's half of the warp's exchange buffer for its next exchange.
+unsigned char (*exchange_buf())[32][256] { return warp_buf[fibers[cur].exchange_gen++ % 2]; }
+}  // namespace
 void shfl_exchange(const void* in, void* out, size_t bytes, int lane_xor) {
   const int lin = linear(threadIdx), w = lin / 32, lane = lin % 32;
-  std::memcpy(warp_buf[w][lane], in, bytes);
+  auto buf = exchange_buf();
+  std::memcpy(buf[w][lane], in, bytes);
   syncwarp();
-  std::memcpy(out, warp_buf[w][lane ^ lane_xor], bytes);
-  syncwarp();
+  std::memcpy(out, buf[w][lane ^ lane_xor], bytes);
 }
 int lane() { return linear(threadIdx) % 32; }
 void warp_allgather(const void* in, void* out, size_t bytes) {
   const int lin = linear(threadIdx), w = lin / 32;
-  std::memcpy(warp_buf[w][lin % 32], in, bytes);
+  auto buf = exchange_buf();
+  std::memcpy(buf[w][lin % 32], in, bytes);
   syncwarp();
-  for (int l = 0; l < 32; ++l) std::memcpy(static_cast<char*>(out) + l * bytes, warp_buf[w][l], bytes);
-  syncwarp();
+  for (int l = 0; l < 32; ++l) std::memcpy(static_cast<char*>(out) + l * bytes, buf[w][l], bytes);
 }
 namespace {
 const AsyncHooks* async_hooks = nullptr;

@@ -1,6 +1,6 @@
 // The host emulator's reference cuBLASLt (docs/testing.md, include/cublasLt.h): descriptors as
 // plain structs, the heuristic accepts every consistent product, and cublasLtMatmul computes
-// D = alpha op(A) op(B) + beta C with plain loops (double sums, rounded once to f32 as an fp32
+// D = alpha op(A) op(B) + beta C with plain loops (double sums in order, rounded once to f32 as an fp32
 // accumulator would be), then the epilogue: + bias (per row of the column-major D), GELU (tanh
 // approximation, writing its input to the aux matrix) or the GELU gradient (from the aux matrix).
 #include <cmath>
@@ -145,18 +145,44 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
   const int64_t m = int64_t(ld->rows), n = int64_t(ld->cols), k = d->ta ? int64_t(la->rows) : int64_t(la->cols);
   const bool has_bias = d->epi & 4, gelu_fwd = (d->epi & 32) != 0, dgelu = (d->epi & 64) != 0;
   if (has_bias && !d->bias) return CUBLAS_STATUS_INVALID_VALUE;
-  std::vector<double> out(size_t(m * n));
+  // op(A) by rows and op(B) by columns, in double, so that each dot product reads two contiguous
+  // rows; four columns at a time keep four independent sums in flight (each still summed in order
+  // p = 0, 1, ..., k - 1, the result of the plain loop).
+  std::vector<double> a(size_t(m * k)), b(size_t(n * k)), out(size_t(m * n));
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t p = 0; p < k; ++p)
+      a[size_t(i * k + p)] = d->ta ? rd(A, la->t, p + i * la->ld) : rd(A, la->t, i + p * la->ld);
   for (int64_t j = 0; j < n; ++j)
+    for (int64_t p = 0; p < k; ++p)
+      b[size_t(j * k + p)] = d->tb ? rd(B, lb->t, j + p * lb->ld) : rd(B, lb->t, p + j * lb->ld);
+  auto finish = [&](int64_t i, int64_t j, double s) {
+    float acc = alpha * float(s);
+    if (beta != 0.0f) acc += beta * float(rd(C, lc->t, i + j * lc->ld));
+    out[size_t(i + j * m)] = acc;
+  };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const double *b0 = &b[size_t(j * k)], *b1 = b0 + k, *b2 = b1 + k, *b3 = b2 + k;
+    for (int64_t i = 0; i < m; ++i) {
+      const double* ai = &a[size_t(i * k)];
+      double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+      for (int64_t p = 0; p < k; ++p) {
+        s0 += ai[p] * b0[p];
+        s1 += ai[p] * b1[p];
+        s2 += ai[p] * b2[p];
+        s3 += ai[p] * b3[p];
+      }
+      finish(i, j, s0);
+      finish(i, j + 1, s1);
+      finish(i, j + 2, s2);
+      finish(i, j + 3, s3);
+    }
+  }
+  for (; j < n; ++j)
     for (int64_t i = 0; i < m; ++i) {
       double s = 0.0;
-      for (int64_t p = 0; p < k; ++p) {
-        const double a = d->ta ? rd(A, la->t, p + i * la->ld) : rd(A, la->t, i + p * la->ld);
-        const double b = d->tb ? rd(B, lb->t, j + p * lb->ld) : rd(B, lb->t, p + j * lb->ld);
-        s += a * b;
-      }
-      float acc = alpha * float(s);
-      if (beta != 0.0f) acc += beta * float(rd(C, lc->t, i + j * lc->ld));
-      out[size_t(i + j * m)] = acc;
+      for (int64_t p = 0; p < k; ++p) s += a[size_t(i * k + p)] * b[size_t(j * k + p)];
+      finish(i, j, s);
     }
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < m; ++i) {
