@@ -110,14 +110,14 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
           mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
           const float mnew = fmaxf(m[mt][rr], mx[rr]);
           base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
-          alpha[rr] = exp2f(m[mt][rr] - base[rr]);
+          alpha[rr] = exp2_ftz(m[mt][rr] - base[rr]);
           m[mt][rr] = mnew;
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            s[mt][nt][e] = exp2f(s[mt][nt][e] - base[e >> 1]);
+            s[mt][nt][e] = exp2_ftz(s[mt][nt][e] - base[e >> 1]);
             sum[e >> 1] += s[mt][nt][e];
           }
         }

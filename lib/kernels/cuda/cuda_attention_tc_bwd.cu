@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
           vis = vis && j <= rows[rr];
         else
           vis = vis && kseg_s[j - j0] == myqseg[rr] && kpos_s[j - j0] <= myqpos[rr];
-        const float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
+        const float pr = vis ? exp2_ftz(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
         s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;  // dS
       }
     }
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kTcThreads, (kDkdvMinBlocks<HD, kCausal>))
           vis = vis && keys[rr] <= i0 + x;
         else
           vis = vis && qseg_s[x] == mykseg[rr] && mykpos[rr] <= qpos_s[x];
-        const float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
+        const float pr = vis ? exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
         st[nt][e] = pr;                                             // P^T
         dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
       }

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          s[nt][e] = exp2f(s[nt][e] * p.scale_log2 - lse2[e >> 1]) * (dp[nt][e] - Dr[e >> 1]);
+          s[nt][e] = exp2_ftz(s[nt][e] * p.scale_log2 - lse2[e >> 1]) * (dp[nt][e] - Dr[e >> 1]);
     } else {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
         for (int e = 0; e < 4; ++e) {
           const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
           const bool vis = lse2[rr] != -INFINITY && j < p.Tk && j <= rows[rr];
-          const float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
+          const float pr = vis ? exp2_ftz(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
           s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;
         }
       }
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int x = nt * 8 + 2 * t + (e & 1);
-          const float pr = exp2f(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e);
+          const float pr = exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e);
           st[nt][e] = pr;
           dpt[nt][e] = pr * (dpt[nt][e] - D_s[x]);
         }
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
         for (int e = 0; e < 4; ++e) {
           const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
           const bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY && keys[rr] <= i0 + x;
-          const float pr = vis ? exp2f(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
+          const float pr = vis ? exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
           st[nt][e] = pr;                                             // P^T
           dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
         }

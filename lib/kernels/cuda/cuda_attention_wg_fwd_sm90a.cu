@@ -115,14 +115,14 @@ __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const A
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
       const float mnew = fmaxf(m[rr], mx[rr]);
       base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
-      alpha[rr] = exp2f(m[rr] - base[rr]);
+      alpha[rr] = exp2_ftz(m[rr] - base[rr]);
       m[rr] = mnew;
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
+        s[nt][e] = exp2_ftz(s[nt][e] - base[e >> 1]);
         sum[e >> 1] += s[nt][e];
       }
     }
