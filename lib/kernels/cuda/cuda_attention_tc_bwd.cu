@@ -90,18 +90,30 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
       warp_abt<KS, NT, LD>(s, Qs + wr * LD, Ks);
       warp_abt<KS, NT, LD>(dp, dOs + wr * LD, Vs);
     }
+    // dS. A causal tile wholly visible to the warp's 16 queries (its last key at or before the first
+    // of them, inside Tk; the queries inside Tq, so each saw a key and has a finite lse) needs no
+    // per-element mask: most tiles of a long sequence, and the mask's tests and selects are about
+    // half of this per-element work.
+    if (kCausal && j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk && i0 + wr + 16 <= p.Tq) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
-        bool vis = lse2[rr] != -INFINITY && j < p.Tk;
-        if constexpr (kCausal)
-          vis = vis && j <= rows[rr];
-        else
-          vis = vis && kseg_s[j - j0] == myqseg[rr] && kpos_s[j - j0] <= myqpos[rr];
-        const float pr = vis ? exp2_ftz(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
-        s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;  // dS
+        for (int e = 0; e < 4; ++e)
+          s[nt][e] = exp2_ftz(s[nt][e] * p.scale_log2 - lse2[e >> 1]) * (dp[nt][e] - Dr[e >> 1]);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
+          bool vis = lse2[rr] != -INFINITY && j < p.Tk;
+          if constexpr (kCausal)
+            vis = vis && j <= rows[rr];
+          else
+            vis = vis && kseg_s[j - j0] == myqseg[rr] && kpos_s[j - j0] <= myqpos[rr];
+          const float pr = vis ? exp2_ftz(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
+          s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;  // dS
+        }
       }
     }
     warp_acc_times<NT, DT, LD>(dq, s, Ks);  // dQ += dS K
@@ -223,19 +235,36 @@ __global__ void __launch_bounds__(kTcThreads, (kDkdvMinBlocks<HD, kCausal>))
     float st[NT][4] = {}, dpt[NT][4] = {};
     warp_abt<KS, NT, LD>(st, Ks + wr * LD, Qs);   // S^T = K Q^T
     warp_abt<KS, NT, LD>(dpt, Vs + wr * LD, dOs);  // dP^T = V dO^T
+    // P^T and dS^T. Unmasked when the warp's 16 keys (inside Tk) all precede the tile's first query
+    // and the tile's queries are inside Tq (each saw a key: a finite lse), as in the dQ kernel; not
+    // where the kernel is compiled for 3 blocks per multiprocessor (HD 64): there the second copy
+    // of the loop takes its spill from 12 to 48 bytes, which would need a GPU to weigh.
+    constexpr bool kUnmaskedPath = kCausal && kDkdvMinBlocks<HD, kCausal> < 3;
+    if (kUnmaskedPath && j0 + wr + 15 <= i0 && j0 + wr + 16 <= p.Tk && i0 + QC <= p.Tq) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
-        bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY;
-        if constexpr (kCausal)
-          vis = vis && keys[rr] <= i0 + x;
-        else
-          vis = vis && qseg_s[x] == mykseg[rr] && mykpos[rr] <= qpos_s[x];
-        const float pr = vis ? exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
-        st[nt][e] = pr;                                             // P^T
-        dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
+        for (int e = 0; e < 4; ++e) {
+          const int x = nt * 8 + 2 * t + (e & 1);
+          const float pr = exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e);
+          st[nt][e] = pr;
+          dpt[nt][e] = pr * (dpt[nt][e] - D_s[x]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
+          bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY;
+          if constexpr (kCausal)
+            vis = vis && keys[rr] <= i0 + x;
+          else
+            vis = vis && qseg_s[x] == mykseg[rr] && mykpos[rr] <= qpos_s[x];
+          const float pr = vis ? exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
+          st[nt][e] = pr;                                             // P^T
+          dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
+        }
       }
     }
     warp_acc_times<NT, DT, LD>(dv, st, dOs);  // dV += P^T dO
