@@ -82,8 +82,9 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
         warp_abt_m<MT, KS, NT, LD>(s, Qs + wr * LD, Ks);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        // Scale to base 2 and mask. A causal tile entirely at or below the m-tile's first query and
-        // inside Tk needs no mask (rows past Tq are computed from zero Q rows and never written).
+        // Mask (the scores stay unscaled until the exponential). A causal tile entirely at or below
+        // the m-tile's first query and inside Tk needs no mask (rows past Tq are computed from zero
+        // Q rows and never written).
         const bool unmasked = kCausal && j0 + KC - 1 <= i0 + wr + 16 * mt && j0 + KC <= p.Tk;
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
               else
                 vis = vis && kseg_s[x] == myqseg[mt][rr] && kpos_s[x] <= myqpos[mt][rr];
             }
-            s[mt][nt][e] = vis ? s[mt][nt][e] * p.scale_log2 : -INFINITY;
+            s[mt][nt][e] = vis ? s[mt][nt][e] : -INFINITY;
             mx[rr] = fmaxf(mx[rr], s[mt][nt][e]);
           }
         }
@@ -109,15 +110,18 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
           mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
           mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
           const float mnew = fmaxf(m[mt][rr], mx[rr]);
-          base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
-          alpha[rr] = exp2_ftz(m[mt][rr] - base[rr]);
+          // The row max is kept in score units and the base in base-2 units, so that each probability
+          // is exp2 of one FFMA (scale > 0: the max commutes with the scaling). Nothing visible yet:
+          // every term is exp2(-inf) = 0.
+          base[rr] = mnew == -INFINITY ? 0.f : mnew * p.scale_log2;
+          alpha[rr] = exp2_ftz(m[mt][rr] * p.scale_log2 - base[rr]);
           m[mt][rr] = mnew;
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            s[mt][nt][e] = exp2_ftz(s[mt][nt][e] - base[e >> 1]);
+            s[mt][nt][e] = exp2_ftz(s[mt][nt][e] * p.scale_log2 - base[e >> 1]);  // one FFMA
             sum[e >> 1] += s[mt][nt][e];
           }
         }
@@ -144,7 +148,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_fwd_tc_kernel(const Atte
       float total = l[mt][rr] + __shfl_xor_sync(0xffffffffu, l[mt][rr], 1);
       total += __shfl_xor_sync(0xffffffffu, total, 2);
       inv[rr] = total > 0.f ? 1.f / total : 0.f;  // no visible key: out 0 exactly
-      lse[rr] = total > 0.f ? (m[mt][rr] + log2f(total)) * kTcLn2 : -INFINITY;
+      lse[rr] = total > 0.f ? (m[mt][rr] * p.scale_log2 + log2f(total)) * kTcLn2 : -INFINITY;
     }
     store_rows<DT>(o[mt], static_cast<bf16*>(p.out) + int64_t(b) * p.Tq * (int64_t(p.NH) * HD) + int64_t(h) * HD,
                    int64_t(p.NH) * HD, rows[mt][0], p.Tq, inv, false);

@@ -94,8 +94,9 @@ __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const A
   auto softmax = [&](int n) {
     const int j0 = n * KC;
     wg::fence_operands(s);
-    // Scale to base 2 and mask. A tile entirely at or below the warp's first query and inside Tk
-    // needs no mask (rows past Tq are computed from zero Q rows and never written).
+    // Mask (the scores stay unscaled until the exponential). A tile entirely at or below the warp's
+    // first query and inside Tk needs no mask (rows past Tq are computed from zero Q rows and never
+    // written).
     const bool unmasked = j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const A
       for (int e = 0; e < 4; ++e) {
         const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
         const bool vis = unmasked || (j < p.Tk && j <= rows[rr]);
-        s[nt][e] = vis ? s[nt][e] * p.scale_log2 : -INFINITY;
+        s[nt][e] = vis ? s[nt][e] : -INFINITY;
         mx[rr] = fmaxf(mx[rr], s[nt][e]);
       }
     }
@@ -114,15 +115,18 @@ __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const A
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
       mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
       const float mnew = fmaxf(m[rr], mx[rr]);
-      base[rr] = mnew == -INFINITY ? 0.f : mnew;  // nothing visible yet: every term is exp2(-inf) = 0
-      alpha[rr] = exp2_ftz(m[rr] - base[rr]);
+      // The row max is kept in score units and the base in base-2 units, so that each probability
+      // is exp2 of one FFMA (scale > 0: the max commutes with the scaling). Nothing visible yet:
+      // every term is exp2(-inf) = 0.
+      base[rr] = mnew == -INFINITY ? 0.f : mnew * p.scale_log2;
+      alpha[rr] = exp2_ftz(m[rr] * p.scale_log2 - base[rr]);
       m[rr] = mnew;
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2_ftz(s[nt][e] - base[e >> 1]);
+        s[nt][e] = exp2_ftz(s[nt][e] * p.scale_log2 - base[e >> 1]);  // one FFMA
         sum[e >> 1] += s[nt][e];
       }
     }
@@ -167,7 +171,7 @@ __global__ void __launch_bounds__(kWgFwdThreads) attention_fwd_wg_kernel(const A
     float total = l[rr] + __shfl_xor_sync(0xffffffffu, l[rr], 1);
     total += __shfl_xor_sync(0xffffffffu, total, 2);
     inv[rr] = total > 0.f ? 1.f / total : 0.f;  // no visible key: out 0 exactly
-    lse[rr] = total > 0.f ? (m[rr] + log2f(total)) * kTcLn2 : -INFINITY;
+    lse[rr] = total > 0.f ? (m[rr] * p.scale_log2 + log2f(total)) * kTcLn2 : -INFINITY;
   }
   store_rows<DT>(o, static_cast<bf16*>(p.out) + int64_t(b) * p.Tq * (int64_t(p.NH) * HD) + int64_t(h) * HD,
                  int64_t(p.NH) * HD, rows[0], p.Tq, inv, false);
