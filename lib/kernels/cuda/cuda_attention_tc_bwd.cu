@@ -95,26 +95,15 @@ __global__ void __launch_bounds__(kTcThreads) attention_bwd_dq_tc_kernel(const A
     // per-element mask: most tiles of a long sequence, and the mask's tests and selects are about
     // half of this per-element work.
     if (kCausal && j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk && i0 + wr + 16 <= p.Tq) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[nt][e] = exp2_ftz(s[nt][e] * p.scale_log2 - lse2[e >> 1]) * (dp[nt][e] - Dr[e >> 1]);
+      dq_scores_to_ds(s, dp, p.scale_log2, lse2, Dr, t, AllVisible{});
     } else {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
-          bool vis = lse2[rr] != -INFINITY && j < p.Tk;
-          if constexpr (kCausal)
-            vis = vis && j <= rows[rr];
-          else
-            vis = vis && kseg_s[j - j0] == myqseg[rr] && kpos_s[j - j0] <= myqpos[rr];
-          const float pr = vis ? exp2_ftz(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
-          s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;  // dS
-        }
-      }
+      dq_scores_to_ds(s, dp, p.scale_log2, lse2, Dr, t, [&](int rr, int c) {
+        const int j = j0 + c;
+        if constexpr (kCausal)
+          return lse2[rr] != -INFINITY && j < p.Tk && j <= rows[rr];
+        else
+          return lse2[rr] != -INFINITY && j < p.Tk && kseg_s[c] == myqseg[rr] && kpos_s[c] <= myqpos[rr];
+      });
     }
     warp_acc_times<NT, DT, LD>(dq, s, Ks);  // dQ += dS K
     if constexpr (kCausal) __syncthreads();  // this buffer's readers are done before it is refilled
@@ -241,31 +230,14 @@ __global__ void __launch_bounds__(kTcThreads, (kDkdvMinBlocks<HD, kCausal>))
     // of the loop takes its spill from 12 to 48 bytes, which would need a GPU to weigh.
     constexpr bool kUnmaskedPath = kCausal && kDkdvMinBlocks<HD, kCausal> < 3;
     if (kUnmaskedPath && j0 + wr + 15 <= i0 && j0 + wr + 16 <= p.Tk && i0 + QC <= p.Tq) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int x = nt * 8 + 2 * t + (e & 1);
-          const float pr = exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e);
-          st[nt][e] = pr;
-          dpt[nt][e] = pr * (dpt[nt][e] - D_s[x]);
-        }
+      dkdv_scores_to_p_ds(st, dpt, p.scale_log2, lse_s, D_s, t, AllVisible{});
     } else {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
-          bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY;
-          if constexpr (kCausal)
-            vis = vis && keys[rr] <= i0 + x;
-          else
-            vis = vis && qseg_s[x] == mykseg[rr] && mykpos[rr] <= qpos_s[x];
-          const float pr = vis ? exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
-          st[nt][e] = pr;                                             // P^T
-          dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
-        }
-      }
+      dkdv_scores_to_p_ds(st, dpt, p.scale_log2, lse_s, D_s, t, [&](int rr, int x) {
+        if constexpr (kCausal)
+          return keys[rr] < p.Tk && lse_s[x] != -INFINITY && keys[rr] <= i0 + x;
+        else
+          return keys[rr] < p.Tk && lse_s[x] != -INFINITY && qseg_s[x] == mykseg[rr] && mykpos[rr] <= qpos_s[x];
+      });
     }
     warp_acc_times<NT, DT, LD>(dv, st, dOs);  // dV += P^T dO
     warp_acc_times<NT, DT, LD>(dk, dpt, Qs);  // dK += dS^T Q

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
@@ -50,6 +51,53 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   const float y = exp2f(x);
   return y < 1.17549435e-38f ? 0.f : y;
 #endif
+}
+
+// The backward's per-score step with every score of the tile visible to the warp (a causal tile
+// wholly at or before its rows, inside Tk and Tq): no mask tests, selects or zero guards.
+struct AllVisible {};
+
+// The dQ kernels' per-score step, in place of the scores s (dp: dO V^T) of this lane's two query
+// rows rr = 0, 1 (lse2, base 2, and D per row) at tile columns c = 8 nt + 2t + {0, 1}: P = 2^(s
+// scale_log2 - lse2) where visible(rr, c), 0 elsewhere, and dS = P (dP - D).
+template <int NT, class Visible>
+__device__ __forceinline__ void dq_scores_to_ds(float (&s)[NT][4], const float (&dp)[NT][4], float scale_log2,
+                                                const float (&lse2)[2], const float (&D)[2], int t,
+                                                Visible visible) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int rr = e >> 1;
+      if constexpr (std::is_same_v<Visible, AllVisible>) {
+        s[nt][e] = exp2_ftz(s[nt][e] * scale_log2 - lse2[rr]) * (dp[nt][e] - D[rr]);
+      } else {
+        const float pr = visible(rr, nt * 8 + 2 * t + (e & 1)) ? exp2_ftz(s[nt][e] * scale_log2 - lse2[rr]) : 0.f;
+        s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - D[rr]) : 0.f;
+      }
+    }
+}
+
+// The dK/dV kernels' per-score step, in place of S^T and dP^T of this lane's two key rows rr = 0, 1
+// at the tile's query columns c = 8 nt + 2t + {0, 1} (lse, natural log as saved, and D per column):
+// P^T = 2^(s scale_log2 - lse log2(e)) where visible(rr, c), 0 elsewhere, and dS^T = P^T (dP^T - D).
+template <int NT, class Visible>
+__device__ __forceinline__ void dkdv_scores_to_p_ds(float (&st)[NT][4], float (&dpt)[NT][4], float scale_log2,
+                                                    const float* lse, const float* D, int t, Visible visible) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = nt * 8 + 2 * t + (e & 1);
+      if constexpr (std::is_same_v<Visible, AllVisible>) {
+        st[nt][e] = exp2_ftz(st[nt][e] * scale_log2 - lse[c] * kTcLog2e);
+        dpt[nt][e] = st[nt][e] * (dpt[nt][e] - D[c]);
+      } else {
+        const float pr = visible(e >> 1, c) ? exp2_ftz(st[nt][e] * scale_log2 - lse[c] * kTcLog2e) : 0.f;
+        st[nt][e] = pr;                                        // P^T
+        dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D[c]) : 0.f;  // dS^T
+      }
+    }
 }
 
 // Shared tiles: bf16 rows of HD elements and 8 of padding (the row stride of HD + 8 elements puts

@@ -127,22 +127,12 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dq_wg_kernel(cons
     // them, inside Tk; queries inside Tq, so each saw a key and has a finite lse) needs no mask:
     // most tiles of a long sequence, and the mask is a third of this per-element work.
     if (j0 + KC - 1 <= i0 + wr && j0 + KC <= p.Tk && i0 + wr + 16 <= p.Tq) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[nt][e] = exp2_ftz(s[nt][e] * p.scale_log2 - lse2[e >> 1]) * (dp[nt][e] - Dr[e >> 1]);
+      dq_scores_to_ds(s, dp, p.scale_log2, lse2, Dr, t, AllVisible{});
     } else {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rr = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
-          const bool vis = lse2[rr] != -INFINITY && j < p.Tk && j <= rows[rr];
-          const float pr = vis ? exp2_ftz(s[nt][e] * p.scale_log2 - lse2[rr]) : 0.f;
-          s[nt][e] = pr != 0.f ? pr * (dp[nt][e] - Dr[rr]) : 0.f;
-        }
-      }
+      dq_scores_to_ds(s, dp, p.scale_log2, lse2, Dr, t, [&](int rr, int c) {
+        const int j = j0 + c;
+        return lse2[rr] != -INFINITY && j < p.Tk && j <= rows[rr];
+      });
     }
     uint32_t a[KCS][4];
 #pragma unroll
@@ -259,27 +249,11 @@ __global__ void __launch_bounds__(kTcThreads, 2) attention_bwd_dkdv_wg_kernel(co
     // P^T and dS^T. Unmasked when the warp's 16 keys (inside Tk) all precede the tile's first query
     // and the tile's queries are inside Tq (each saw a key: a finite lse), as in the dQ kernel.
     if (j0 + wr + 15 <= i0 && j0 + wr + 16 <= p.Tk && i0 + QC <= p.Tq) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int x = nt * 8 + 2 * t + (e & 1);
-          const float pr = exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e);
-          st[nt][e] = pr;
-          dpt[nt][e] = pr * (dpt[nt][e] - D_s[x]);
-        }
+      dkdv_scores_to_p_ds(st, dpt, p.scale_log2, lse_s, D_s, t, AllVisible{});
     } else {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rr = e >> 1, x = nt * 8 + 2 * t + (e & 1);
-          const bool vis = keys[rr] < p.Tk && lse_s[x] != -INFINITY && keys[rr] <= i0 + x;
-          const float pr = vis ? exp2_ftz(st[nt][e] * p.scale_log2 - lse_s[x] * kTcLog2e) : 0.f;
-          st[nt][e] = pr;                                             // P^T
-          dpt[nt][e] = pr != 0.f ? pr * (dpt[nt][e] - D_s[x]) : 0.f;  // dS^T
-        }
-      }
+      dkdv_scores_to_p_ds(st, dpt, p.scale_log2, lse_s, D_s, t, [&](int rr, int x) {
+        return keys[rr] < p.Tk && lse_s[x] != -INFINITY && keys[rr] <= i0 + x;
+      });
     }
     uint32_t ap[QS][4], ads[QS][4];
 #pragma unroll
