@@ -87,6 +87,28 @@ void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
 #endif
 
 enum State { Runnable, AtBlockBar, AtWarpBar, Done };
+// PTX's commit groups, of asynchronous copies and of warpgroup products alike: the operations issued
+// since the last commit (open), and the committed groups, oldest first, that a wait retires.
+template <class Op>
+struct CommitGroups {
+  std::vector<Op> open;
+  std::deque<std::vector<Op>> committed;
+  void commit() {
+    committed.push_back(std::move(open));
+    open.clear();
+  }
+  // Retires the oldest groups, each passed to retire_group, until at most keep remain committed.
+  template <class F>
+  void retire(size_t keep, F retire_group) {
+    for (; committed.size() > keep; committed.pop_front()) retire_group(committed.front());
+  }
+  bool empty() const { return open.empty() && committed.empty(); }
+  void clear() {
+    open.clear();
+    committed.clear();
+  }
+};
+
 struct Fiber {
   Context ctx;
   std::vector<char> stack;
@@ -94,24 +116,22 @@ struct Fiber {
   uint3 tid;
   int vote_gen = 0;
   int exchange_gen = 0;  // the warp exchanges (shuffles, all-gathers) this thread has made
-  // Asynchronous copies (cuda_pipeline_primitives.h): the open batch and the committed ones, oldest
-  // first; each copy keeps its destination and the source bytes taken at issue.
+  // Asynchronous copies (cuda_pipeline_primitives.h), in commit groups; each copy keeps its
+  // destination and the source bytes taken at issue.
   struct Copy {
     void* dst;
     std::vector<char> bytes;
   };
-  std::vector<Copy> open;
-  std::deque<std::vector<Copy>> committed;
+  CommitGroups<Copy> copies;
   bool copies_unfenced = false;  // copies landed with no fence.proxy.async after them
-  // Warpgroup products (wgmma_issue): the open group and the committed ones, oldest first; each
-  // keeps its accumulators, its base and its result, and how to compute it again.
+  // Warpgroup products (wgmma_issue), in commit groups; each keeps its accumulators, its base and
+  // its result, and how to compute it again.
   struct Product {
     float* d;
     std::vector<float> base, result;
     std::function<void(const float*, float*)> run;
   };
-  std::vector<Product> wg_open;
-  std::deque<std::vector<Product>> wg_committed;
+  CommitGroups<Product> products;
   bool wg_fenced = false;  // a wgmma.fence since the thread's products last all retired
 };
 std::vector<Fiber> fibers;
@@ -135,7 +155,7 @@ int unfenced_copies = 0;  // fibers of the block whose copies_unfenced is set
 
 void trampoline() {
   (*body)();
-  if (!fibers[cur].wg_open.empty() || !fibers[cur].wg_committed.empty()) {
+  if (!fibers[cur].products.empty()) {
     fprintf(stderr, "cuda emulator: thread %d of block (%u,%u,%u) ended with warpgroup products (wgmma) that no "
             "wgmma.wait_group retired\n", cur, blockIdx.x, blockIdx.y, blockIdx.z);
     abort();
@@ -155,11 +175,9 @@ void run_block() {
     f.state = Runnable;
     f.vote_gen = 0;
     f.exchange_gen = 0;
-    f.open.clear();
-    f.committed.clear();
+    f.copies.clear();
     f.copies_unfenced = false;
-    f.wg_open.clear();
-    f.wg_committed.clear();
+    f.products.clear();
     f.wg_fenced = false;
     f.tid = {unsigned(i % blockDim.x), unsigned((i / blockDim.x) % blockDim.y), unsigned(i / (blockDim.x * blockDim.y))};
     start(f.ctx, f.stack, trampoline);
@@ -234,23 +252,18 @@ void pipeline_copy(void* dst, const void* src, size_t bytes) {
   }
   Fiber::Copy c{dst, std::vector<char>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes)};
   std::memset(dst, 0xff, bytes);
-  fibers[cur].open.push_back(std::move(c));
+  fibers[cur].copies.open.push_back(std::move(c));
 }
-void pipeline_commit() {
-  Fiber& f = fibers[cur];
-  f.committed.push_back(std::move(f.open));
-  f.open.clear();
-}
+void pipeline_commit() { fibers[cur].copies.commit(); }
 void pipeline_wait_prior(size_t prior) {
   Fiber& f = fibers[cur];
-  while (f.committed.size() > prior) {
-    for (auto& c : f.committed.front()) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
-    if (!f.committed.front().empty() && !f.copies_unfenced) {
+  f.copies.retire(prior, [&](const std::vector<Fiber::Copy>& group) {
+    for (const auto& c : group) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
+    if (!group.empty() && !f.copies_unfenced) {
       f.copies_unfenced = true;
       ++unfenced_copies;
     }
-    f.committed.pop_front();
-  }
+  });
 }
 void proxy_fence_async() {
   Fiber& f = fibers[cur];
@@ -283,10 +296,10 @@ void wgmma_issue(float* d, int count, bool accumulate, std::function<void(const 
   }
   // The latest product still in flight into the same accumulators: this one adds onto its result.
   const Fiber::Product* prev = nullptr;
-  for (const auto& p : f.wg_open)
+  for (const auto& p : f.products.open)
     if (p.d == d) prev = &p;
   if (!prev)
-    for (auto g = f.wg_committed.rbegin(); g != f.wg_committed.rend() && !prev; ++g)
+    for (auto g = f.products.committed.rbegin(); g != f.products.committed.rend() && !prev; ++g)
       for (const auto& p : *g)
         if (p.d == d) prev = &p;
   if (prev && prev->result.size() != size_t(count))
@@ -300,17 +313,13 @@ void wgmma_issue(float* d, int count, bool accumulate, std::function<void(const 
     p.base.assign(d, d + count);
   p.run(p.base.data(), p.result.data());
   poison(d, count);
-  f.wg_open.push_back(std::move(p));
+  f.products.open.push_back(std::move(p));
 }
-void wgmma_commit() {
-  Fiber& f = fibers[cur];
-  f.wg_committed.push_back(std::move(f.wg_open));
-  f.wg_open.clear();
-}
+void wgmma_commit() { fibers[cur].products.commit(); }
 void wgmma_wait(int pending) {
   Fiber& f = fibers[cur];
-  while (f.wg_committed.size() > size_t(std::max(pending, 0))) {
-    for (auto& p : f.wg_committed.front()) {
+  f.products.retire(size_t(std::max(pending, 0)), [](std::vector<Fiber::Product>& group) {
+    for (auto& p : group) {
       std::vector<float> again(p.result.size());
       p.run(p.base.data(), again.data());
       if (std::memcmp(again.data(), p.result.data(), again.size() * sizeof(float)) != 0)
@@ -319,12 +328,11 @@ void wgmma_wait(int pending) {
                    "then a block barrier, before refilling their tiles)");
       std::copy(p.result.begin(), p.result.end(), p.d);
     }
-    f.wg_committed.pop_front();
-  }
-  for (const auto& g : f.wg_committed)
+  });
+  for (const auto& g : f.products.committed)
     for (const auto& p : g) poison(p.d, p.result.size());
-  for (const auto& p : f.wg_open) poison(p.d, p.result.size());
-  if (f.wg_open.empty() && f.wg_committed.empty()) f.wg_fenced = false;
+  for (const auto& p : f.products.open) poison(p.d, p.result.size());
+  if (f.products.empty()) f.wg_fenced = false;
 }
 size_t dyn_smem_bytes() { return smem_size; }
 namespace {
