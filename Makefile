@@ -107,7 +107,7 @@ bench-checkpoint: deps build
 # One GPU: GPT-2 124M / 350M / 1.3B-class and a Llama-style 1B in bf16, the largest micro-batch that
 # fits with and without recompute, tokens/s, TFLOP/s, MFU, peak memory, and a per-op breakdown.
 # The causal attention's kernels alone at the GPU models' shapes (one GPU; ARGS adds options, e.g.
-# "--engine.attention_backend cudnn"; MPIGPT_ATTENTION_WGMMA=1 in the environment for the Hopper kernels).
+# "--engine.attention_backend auto", which also logs every candidate's time).
 bench-attention: deps build
 	for c in gpt2_124m gpt2_1p3b llama_1b; do \
 	  $(BUILD)/mpigpt bench-attention --config inputs/$${c}_gpu.ini $(ARGS) | grep "bench-attention:" || exit 1; done

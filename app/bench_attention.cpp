@@ -124,10 +124,11 @@ int cmd_bench_attention(const std::vector<std::string>& args, const MpiEnv& mpi)
   // Causal FLOPs: the two products of the forward over half the T x T scores; the backward's five
   // (FlashAttention's count: 2.5 times the forward's, whatever an implementation recomputes).
   const double flops = 4.0 * double(B) * NH * double(T) * double(T) * HD / 2.0;
-  const char* wgmma = std::getenv("MPIGPT_ATTENTION_WGMMA");
+  const char* two = std::getenv("MPIGPT_ATTENTION_WG_TWO_BUFFERS");
   log_line("bench-attention: {} {}, attention_backend {}{}; B {} T {} heads {}/{} head dim {}", ops->name(),
            dtype_name(dt), cfg.engine.attention_backend,
-           wgmma && wgmma[0] != '\0' ? fmt::format(" (MPIGPT_ATTENTION_WGMMA={})", wgmma) : "", B, T, NH, NKV, HD);
+           two && two[0] != '\0' ? fmt::format(" (MPIGPT_ATTENTION_WG_TWO_BUFFERS={})", two) : "", B, T, NH, NKV, HD);
+  for (const std::string& note : ops->take_notes()) log_line("bench-attention: {}", note);
   log_line("bench-attention: forward {:.3f} ms ({:.4g} TFLOP/s), backward {:.3f} ms ({:.4g} TFLOP/s); median of {}",
            fwd * 1e3, flops / fwd / 1e12, bwd * 1e3, 2.5 * flops / bwd / 1e12, steps);
   return 0;

@@ -122,6 +122,7 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     log_line("bench: {:.1f} GFLOP per step; {} {:.3g} TFLOP/s per rank puts the GEMM-only floor at {:.1f} ms/step",
              flops / 1e9, gpu ? "the GPU's dense bf16 peak" : "this machine's fp32 GEMM peak", peak / 1e12,
              flops / (peak * mpi.size()) * 1e3);
+    for (const std::string& note : r.backend_notes) log_line("bench: {}", note);
     log_line("bench: achieved {:.3g} TFLOP/s per rank, MFU {:.1f}% (training.precision = {}, engine.recompute = {}, "
              "micro-batch {})", flops / mpi.size() / (median / 1e3) / 1e12,
              100.0 * flops / (median / 1e3) / (peak * mpi.size()), cfg.training.precision, cfg.engine.recompute,

@@ -129,8 +129,8 @@ add_dependencies(mpigpt_emulated_tests mpigpt_emulated_nccl)
 #  - emulated/regression/loss_curve_cuda_bf16: GPT-2 in bf16 mixed precision against the fp32 CPU
 #    curve within 2e-2 (10 steps), with one head of 64 channels, so that the bf16 tensor-core
 #    attention runs in training too (the regression model's heads have 16);
-#  - emulated/regression/loss_curve_cuda_bf16_wgmma: the same with MPIGPT_ATTENTION_WGMMA=1, so that
-#    training runs the attention on the (emulated) Hopper warpgroup kernels (4 steps);
+#  - emulated/regression/loss_curve_cuda_bf16_wgmma: the same with engine.attention_backend = wgmma,
+#    so that training runs the attention on the (emulated) Hopper warpgroup kernels (4 steps);
 #  - emulated/regression/loss_curves_cuda_bf16_moe: both MoE families in bf16 (f32 router), one
 #    rank, ep2, and ep2 x expert_tp2 x tp2 with the allgather dispatcher and the distributed
 #    optimizer, against the fp32 CPU curve within 2e-2 (4 steps);
@@ -157,7 +157,7 @@ if(DEFINED REGRESSION_DIR)
   add_test(NAME emulated/regression/loss_curve_cuda_bf16_wgmma COMMAND ${emu_run}
            --out ${REGRESSION_DIR}/emulated_bf16_wgmma --config ${REGRESSION_DIR}/tiny_hd64.ini --steps 4 --layouts "^$"
            --families gpt2 --skip-reference --tol 2e-2
-           --layout-args "--engine.backend cuda --engine.comm mpi --training.precision bf16")
+           --layout-args "--engine.backend cuda --engine.comm mpi --training.precision bf16 --engine.attention_backend wgmma")
   add_test(NAME emulated/regression/loss_curves_cuda_bf16_moe COMMAND ${emu_run}
            --out ${REGRESSION_DIR}/emulated_bf16_moe --steps 4 --layouts "^(moe-ep2|moe-ep2-etp2-tp2-sp-allgather-distopt)$" --families gpt2-moe,llama-moe
            --skip-reference --tol 2e-2 --layout-args "${REGRESSION_CUDA_ARGS} --training.precision bf16")
@@ -170,24 +170,36 @@ if(DEFINED REGRESSION_DIR)
                        emulated/regression/loss_curves_nccl PROPERTIES
     FIXTURES_REQUIRED regression_data LABELS "emulated;regression" TIMEOUT 900 PROCESSORS 2
     ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
-  set_property(TEST emulated/regression/loss_curve_cuda_bf16_wgmma APPEND PROPERTY ENVIRONMENT
-               "MPIGPT_ATTENTION_WGMMA=1")
   # NCCL wants a device per rank: eight emulated ones, and the stand-in library first on the path.
   set_property(TEST emulated/regression/loss_curves_nccl APPEND PROPERTY ENVIRONMENT
                "LD_LIBRARY_PATH=${EMU_GEN}/nccl" "MPIGPT_EMULATED_DEVICES=8")
 endif()
 
 # `mpigpt bench-attention` on the emulated CUDA backend, bf16 with head dim 64: the builtin
-# tensor-core kernels and, with MPIGPT_ATTENTION_WGMMA=1, the Hopper warpgroup ones.
+# tensor-core kernels, the Hopper warpgroup ones (engine.attention_backend = wgmma), and auto, which
+# measures both on the first call of each pass and says which it chose.
 set(emu_bench_attention $<TARGET_FILE:mpigpt_emulated> bench-attention --model.num_layers 1 --model.hidden 128
     --model.num_heads 2 --model.seq_len 96 --training.micro_batch 2 --training.global_batch 2 --engine.backend cuda
     --training.precision bf16 --bench-steps 1 --bench-warmup 0)
+set(emu_bench_attention_result "bench-attention: forward [0-9.]+ ms .*backward [0-9.]+ ms")
 add_test(NAME emulated/bench_attention COMMAND ${emu_bench_attention})
-add_test(NAME emulated/bench_attention_wgmma COMMAND ${emu_bench_attention})
-set_tests_properties(emulated/bench_attention emulated/bench_attention_wgmma PROPERTIES LABELS emulated
-  ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
-set_tests_properties(emulated/bench_attention PROPERTIES
-  PASS_REGULAR_EXPRESSION "bench-attention: forward [0-9.]+ ms .*backward [0-9.]+ ms")
+add_test(NAME emulated/bench_attention_wgmma COMMAND ${emu_bench_attention} --engine.attention_backend wgmma)
+add_test(NAME emulated/bench_attention_auto COMMAND ${emu_bench_attention} --engine.attention_backend auto)
+set_tests_properties(emulated/bench_attention emulated/bench_attention_wgmma emulated/bench_attention_auto PROPERTIES
+  LABELS emulated ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+set_tests_properties(emulated/bench_attention PROPERTIES PASS_REGULAR_EXPRESSION "${emu_bench_attention_result}")
 set_tests_properties(emulated/bench_attention_wgmma PROPERTIES
-  PASS_REGULAR_EXPRESSION "MPIGPT_ATTENTION_WGMMA=1.*bench-attention: forward [0-9.]+ ms .*backward [0-9.]+ ms")
-set_property(TEST emulated/bench_attention_wgmma APPEND PROPERTY ENVIRONMENT "MPIGPT_ATTENTION_WGMMA=1")
+  PASS_REGULAR_EXPRESSION "wgmma attention.*${emu_bench_attention_result}")
+# Both passes measured (builtin and wgmma: the emulator has no cuDNN), then timed.
+set_tests_properties(emulated/bench_attention_auto PROPERTIES PASS_REGULAR_EXPRESSION
+  "attention auto, forward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) \\(builtin [0-9.]+ ms, wgmma [0-9.]+ ms\\).*attention auto, backward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) \\(builtin [0-9.]+ ms, wgmma [0-9.]+ ms\\).*${emu_bench_attention_result}")
+
+# A training step under engine.attention_backend = auto: `mpigpt bench` must report auto's choice
+# for both passes (the trainer collects the backend's notes; rank 0 prints them).
+add_test(NAME emulated/bench_attention_auto_training COMMAND $<TARGET_FILE:mpigpt_emulated> bench --model.num_layers 1
+         --model.hidden 128 --model.num_heads 2 --model.seq_len 96 --model.vocab_size 256 --training.micro_batch 2
+         --training.global_batch 2 --engine.backend cuda --engine.comm mpi --training.precision bf16 --bench-steps 1
+         --bench-warmup 0 --engine.attention_backend auto)
+set_tests_properties(emulated/bench_attention_auto_training PROPERTIES LABELS emulated
+  ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1"
+  PASS_REGULAR_EXPRESSION "bench: attention auto, forward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) .*bench: attention auto, backward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) .*bench: achieved")

@@ -29,7 +29,7 @@ struct EngineConfig {
   std::string backend = "cpu";          // compute backend: cpu | cuda
   bool allow_device_sharing = false;    // cuda: more ranks per node than GPUs (tests; GPUs shared round robin)
   bool gemm_autotune = true;            // cuda: time cuBLASLt's candidate algorithms per GEMM shape, keep the fastest
-  std::string attention_backend = "builtin"; // cuda causal attention: builtin (own kernels) | cudnn (fused SDPA) | auto
+  std::string attention_backend = "builtin"; // cuda causal attention: builtin (own kernels) | wgmma (own, Hopper) | cudnn (fused SDPA) | auto (fastest)
   std::string comm = "auto";            // communication of device tensors: auto (nccl for cuda) | nccl | mpi (staged through host)
   bool distributed_optimizer = false;   // shard fp32 master weights and Adam moments over dp (ZeRO-1)
   bool overlap_grad_reduce = false;     // start each bucket's gradient reduction during backward

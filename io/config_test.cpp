@@ -414,10 +414,14 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_NOTHROW(parsed({"--comm=nccl", "--backend=cuda"}).validate(1));
     for (const char* backend : {"cpu", "cuda"})
       for (const char* comm : {"auto", "mpi"}) CHECK_NOTHROW(parsed({"--backend", backend, "--comm", comm}).validate(1));
-    // engine.attention_backend: cudnn is a GPU library; auto and builtin suit either backend.
+    // engine.attention_backend: cudnn and wgmma are GPU kernels; auto and builtin suit either backend.
     CHECK_FAILS(parsed({"--attention_backend=cudnn"}).validate(1),
                 "engine.attention_backend = cudnn needs engine.backend = cuda (it is cpu)");
+    CHECK_FAILS(parsed({"--attention_backend=wgmma"}).validate(1),
+                "engine.attention_backend = wgmma needs engine.backend = cuda (it is cpu)");
+    CHECK_FAILS(parsed({"--attention_backend=flash"}).validate(1), "builtin | wgmma | cudnn | auto");
     CHECK_NOTHROW(parsed({"--attention_backend=cudnn", "--backend=cuda"}).validate(1));
+    CHECK_NOTHROW(parsed({"--attention_backend=wgmma", "--backend=cuda"}).validate(1));
     for (const char* backend : {"cpu", "cuda"})
       for (const char* ab : {"auto", "builtin"})
         CHECK_NOTHROW(parsed({"--backend", backend, "--attention_backend", ab}).validate(1));

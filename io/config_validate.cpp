@@ -59,7 +59,7 @@ void check_ranges(const Config& c) {
   one_of("training.precision", t.precision, {"fp32", "bf16"});
   one_of("engine.backend", e.backend, {"cpu", "cuda"});
   one_of("engine.comm", e.comm, {"auto", "nccl", "mpi"});
-  one_of("engine.attention_backend", e.attention_backend, {"builtin", "cudnn", "auto"});
+  one_of("engine.attention_backend", e.attention_backend, {"builtin", "wgmma", "cudnn", "auto"});
   one_of("parallel.cp_comm_type", p.cp_comm_type, {"p2p", "all_gather"});
   one_of("data.tokenizer", c.data.tokenizer, {"byte", "gpt2"});
   parse_order(p.order);  // the rank grid's own check
@@ -161,9 +161,10 @@ void check_layout(const Config& c, int world_size) {
   if (e.comm == "nccl" && e.backend != "cuda")
     fail("engine.comm = nccl needs engine.backend = cuda (it is {}): NCCL moves GPU memory, host tensors always go "
          "through MPI; set engine.comm = auto (or mpi), or engine.backend = cuda", e.backend);
-  if (e.attention_backend == "cudnn" && e.backend != "cuda")
-    fail("engine.attention_backend = cudnn needs engine.backend = cuda (it is {}): cuDNN runs on the GPU; set "
-         "engine.attention_backend = builtin (or auto), or engine.backend = cuda", e.backend);
+  if ((e.attention_backend == "cudnn" || e.attention_backend == "wgmma") && e.backend != "cuda")
+    fail("engine.attention_backend = {} needs engine.backend = cuda (it is {}): {} runs on the GPU; set "
+         "engine.attention_backend = builtin (or auto), or engine.backend = cuda", e.attention_backend, e.backend,
+         e.attention_backend == "cudnn" ? "cuDNN" : "the warpgroup kernels");
   if (e.overlap_param_gather && !(e.distributed_optimizer && e.overlap_grad_reduce))
     fail("engine.overlap_param_gather = true needs engine.distributed_optimizer = true and "
          "engine.overlap_grad_reduce = true (they are {} and {}); turn both on or overlap_param_gather off",

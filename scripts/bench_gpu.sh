@@ -7,7 +7,7 @@
 #
 #   scripts/bench_gpu.sh [CONFIG.ini ...]      (default: inputs/*_gpu.ini)
 #   MPIGPT=path/to/mpigpt  STEPS=10  WARMUP=3  RECOMPUTE="none full"  MAX_MB=64  LOG=bench_gpu.log
-#   ARGS="--engine.attention_backend cudnn"   (more options for every run)
+#   ARGS="--engine.attention_backend auto"   (more options for every run)
 set -uo pipefail
 MPIGPT=${MPIGPT:-build/mpigpt}  # may be a command line, e.g. "bundle/run mpigpt"
 read -ra MPIGPT_CMD <<<"$MPIGPT"

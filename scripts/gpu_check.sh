@@ -57,29 +57,28 @@ for part in "${parts[@]}"; do
       saved_timeout=${STEP_TIMEOUT-}
       STEP_TIMEOUT=${STEP_TIMEOUT:-150}
       # Each attention variant alone (`mpigpt bench-attention`: the kernels at the model's shape)
-      # and in a training step, alternated so that they share the machine's state: the builtin
-      # kernels (mma.sync), the builtin kernels on warpgroup products (MPIGPT_ATTENTION_WGMMA=1,
-      # sm_90a; `wgmma2` with the backward's two-buffer variant at head dim 64), and cuDNN's fused
-      # attention. Micro-batch 64 (Llama 1B: 32), no recompute; each
-      # run's summary lines are in its log.
+      # and in a training step, alternated so that they share the machine's state: auto first (it
+      # runs every candidate on the first call's data, checks each against the builtin kernels and
+      # logs their times and its choice), then the builtin kernels (mma.sync), the builtin kernels on
+      # warpgroup products (wgmma, sm_90a; `wgmma2` with the backward's two-buffer variant at head
+      # dim 64) and cuDNN's fused attention, each named. Micro-batch 64 (Llama 1B: 32), no
+      # recompute; each run's summary lines are in its log.
       for model in ${MODELS:-gpt2_124m gpt2_1p3b llama_1b}; do
         mb=64
         [ "$model" = llama_1b ] && mb=32
         kargs=(mpigpt bench-attention --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
                --bench-steps 20 --bench-warmup 5)
-        step "kernels_${model}_builtin" "$B/run" "${kargs[@]}" --engine.attention_backend builtin
-        step "kernels_${model}_wgmma" env MPIGPT_ATTENTION_WGMMA=1 "$B/run" "${kargs[@]}" \
-          --engine.attention_backend builtin
-        step "kernels_${model}_wgmma2" env MPIGPT_ATTENTION_WGMMA=1 MPIGPT_ATTENTION_WG_TWO_BUFFERS=1 "$B/run" \
-          "${kargs[@]}" --engine.attention_backend builtin
-        step "kernels_${model}_cudnn" "$B/run" "${kargs[@]}" --engine.attention_backend cudnn
+        for backend in auto builtin wgmma cudnn; do
+          step "kernels_${model}_$backend" "$B/run" "${kargs[@]}" --engine.attention_backend $backend
+        done
+        step "kernels_${model}_wgmma2" env MPIGPT_ATTENTION_WG_TWO_BUFFERS=1 "$B/run" "${kargs[@]}" \
+          --engine.attention_backend wgmma
         args=(mpigpt bench --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
               --training.global_batch $mb --engine.recompute none --bench-steps 10 --bench-warmup 3)
         for ((round = 1; round <= ${ROUNDS:-1}; ++round)); do
-          step "attention_${model}_builtin_$round" "$B/run" "${args[@]}" --engine.attention_backend builtin
-          step "attention_${model}_wgmma_$round" env MPIGPT_ATTENTION_WGMMA=1 "$B/run" "${args[@]}" \
-            --engine.attention_backend builtin
-          step "attention_${model}_cudnn_$round" "$B/run" "${args[@]}" --engine.attention_backend cudnn
+          for backend in auto builtin wgmma cudnn; do
+            step "attention_${model}_${backend}_$round" "$B/run" "${args[@]}" --engine.attention_backend $backend
+          done
         done
       done
       STEP_TIMEOUT=$saved_timeout ;;

@@ -39,6 +39,9 @@ class Ops {
   // High-water mark of the bytes this backend's allocator has handed out (0: not tracked; the
   // CPU's memory is reported by the process's peak resident size instead).
   virtual size_t peak_allocated() const { return 0; }
+  // Lines the backend asks to be logged, each given once: the choices it made by measuring (the
+  // CUDA backend's engine.attention_backend = auto). Ranks choose for themselves.
+  virtual std::vector<std::string> take_notes() { return {}; }
 
   // ---- memory ---------------------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned
@@ -254,8 +257,9 @@ struct CudaOptions {
   // fastest (engine.gemm_autotune; off, the heuristic's first choice, bitwise reproducible).
   bool gemm_autotune = false;
   // The causal attention ops (engine.attention_backend): "builtin" (the backend's own fused
-  // kernels), "cudnn" (cuDNN's fused SDPA for bf16; an error when cuDNN is missing or cannot run
-  // a shape) or "auto" (cuDNN where it loads and runs the shape, else the builtin kernels).
+  // kernels), "wgmma" (the builtin kernels on Hopper's warpgroup products, bf16 on sm_90a GPUs),
+  // "cudnn" (cuDNN's fused SDPA for bf16; an error when cuDNN is missing or cannot run a shape) or
+  // "auto" (the fastest of those that run a call and agree with the builtin kernels on its data).
   std::string attention_backend = "builtin";
 };
 std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions& options = {});

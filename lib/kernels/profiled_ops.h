@@ -41,6 +41,7 @@ class ProfiledOps final : public Ops {
   size_t peak_allocated() const override { return inner_->peak_allocated(); }
   Device device() const override { return inner_->device(); }
   std::string name() const override { return inner_->name(); }
+  std::vector<std::string> take_notes() override { return inner_->take_notes(); }
   void* allocate(size_t bytes) override { return inner_->allocate(bytes); }
   void release(void* p) override { inner_->release(p); }
   void copy(Tensor dst, Tensor src) override {

@@ -285,6 +285,14 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       log_line("checkpoint: saved iteration {} to {}/{} ({:.1f} MiB in {:.2f} s, {:.0f} MB/s)", it, ck.save,
                checkpoint_dir_name(it), st.bytes / 1048576.0, st.seconds, st.bytes / 1e6 / st.seconds);
   };
+  // What the backend chose by measuring (the CUDA backend's attention auto), logged by rank 0; each
+  // rank measures and chooses for itself.
+  auto backend_notes = [&] {
+    for (std::string& note : ops->take_notes()) {
+      if (mesh.rank() == 0 && !opts.quiet) log_line("{}", note);
+      if (mesh.rank() == 0) result.backend_notes.push_back(std::move(note));
+    }
+  };
   for (int64_t it = first_it; it <= tc.train_iters; ++it) {
     if (it == tc.train_iters)
       for (const auto& g : groups) g.second->reset_stats();
@@ -314,6 +322,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     runner.optimizer_step(float(lr), clip_scale(norm, tc.clip_grad));
     ops->synchronize();  // a GPU step ends when its queued work does
     const double ms = ms_since(t0);
+    backend_notes();
     if (it == tc.train_iters)
       for (const auto& g : groups) result.comm_bytes.emplace_back(g.first, g.second->stats().total());
 
@@ -349,6 +358,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     }
     if (data.valid && tc.eval_interval > 0 && (it % tc.eval_interval == 0 || it == tc.train_iters)) {
       const double vl = evaluate();
+      backend_notes();
       result.val_losses.emplace_back(it, vl);
       if (last_rank && !opts.quiet) log_line("validation at iter {}: loss {:.4f} (perplexity {:.2f})", it, vl, std::exp(vl));
       metrics.eval(it, vl);

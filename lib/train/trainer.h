@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "io/config.h"
@@ -39,6 +40,7 @@ struct TrainResult {
   int64_t device_peak_bytes = 0;   // the GPU allocator's high-water mark (0 on the CPU)
   std::vector<OpTime> op_times;    // with TrainOptions::profile_ops: time per op of the last step, largest first
   bool stopped = false;        // SIGTERM ended the run early
+  std::vector<std::string> backend_notes;  // rank 0: the backend's choices by measuring (Ops::take_notes)
 };
 
 // Resolve the network's sizes from the model config and the tokenizer's vocabulary.

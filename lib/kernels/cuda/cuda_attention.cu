@@ -28,18 +28,20 @@
 // the next larger one with zero-padded columns (the padding adds nothing to the dot products and
 // its output columns are not stored).
 //
-// cuDNN: with engine.attention_backend = cudnn or auto, the causal ops on bf16 data run cuDNN's
-// fused attention instead (cudnn_sdpa.cu), which saves the same log-sum-exp.
+// Who runs the causal ops (these kernels, the warpgroup ones or cuDNN's fused attention, which all
+// save the same log-sum-exp) is engine.attention_backend's choice: cuda_attention_causal.cu.
 //
 // Files: cuda_attention_fma.cuh (the kernels' shared tiles and products), cuda_attention_fwd.cu and
 // cuda_attention_bwd.cu (the fp32-FMA kernels), cuda_attention_tc.cu and cuda_attention_tc_bwd.cu
 // (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh), cuda_attention_wg_fwd_sm90a.cu
 // and cuda_attention_wg_bwd_sm90a.cu (the causal bf16 forward and backward on Hopper's warpgroup
-// products, opt-in with MPIGPT_ATTENTION_WGMMA until they have been measured on a GPU). This file chooses between them and holds the causal ops and the entry points that cuda_attention_block.cu's blockwise ops
-// call after checking their arguments.
+// products; engine.attention_backend = wgmma, or auto's choice). This file holds the entry points
+// (cuda_attention.cuh) that the causal ops and cuda_attention_block.cu's blockwise ops call after
+// checking their arguments.
 #include <cmath>
 #include <cstdint>
 
+#include "lib/kernels/cuda/cuda_attention.cuh"
 #include "lib/kernels/cuda/cuda_attention_fma.cuh"
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
 #include "lib/kernels/cuda/cuda_common.cuh"
@@ -58,27 +60,31 @@ namespace {
 // call, so tests can compare the two).
 bool fma_forced() { return attention_switch("MPIGPT_ATTENTION_FMA"); }
 
-void run_forward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
-  if (p.B == 0 || p.Tq == 0) return;
-  if (dt == DType::BF16 && !fma_forced()) {
-    const AttentionTcForward tc{p.q,    p.k,    p.v,    p.out,  p.lse,  p.qpos, p.qseg, p.kpos, p.kseg,
-                                p.q_stride, p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2};
-    if (attention_forward_wg(tc, dt, causal, stream) || attention_forward_tc(tc, dt, causal, stream)) return;
-  }
+// The builtin kernels: on warpgroup products (wg: the causal bf16 ops at HD 64 and 128 on an sm_90a
+// GPU, otherwise nothing is launched and false returned), or on mma.sync tensor cores where they
+// apply and the fp32-FMA kernels elsewhere (always true).
+bool run_forward(const Problem& p, DType dt, bool causal, cudaStream_t stream, bool wg) {
+  const AttentionTcForward tc{p.q,    p.k,    p.v,    p.out,  p.lse,  p.qpos, p.qseg, p.kpos, p.kseg,
+                              p.q_stride, p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2};
+  if (wg) return attention_forward_wg(tc, dt, causal, stream);
+  if (p.B == 0 || p.Tq == 0) return true;
+  if (dt == DType::BF16 && !fma_forced() && attention_forward_tc(tc, dt, causal, stream)) return true;
   fma_attn::forward(p, dt, causal, stream);
+  return true;
 }
 
 // p.D must hold B*NH*Tq floats of scratch.
-void run_backward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
-  if (p.B == 0 || p.Tq == 0 || p.Tk == 0) return;  // (causal: Tq == Tk) nothing to add or to overwrite
+bool run_backward(const Problem& p, DType dt, bool causal, cudaStream_t stream, bool wg) {
+  const AttentionTcBackward tc{{p.q, p.k, p.v, p.out, p.lse, p.qpos, p.qseg, p.kpos, p.kseg, p.q_stride,
+                                p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2},
+                               p.dout, p.dq, p.dk, p.dv, p.D, p.scale, p.accumulate};
+  if (wg && !attention_wg_applies(tc, dt, causal)) return false;
+  if (p.B == 0 || p.Tq == 0 || p.Tk == 0) return true;  // (causal: Tq == Tk) nothing to add or to overwrite
   fma_attn::rowdot(p, dt, stream);
-  if (dt == DType::BF16 && !fma_forced()) {
-    const AttentionTcBackward tc{{p.q, p.k, p.v, p.out, p.lse, p.qpos, p.qseg, p.kpos, p.kseg, p.q_stride,
-                                  p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2},
-                                 p.dout, p.dq, p.dk, p.dv, p.D, p.scale, p.accumulate};
-    if (attention_backward_wg(tc, dt, causal, stream) || attention_backward_tc(tc, dt, causal, stream)) return;
-  }
+  if (wg) return attention_backward_wg(tc, dt, causal, stream);
+  if (dt == DType::BF16 && !fma_forced() && attention_backward_tc(tc, dt, causal, stream)) return true;
   fma_attn::backward(p, dt, causal, stream);
+  return true;
 }
 
 // ---- problems -----------------------------------------------------------------------------------
@@ -150,16 +156,16 @@ void check_attention_heads(const char* op, int NH, int NKV, int HD) {
          op, HD);
 }
 
-void fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
-                             Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
+bool fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
+                             Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD, bool wg) {
   Problem p = make_problem("attention", out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
   p.vec = vector_ok(p, dt);
-  run_forward(p, dt, !kv.defined(), ops.cuda_stream());
+  return run_forward(p, dt, !kv.defined(), ops.cuda_stream(), wg);
 }
 
-void fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
+bool fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
                               Tensor out, Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH,
-                              int NKV, int HD) {
+                              int NKV, int HD, bool wg) {
   const bool causal = !kv.defined();
   Problem p = make_problem("attention", out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
   const int64_t C = int64_t(NH) * HD;
@@ -171,99 +177,7 @@ void fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, T
   p.vec = vector_ok(p, dt);
   CudaOps::Scratch D = ops.scratch(std::max<size_t>(1, size_t(p.B) * p.NH * p.Tq * sizeof(float)));
   p.D = static_cast<float*>(D.ptr);
-  run_backward(p, dt, causal, ops.cuda_stream());
-}
-
-// ---- the causal ops -------------------------------------------------------------------------------
-
-CudnnSdpa* CudaOps::cudnn_attention(const SdpaShape& shape, DType dt, const char* op) {
-  if (attention_backend_ == AttentionBackend::Builtin || sdpa_missing_) return nullptr;
-  const bool required = attention_backend_ == AttentionBackend::Cudnn;
-  if (dt != DType::BF16) {  // cuDNN's fused attention takes 16-bit data
-    if (required)
-      fail("{}: engine.attention_backend = cudnn runs bf16 data, but this call's data is {}; set "
-           "training.precision = bf16, or engine.attention_backend = auto (or builtin)", op, dtype_name(dt));
-    return nullptr;
-  }
-  if (!sdpa_) {
-    const std::string why = cudnn_sdpa_unavailable();
-    if (!why.empty()) {
-      if (required) fail("engine.attention_backend = cudnn: {}", why);
-      sdpa_missing_ = true;
-      return nullptr;
-    }
-    MPIGPT_CUDA(cudaSetDevice(device_));
-    try {
-      sdpa_ = std::make_unique<CudnnSdpa>(stream_);
-    } catch (const Error& e) {  // e.g. a cuDNN built for another CUDA
-      if (required) throw;
-      sdpa_missing_ = true;
-      return nullptr;
-    }
-  }
-  std::string why;
-  if (sdpa_->prepare(shape, &why)) return sdpa_.get();
-  if (required)
-    fail("{}: engine.attention_backend = cudnn, but cuDNN cannot run attention with B={} T={} NH={} NKV={} HD={}: "
-         "{}; set engine.attention_backend = auto (the builtin kernels take the shapes cuDNN does not) or builtin",
-         op, shape.B, shape.T, shape.NH, shape.NKV, shape.HD, why);
-  return nullptr;
-}
-
-void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) {
-  // out (B,T,NH*HD), saved = lse (B,NH,T) f32, qkv (B,T,(NH+2*NKV)*HD)
-  const char* op = "attention_forward";
-  check_device(out, op, "out");
-  check_f32(saved, op, "saved");
-  check_device(qkv, op, "qkv");
-  const DType dt = data_dtype(op, {{"out", out}, {"qkv", qkv}});
-  check_attention_heads(op, NH, NKV, HD);
-  const int64_t R = int64_t(NH + 2 * NKV) * HD;
-  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
-               qkv.shape.str(), R);
-  const int64_t B = qkv.size(0), T = qkv.size(1);
-  MPIGPT_CHECK(out.numel() == B * T * NH * HD, "{}: out {} must be (B, T, NH*HD) = ({}, {}, {})", op, out.shape.str(),
-               B, T, int64_t(NH) * HD);
-  MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
-               attention_saved_numel(B, T, NH));
-  const SdpaShape shape{B, T, NH, NKV, HD};
-  if (CudnnSdpa* sdpa = cudnn_attention(shape, dt, op)) {
-    Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
-    sdpa->forward(shape, out.ptr, ptr<float>(saved), qkv.ptr, ws.ptr);
-    return;
-  }
-  fused_attention_forward(*this, dt, out, saved, qkv, {}, {}, {}, {}, {}, NH, NKV, HD);
-}
-
-void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
-                                 int HD) {
-  // dqkv (B,T,(NH+2*NKV)*HD) overwritten, dout and out (B,T,NH*HD), qkv as forward, saved = lse (B,NH,T)
-  const char* op = "attention_backward";
-  check_device(dqkv, op, "dqkv");
-  check_device(dout, op, "dout");
-  check_device(qkv, op, "qkv");
-  check_device(out, op, "out");
-  check_f32(saved, op, "saved");
-  const DType dt = data_dtype(op, {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}, {"out", out}});
-  check_attention_heads(op, NH, NKV, HD);
-  const int64_t R = int64_t(NH + 2 * NKV) * HD;
-  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
-               qkv.shape.str(), R);
-  const int64_t B = qkv.size(0), T = qkv.size(1), C = int64_t(NH) * HD;
-  MPIGPT_CHECK(dqkv.numel() == qkv.numel(), "{}: dqkv {} must have the shape of qkv {}", op, dqkv.shape.str(),
-               qkv.shape.str());
-  MPIGPT_CHECK(dout.numel() == B * T * C && out.numel() == B * T * C,
-               "{}: dout {} and out {} must be (B, T, NH*HD) = ({}, {}, {})", op, dout.shape.str(), out.shape.str(), B,
-               T, C);
-  MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
-               attention_saved_numel(B, T, NH));
-  const SdpaShape shape{B, T, NH, NKV, HD};
-  if (CudnnSdpa* sdpa = cudnn_attention(shape, dt, op)) {
-    Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
-    sdpa->backward(shape, dqkv.ptr, dout.ptr, qkv.ptr, out.ptr, ptr<const float>(saved), ws.ptr);
-    return;
-  }
-  fused_attention_backward(*this, dt, dqkv, {}, dout, qkv, {}, out, saved, {}, {}, {}, {}, NH, NKV, HD);
+  return run_backward(p, dt, causal, ops.cuda_stream(), wg);
 }
 
 }  // namespace mpigpt::cuda

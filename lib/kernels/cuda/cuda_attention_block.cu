@@ -6,20 +6,11 @@
 #include <cstdint>
 #include <utility>
 
+#include "lib/kernels/cuda/cuda_attention.cuh"
 #include "lib/kernels/cuda/cuda_common.cuh"
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
 
 namespace mpigpt::cuda {
-
-// Defined in cuda_attention.cu: the head-count and head-dim check, and the fused kernels on checked
-// arguments (kv given: keys/values from kv under the explicit mask, dqkv's query columns and dkv
-// accumulate).
-void check_attention_heads(const char* op, int NH, int NKV, int HD);
-void fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
-                             Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD);
-void fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
-                              Tensor out, Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH,
-                              int NKV, int HD);
 
 namespace {
 

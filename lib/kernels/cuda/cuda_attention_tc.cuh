@@ -11,7 +11,7 @@
 
 namespace mpigpt::cuda {
 
-// An attention switch of the environment (MPIGPT_ATTENTION_FMA, _WGMMA, _WG_TWO_BUFFERS): on when
+// An attention switch of the environment (MPIGPT_ATTENTION_FMA, MPIGPT_ATTENTION_WG_TWO_BUFFERS): on when
 // set to a value other than "" or "0"; read on every call, so tests can flip it.
 inline bool attention_switch(const char* name) {
   const char* e = std::getenv(name);
@@ -56,14 +56,13 @@ struct AttentionTcBackward {
 // and a dK/dV kernel per key tile.
 bool attention_backward_tc(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
 
-// The causal forward and backward on Hopper's warpgroup products (cuda_attention_wg_*_sm90a.cu):
-// each launches its kernels and returns true when MPIGPT_ATTENTION_WGMMA is set (not "0"), the
-// problem is causal, the tensor-core path's conditions hold and this GPU runs sm_90a code;
-// otherwise returns false, launching nothing.
+// The causal forward and backward on Hopper's warpgroup products (cuda_attention_wg_*_sm90a.cu;
+// engine.attention_backend = wgmma, or auto's choice): each launches its kernels and returns true
+// when the problem is causal, the tensor-core path's conditions hold and this GPU runs sm_90a code
+// (attention_wg_applies, for the backward); otherwise returns false, launching nothing.
 bool attention_forward_wg(const AttentionTcForward& p, DType dt, bool causal, cudaStream_t stream);
 bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
-// Whether MPIGPT_ATTENTION_WGMMA asks for them (read on every call, so tests can switch it).
-bool attention_wgmma_requested();
+bool attention_wg_applies(const AttentionTcBackward& p, DType dt, bool causal);
 // Whether the current device runs the sm_90a kernels (an H100/H200-class GPU; the emulator: yes).
 bool attention_wgmma_available();
 

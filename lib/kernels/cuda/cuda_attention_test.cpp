@@ -3,6 +3,7 @@
 // sequence lengths that are not multiples of the kernels' 64-row tiles, and every head-dim kernel.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -134,8 +135,8 @@ TEST_CASE("cuda attention bf16: the tensor-core path agrees with the fp32-FMA pa
   }
 }
 
-TEST_CASE("cuda attention bf16: the Hopper (wgmma) kernels match the CPU backend (MPIGPT_ATTENTION_WGMMA)") {
-  // With MPIGPT_ATTENTION_WGMMA set, the causal bf16 forward and backward at HD 64 and 128 run on
+TEST_CASE("cuda attention bf16: the Hopper (wgmma) kernels match the CPU backend (attention_backend = wgmma)") {
+  // With engine.attention_backend = wgmma, the causal bf16 forward and backward at HD 64 and 128 run on
   // warpgroup products (cuda_attention_wg_*_sm90a.cu) on GPUs that run sm_90a code. Same checks as
   // the other paths: forward and backward against the CPU within the bf16 tolerances, and a rerun
   // of the backward bitwise equal. GQA and plain heads, T off the 128-query blocks, 64-row tiles
@@ -146,10 +147,10 @@ TEST_CASE("cuda attention bf16: the Hopper (wgmma) kernels match the CPU backend
     MESSAGE("this GPU does not run sm_90a code (wgmma): nothing to check");
     return;
   }
+  dynamic_cast<cuda::CudaOps&>(*ops).set_attention_backend(cuda::CudaOps::AttentionBackend::Wgmma);
 #endif
   auto cpu = make_cpu_ops();
-  const EnvSwitch wg_env("MPIGPT_ATTENTION_WGMMA"), two_env("MPIGPT_ATTENTION_WG_TWO_BUFFERS");
-  wg_env.set(true);
+  const EnvSwitch two_env("MPIGPT_ATTENTION_WG_TWO_BUFFERS");
   const std::vector<Geometry> shapes = {
       {2, 130, 4, 2, 64}, {1, 100, 4, 1, 128}, {1, 64, 2, 2, 64}, {2, 1, 2, 1, 128}, {1, 257, 2, 1, 128},
       {1, 200, 8, 2, 64}, {1, 300, 2, 2, 128},
@@ -190,3 +191,126 @@ TEST_CASE("cuda attention rejects unsupported head dims and inconsistent shapes"
   auto out_bf16 = zeros(*ops, {h.B, h.T, h.C()}, DType::BF16);  // one data dtype per call
   CHECK_THROWS_AS(ops->attention_forward(out_bf16.t, saved.t, qkv2.t, h.NH, h.NKV, h.HD), Error);
 }
+
+#ifdef MPIGPT_WITH_CUDA
+namespace {
+using Kernels = cuda::CudaOps::AttentionKernels;
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+}  // namespace
+
+TEST_CASE("cuda attention auto: candidates that disagree or do not run are dropped, the fastest of the rest runs") {
+  // fastest_agreeing_attention on made-up candidates around the real forward:
+  //  0 the reference runs it four times (slow);
+  //  1 runs it once (fast, right): must be chosen;
+  //  2 only moves the lse left by the last run by 1%: the fastest of all, and wrong;
+  //  3 does not run the call; 4 throws, as cuDNN refusing a plan at run time would;
+  //  5 runs it twice and moves the lse by 1e-5 (slower, within the tolerance): timed last in each
+  //    round, so the outputs left are the chosen one's only if it runs again at the end.
+  auto ops = cuda_ops_or_skip();
+  auto& cuda_ops = dynamic_cast<cuda::CudaOps&>(*ops);
+  const Geometry g{1, 64, 2, 1, 64};
+  const Bf16Inputs in = bf16_inputs(*ops, g, 404);
+  auto d_out = zeros(*ops, in.sout, DType::BF16);
+  auto d_saved = zeros(*ops, {in.nsaved});
+  auto forward = [&] {
+    ops->attention_forward(d_out.t, d_saved.t, in.d_qkv.t, g.NH, g.NKV, g.HD);
+    return true;
+  };
+  auto move_lse = [&](float factor) {
+    ops->scale(d_saved.t, factor);
+    return true;
+  };
+  const std::vector<cuda::CudaOps::AttentionCandidate> candidates = {
+      {Kernels::Builtin, [&] { return forward() && forward() && forward() && forward(); }},
+      {Kernels::Cudnn, forward},
+      {Kernels::Wgmma, [&] { return move_lse(1.01f); }},
+      {Kernels::Cudnn, [] { return false; }},
+      {Kernels::Cudnn, []() -> bool { throw Error("refused at run time"); }},
+      {Kernels::Wgmma, [&] { return forward() && forward() && move_lse(1.00001f); }},
+  };
+  const std::vector<cuda::CudaOps::AttentionOutput> outputs = {
+      {d_out.t.ptr, size_t(in.sout.numel()), DType::BF16, "out", 1e-2},
+      {d_saved.t.ptr, size_t(g.B * g.NH * g.T), DType::F32, "lse", 1e-3}};
+  (void)cuda_ops.take_notes();
+  CHECK(cuda_ops.fastest_agreeing_attention("the test's call", candidates, outputs) == 1);
+  const auto lse_left = to_host(*ops, d_saved.t);
+  const auto notes = cuda_ops.take_notes();
+  REQUIRE(notes.size() == 1);
+  const std::string& note = notes[0];
+  CAPTURE(note);
+  CHECK(note.find("attention auto, the test's call: cudnn (builtin ") == 0);
+  CHECK(has(note, "wgmma disagrees with builtin on lse (tolerance 0.001): "));
+  CHECK(has(note, " of 128 elements disagree"));
+  CHECK(has(note, "cudnn does not run this call"));
+  CHECK(has(note, "cudnn failed: refused at run time"));
+  size_t timed = 0;  // the three that agree; the dropped ones were not timed
+  for (size_t at = note.find(" ms"); at != std::string::npos; at = note.find(" ms", at + 1)) ++timed;
+  CHECK(timed == 3);
+  CHECK(cuda_ops.take_notes().empty());
+  forward();
+  CHECK(to_host(*ops, d_saved.t) == lse_left);
+}
+
+TEST_CASE("cuda attention auto: each pass and shape is measured once, and the causal ops match the CPU backend") {
+  auto ops = cuda_ops_or_skip();
+  auto& cuda_ops = dynamic_cast<cuda::CudaOps&>(*ops);
+  auto cpu = make_cpu_ops();
+  cuda_ops.set_attention_backend(cuda::CudaOps::AttentionBackend::Auto);
+  (void)cuda_ops.take_notes();
+  const std::vector<Geometry> shapes = {{2, 130, 4, 2, 64}, {1, 100, 4, 1, 128}};
+  const std::vector<Kernels> wgmma_or_not = cuda::attention_wgmma_available()
+                                                ? std::vector<Kernels>{Kernels::Builtin, Kernels::Wgmma}
+                                                : std::vector<Kernels>{Kernels::Builtin};
+  for (const Geometry& g : shapes) {
+    CAPTURE(g.HD);
+    // The gradients need not be bitwise reproducible here: cuDNN's may not be.
+    compare(g, DType::BF16, *ops, *cpu, {}, false);
+    const cuda::SdpaShape shape{g.B, g.T, g.NH, g.NKV, g.HD};
+    for (bool backward : {false, true}) {
+      const auto choice = cuda_ops.attention_choice(backward, shape);
+      REQUIRE(choice.has_value());
+      const bool builtin_or_wgmma = std::count(wgmma_or_not.begin(), wgmma_or_not.end(), *choice) > 0;
+      CHECK((builtin_or_wgmma || *choice == Kernels::Cudnn));
+    }
+  }
+  auto notes = cuda_ops.take_notes();
+  std::string all;
+  for (const auto& n : notes) all += n + "\n";
+  CAPTURE(all);
+  int measured = 0;
+  for (const auto& n : notes) measured += has(n, "attention auto, forward ") || has(n, "attention auto, backward ");
+  CHECK(measured == 4);  // two passes of two shapes
+  CHECK(has(all, "attention auto, forward B 2 T 130 heads 4/2 head dim 64: "));
+  CHECK(has(all, "attention auto, backward B 1 T 100 heads 4/1 head dim 128: "));
+  CHECK_FALSE(has(all, "disagrees"));
+  // Again: the choices stand, nothing is measured; f32 data runs the builtin kernels unmeasured.
+  compare(shapes[0], DType::BF16, *ops, *cpu, {}, false);
+  compare(shapes[0], DType::F32, *ops, *cpu);
+  notes = cuda_ops.take_notes();
+  CHECK(notes.empty());
+}
+
+TEST_CASE("cuda attention: engine.attention_backend = wgmma refuses what its kernels do not run") {
+  auto ops = cuda_ops_or_skip();
+  auto& cuda_ops = dynamic_cast<cuda::CudaOps&>(*ops);
+  cuda_ops.set_attention_backend(cuda::CudaOps::AttentionBackend::Wgmma);
+  auto call = [&](const Geometry& g, DType dt) {
+    auto qkv = zeros(*ops, {g.B, g.T, g.R()}, dt);
+    auto out = zeros(*ops, {g.B, g.T, g.C()}, dt);
+    auto saved = zeros(*ops, {g.B * g.NH * g.T});
+    ops->attention_forward(out.t, saved.t, qkv.t, g.NH, g.NKV, g.HD);
+  };
+  const Geometry hd64{1, 64, 2, 1, 64};
+  if (!cuda::attention_wgmma_available()) {
+    CHECK_THROWS_WITH_AS(call(hd64, DType::BF16), doctest::Contains("needs a GPU that runs sm_90a code"), Error);
+    return;
+  }
+  CHECK_NOTHROW(call(hd64, DType::BF16));
+  CHECK_THROWS_WITH_AS(call(hd64, DType::F32), doctest::Contains("engine.attention_backend = wgmma runs bf16 data"),
+                       Error);
+  CHECK_THROWS_WITH_AS(call({1, 64, 2, 1, 32}, DType::BF16),
+                       doctest::Contains("wgmma runs head dims 64 and 128 with 16-byte aligned rows, but this call "
+                                         "has B 1 T 64 heads 2/1 head dim 32"),
+                       Error);
+}
+#endif

@@ -1,8 +1,8 @@
 // CUDA backend: the causal bf16 attention backward on Hopper's warpgroup products (wgmma,
 // cuda_wgmma.cuh), head dims 64 and 128. Compiled for sm_90a only (CMakeLists.txt: files named
-// *_sm90a.cu), so it runs on H100/H200-class GPUs; cuda_attention.cu tries it before the mma.sync
-// kernels of cuda_attention_tc_bwd.cu when MPIGPT_ATTENTION_WGMMA is set (opt-in until it has been
-// measured on a GPU: docs/performance.md).
+// *_sm90a.cu), so it runs on H100/H200-class GPUs, in place of the mma.sync kernels of
+// cuda_attention_tc_bwd.cu when engine.attention_backend = wgmma, or auto measured it faster
+// (cuda_attention_causal.cu; docs/performance.md).
 //
 // The algorithm is cuda_attention_tc_bwd.cu's, deterministic as it is (every gradient element
 // summed by one thread in a fixed order, no atomics): a dQ kernel per 64-query tile, a dK/dV kernel
@@ -311,8 +311,6 @@ void launch_bwd_wg(const AttentionTcBackward& p, cudaStream_t stream) {
 
 }  // namespace
 
-bool attention_wgmma_requested() { return attention_switch("MPIGPT_ATTENTION_WGMMA"); }
-
 bool attention_wgmma_available() {
   // The kernels exist only as sm_90a code: on another GPU there is no image to load.
   constexpr int kMaxDevices = 64;
@@ -329,11 +327,14 @@ bool attention_wgmma_available() {
   return known[dev] == 1;
 }
 
+bool attention_wg_applies(const AttentionTcBackward& p, DType dt, bool causal) {
+  return causal && tc_inputs_ok(p.f, dt, causal) && aligned16(p.dout) && aligned16(p.dq) && aligned16(p.dk) &&
+         aligned16(p.dv) && attention_wgmma_available();
+}
+
 bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream) {
   const AttentionTcForward& f = p.f;
-  if (!causal || !attention_wgmma_requested() || !tc_inputs_ok(f, dt, causal) || !aligned16(p.dout) ||
-      !aligned16(p.dq) || !aligned16(p.dk) || !aligned16(p.dv) || !attention_wgmma_available())
-    return false;
+  if (!attention_wg_applies(p, dt, causal)) return false;
   if (f.B == 0 || f.Tq == 0) return true;
   if (f.HD == 128)
     launch_bwd_wg<128, 2>(p, stream);

@@ -1,6 +1,6 @@
 // CUDA backend: the causal bf16 attention forward on Hopper's warpgroup products (wgmma,
-// cuda_wgmma.cuh), head dims 64 and 128; compiled for sm_90a only, opt-in with
-// MPIGPT_ATTENTION_WGMMA as the backward (cuda_attention_wg_bwd_sm90a.cu).
+// cuda_wgmma.cuh), head dims 64 and 128; compiled for sm_90a only, chosen as the backward is
+// (engine.attention_backend = wgmma, or auto; cuda_attention_wg_bwd_sm90a.cu).
 //
 // The algorithm is cuda_attention_tc.cu's causal forward (FlashAttention-2: online softmax in fp32
 // and base 2, the lse saved in natural log). A block of 256 threads is two warpgroups and owns 128
@@ -203,9 +203,7 @@ void launch_fwd_wg(const AttentionTcForward& p, cudaStream_t stream) {
 }  // namespace
 
 bool attention_forward_wg(const AttentionTcForward& p, DType dt, bool causal, cudaStream_t stream) {
-  if (!causal || !attention_wgmma_requested() || !tc_inputs_ok(p, dt, causal) || !aligned16(p.out) ||
-      !attention_wgmma_available())
-    return false;
+  if (!causal || !tc_inputs_ok(p, dt, causal) || !aligned16(p.out) || !attention_wgmma_available()) return false;
   if (p.B == 0 || p.Tq == 0) return true;
   if (p.HD == 64)
     launch_fwd_wg<64>(p, stream);

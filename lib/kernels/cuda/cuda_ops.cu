@@ -31,10 +31,12 @@ std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions& options) {
   Backend attention = Backend::Builtin;
   if (options.attention_backend == "cudnn")
     attention = Backend::Cudnn;
+  else if (options.attention_backend == "wgmma")
+    attention = Backend::Wgmma;
   else if (options.attention_backend == "auto")
     attention = Backend::Auto;
   else if (options.attention_backend != "builtin")
-    fail("engine.attention_backend = '{}' is not one of builtin | cudnn | auto", options.attention_backend);
+    fail("engine.attention_backend = '{}' is not one of builtin | wgmma | cudnn | auto", options.attention_backend);
   auto ops = std::make_unique<cuda::CudaOps>(device);
   ops->set_gemm_autotune(options.gemm_autotune);
   ops->set_attention_backend(attention);
@@ -251,8 +253,8 @@ CudaOps::~CudaOps() {
 std::string CudaOps::name() const {
   cudaDeviceProp prop{};
   MPIGPT_CUDA(cudaGetDeviceProperties(&prop, device_));
-  std::string attention = "builtin attention";
-  if (attention_backend_ != AttentionBackend::Builtin) {
+  std::string attention = attention_backend_ == AttentionBackend::Wgmma ? "wgmma attention" : "builtin attention";
+  if (attention_backend_ == AttentionBackend::Cudnn || attention_backend_ == AttentionBackend::Auto) {
     const std::string version = cudnn_sdpa_version();
     attention = fmt::format("{} attention, {}", attention_backend_ == AttentionBackend::Cudnn ? "cudnn" : "auto",
                             version.empty() ? "cuDNN not loadable" : version);

@@ -13,8 +13,13 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "lib/kernels/caching_allocator.h"
 #include "lib/kernels/cuda/cudnn_sdpa.h"
@@ -165,16 +170,60 @@ class CudaOps final : public Ops {
   // adamw_runs' chunk tables on the device, one per run list met (cuda_optim.cu).
   struct AdamTables;
   AdamTables& adam_tables();
-  // Who runs the causal attention ops (cuda_attention.cu; engine.attention_backend): the builtin
-  // kernels, cuDNN's fused SDPA for bf16 (an error where cuDNN is missing or cannot run a shape),
-  // or cuDNN where it can and the builtin kernels elsewhere.
-  enum class AttentionBackend { Builtin, Cudnn, Auto };
-  void set_attention_backend(AttentionBackend b) { attention_backend_ = b; }
+  // Who runs the causal attention ops (cuda_attention_causal.cu; engine.attention_backend):
+  //  - Builtin: the backend's own kernels (tensor cores through mma.sync for bf16 at HD 64 and 128,
+  //    fp32 FMA elsewhere);
+  //  - Wgmma: the builtin kernels on Hopper's warpgroup products for bf16 at HD 64 and 128, an error
+  //    on another GPU (they are sm_90a code) or another call;
+  //  - Cudnn: cuDNN's fused SDPA for bf16, an error where cuDNN is missing or cannot run a shape;
+  //  - Auto: on the first call of each pass (forward, backward) and shape, every one of them that
+  //    runs the call runs it on its own data; those whose results disagree with the builtin kernels'
+  //    are dropped and the fastest of the rest runs that pass and shape from then on (the builtin
+  //    kernels stay unless another is at least 3% faster). Other calls (f32 data) run the builtin ones.
+  // The blockwise ops (ring attention, packed documents) always run the builtin kernels.
+  enum class AttentionBackend { Builtin, Wgmma, Cudnn, Auto };
+  enum class AttentionKernels { Builtin, Wgmma, Cudnn };
+  void set_attention_backend(AttentionBackend b) {
+    attention_backend_ = b;
+    attention_choices_.clear();
+  }
   AttentionBackend attention_backend() const { return attention_backend_; }
-  // cuDNN's attention for this call, or null where the builtin kernels run it (cuda_attention.cu).
-  CudnnSdpa* cudnn_attention(const SdpaShape& shape, DType dt, const char* op);
+  // What auto chose for a pass and shape; empty before its first call (or when it ran f32 data).
+  std::optional<AttentionKernels> attention_choice(bool backward, const SdpaShape& shape) const;
+  // Auto's measurements since the last call, one line per pass and shape, for the log.
+  std::vector<std::string> take_notes() override;
+
+  // One of auto's candidates for a call: which kernels, and a function that queues them on the
+  // stream (false: they do not run this call, nothing queued). The call's outputs, which every
+  // candidate overwrites: a device region of n elements of dt, judged with agreement() at tol.
+  struct AttentionCandidate {
+    AttentionKernels kernels;
+    std::function<bool()> run;
+  };
+  struct AttentionOutput {
+    const void* ptr;
+    size_t n;
+    DType dt;
+    const char* name;
+    double tol;
+  };
+  // Auto's measurement (public for its tests): runs candidates[0], the reference, and each other
+  // candidate once, drops those that do not run or whose outputs disagree with the reference's, times
+  // the rest (best of 3 interleaved rounds after a warm-up) and returns the index of the fastest (0
+  // unless another is at least 3% faster). The chosen one runs last, so the outputs are its own. what
+  // names the call in the note it leaves for take_notes().
+  size_t fastest_agreeing_attention(const std::string& what, const std::vector<AttentionCandidate>& candidates,
+                                    const std::vector<AttentionOutput>& outputs);
 
  private:
+  // cuDNN's attention for this call, or null where it cannot run it (required: an error instead).
+  CudnnSdpa* cudnn_attention(const SdpaShape& shape, DType dt, const char* op, bool required);
+  // Runs one causal pass with the kernels engine.attention_backend asks for (auto: measured on the
+  // first call of the pass and shape). run(kernels) queues them and says whether they ran the call.
+  void run_causal_attention(bool backward, const SdpaShape& shape, DType dt, const char* op,
+                            const std::function<bool(AttentionKernels)>& run,
+                            const std::vector<AttentionOutput>& outputs);
+
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
@@ -182,6 +231,8 @@ class CudaOps final : public Ops {
   double* host_result_ = nullptr;
   bool tune_ = false, tune_paused_ = false;
   AttentionBackend attention_backend_ = AttentionBackend::Builtin;
+  std::map<std::pair<bool, SdpaShape>, AttentionKernels> attention_choices_;  // auto's, by (backward, shape)
+  std::vector<std::string> notes_;
   std::unique_ptr<CudnnSdpa> sdpa_;  // created on first use
   bool sdpa_missing_ = false;        // auto: cuDNN could not be loaded, never try again
   double tune_min_flop_ = kTuneMinFlop;

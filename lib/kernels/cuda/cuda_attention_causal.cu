@@ -1,0 +1,292 @@
+// CUDA backend: the causal attention ops and the choice of who runs them (engine.attention_backend,
+// CudaOps::AttentionBackend): the builtin kernels (cuda_attention.cu), the builtin kernels on
+// Hopper's warpgroup products (cuda_attention_wg_*_sm90a.cu) or cuDNN's fused SDPA (cudnn_sdpa.cu),
+// named, or measured on each pass and shape's first call (auto). All three save the same
+// log-sum-exp, so a forward of one pairs with a backward of another.
+//
+// auto's measurement runs on the call's own data, so that what it times is what training runs: the
+// builtin kernels run first and their outputs are copied to the host; every other candidate runs,
+// its outputs are copied and compared with agreement() (lib/kernels/agreement.h), and one that
+// disagrees is dropped with a note saying where. The rest are timed in interleaved rounds. A
+// one-time cost per pass and shape (tens of milliseconds for GPT-2's shapes, plus copying the
+// outputs: about 0.8 GB of gradients per candidate at 1.3B), then a map lookup per call.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+#include <vector>
+
+#include "lib/kernels/agreement.h"
+#include "lib/kernels/cuda/cuda_attention.cuh"
+#include "lib/kernels/cuda/cuda_attention_tc.cuh"
+#include "lib/kernels/cuda/cuda_common.cuh"
+#include "lib/kernels/cuda/cuda_kernel_util.cuh"
+
+namespace mpigpt::cuda {
+
+namespace {
+
+const char* kernels_name(CudaOps::AttentionKernels k) {
+  switch (k) {
+    case CudaOps::AttentionKernels::Builtin: return "builtin";
+    case CudaOps::AttentionKernels::Wgmma: return "wgmma";
+    case CudaOps::AttentionKernels::Cudnn: return "cudnn";
+  }
+  return "?";
+}
+
+std::string shape_str(const SdpaShape& s) {
+  return fmt::format("B {} T {} heads {}/{} head dim {}", s.B, s.T, s.NH, s.NKV, s.HD);
+}
+
+}  // namespace
+
+CudnnSdpa* CudaOps::cudnn_attention(const SdpaShape& shape, DType dt, const char* op, bool required) {
+  if (sdpa_missing_) return nullptr;
+  if (dt != DType::BF16) {  // cuDNN's fused attention takes 16-bit data
+    if (required)
+      fail("{}: engine.attention_backend = cudnn runs bf16 data, but this call's data is {}; set "
+           "training.precision = bf16, or engine.attention_backend = auto (or builtin)", op, dtype_name(dt));
+    return nullptr;
+  }
+  if (!sdpa_) {
+    const std::string why = cudnn_sdpa_unavailable();
+    if (!why.empty()) {
+      if (required) fail("engine.attention_backend = cudnn: {}", why);
+      notes_.push_back(fmt::format("attention auto: cuDNN is not a candidate: {}", why));
+      sdpa_missing_ = true;
+      return nullptr;
+    }
+    MPIGPT_CUDA(cudaSetDevice(device_));
+    try {
+      sdpa_ = std::make_unique<CudnnSdpa>(stream_);
+    } catch (const Error& e) {  // e.g. a cuDNN built for another CUDA
+      if (required) throw;
+      notes_.push_back(fmt::format("attention auto: cuDNN is not a candidate: {}", e.what()));
+      sdpa_missing_ = true;
+      return nullptr;
+    }
+  }
+  std::string why;
+  if (sdpa_->prepare(shape, &why)) return sdpa_.get();
+  if (required)
+    fail("{}: engine.attention_backend = cudnn, but cuDNN cannot run attention with B={} T={} NH={} NKV={} HD={}: "
+         "{}; set engine.attention_backend = auto (the builtin kernels take the shapes cuDNN does not) or builtin",
+         op, shape.B, shape.T, shape.NH, shape.NKV, shape.HD, why);
+  return nullptr;
+}
+
+std::optional<CudaOps::AttentionKernels> CudaOps::attention_choice(bool backward, const SdpaShape& shape) const {
+  const auto it = attention_choices_.find({backward, shape});
+  if (it == attention_choices_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<std::string> CudaOps::take_notes() { return std::exchange(notes_, {}); }
+
+size_t CudaOps::fastest_agreeing_attention(const std::string& what, const std::vector<AttentionCandidate>& candidates,
+                                           const std::vector<AttentionOutput>& outputs) {
+  MPIGPT_CHECK(!candidates.empty(), "attention auto: no candidates for {}", what);
+  const size_t n = candidates.size();
+  const char* reference = kernels_name(candidates[0].kernels);
+  // The outputs of the last run, on the host.
+  auto fetch = [&](std::vector<std::vector<char>>& host) {
+    host.resize(outputs.size());
+    for (size_t o = 0; o < outputs.size(); ++o) {
+      host[o].resize(outputs[o].n * dtype_size(outputs[o].dt));
+      MPIGPT_CUDA(cudaMemcpyAsync(host[o].data(), outputs[o].ptr, host[o].size(), cudaMemcpyDeviceToHost, stream_));
+    }
+    MPIGPT_CUDA(cudaStreamSynchronize(stream_));
+  };
+  if (!candidates[0].run()) fail("attention auto: the reference kernels ({}) did not run {}", reference, what);
+  std::vector<std::vector<char>> want, got;
+  fetch(want);
+  std::vector<bool> usable(n, false);
+  usable[0] = true;
+  std::vector<std::string> dropped;
+  for (size_t i = 1; i < n; ++i) {
+    const char* name = kernels_name(candidates[i].kernels);
+    try {  // a library's refusal at run time (cuDNN's execute) drops the candidate, not the run
+      if (!candidates[i].run()) {
+        dropped.push_back(fmt::format("{} does not run this call", name));
+        continue;
+      }
+      fetch(got);
+    } catch (const Error& e) {
+      dropped.push_back(fmt::format("{} failed: {}", name, e.what()));
+      continue;
+    }
+    usable[i] = true;
+    for (size_t o = 0; o < outputs.size() && usable[i]; ++o) {
+      const AttentionOutput& out = outputs[o];
+      const Agreement a = agreement(want[o].data(), got[o].data(), out.n, out.dt, out.tol);
+      if (!a.ok) {
+        dropped.push_back(fmt::format("{} disagrees with {} on {} (tolerance {:g}): {}", name, reference, out.name,
+                                      out.tol, a.str()));
+        usable[i] = false;
+      }
+    }
+  }
+
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  std::vector<double> best(n, 0.0);  // seconds per run, best round
+  size_t chosen = 0;
+  if (std::count(usable.begin(), usable.end(), true) > 1) {
+    // Warm-up: the reference for about 20 ms (clocks of a GPU that idled ramp up over tens of ms),
+    // which also says how many runs make a round of about 10 ms (at least 2).
+    int runs = 0;
+    const auto t0 = Clock::now();
+    do {
+      candidates[0].run();
+      MPIGPT_CUDA(cudaStreamSynchronize(stream_));
+      ++runs;
+    } while (seconds_since(t0) < 0.02 && runs < 1000);
+    const int reps = std::clamp(int(0.01 / (seconds_since(t0) / runs)), 2, 20);
+    constexpr int kRounds = 3;
+    for (int round = 0; round < kRounds; ++round)
+      for (size_t i = 0; i < n; ++i) {
+        if (!usable[i]) continue;
+        const auto start = Clock::now();
+        for (int r = 0; r < reps; ++r) candidates[i].run();
+        MPIGPT_CUDA(cudaStreamSynchronize(stream_));
+        const double t = seconds_since(start) / reps;
+        best[i] = round == 0 ? t : std::min(best[i], t);
+      }
+    for (size_t i = 1; i < n; ++i)
+      if (usable[i] && best[i] < best[chosen] * (chosen == 0 ? 0.97 : 1.0)) chosen = i;
+  }
+  candidates[chosen].run();  // the outputs are the chosen kernels' own
+
+  std::string times;
+  for (size_t i = 0; i < n; ++i)
+    if (usable[i] && best[i] > 0) times += fmt::format("{}{} {:.3f} ms", times.empty() ? "" : ", ",
+                                                       kernels_name(candidates[i].kernels), best[i] * 1e3);
+  std::string note = fmt::format("attention auto, {}: {}", what, kernels_name(candidates[chosen].kernels));
+  if (!times.empty()) note += fmt::format(" ({})", times);
+  for (const std::string& d : dropped) note += "; " + d;
+  notes_.push_back(note);
+  return chosen;
+}
+
+void CudaOps::run_causal_attention(bool backward, const SdpaShape& shape, DType dt, const char* op,
+                                   const std::function<bool(AttentionKernels)>& run,
+                                   const std::vector<AttentionOutput>& outputs) {
+  using K = AttentionKernels;
+  switch (attention_backend_) {
+    case AttentionBackend::Builtin:
+      run(K::Builtin);
+      return;
+    case AttentionBackend::Cudnn:
+      cudnn_attention(shape, dt, op, true);  // fails where cuDNN cannot run this call
+      run(K::Cudnn);
+      return;
+    case AttentionBackend::Wgmma: {
+      if (dt != DType::BF16)
+        fail("{}: engine.attention_backend = wgmma runs bf16 data, but this call's data is {}; set "
+             "training.precision = bf16, or engine.attention_backend = auto (or builtin)", op, dtype_name(dt));
+      if (!attention_wgmma_available()) {
+        cudaDeviceProp prop{};
+        MPIGPT_CUDA(cudaGetDeviceProperties(&prop, device_));
+        fail("{}: engine.attention_backend = wgmma needs a GPU that runs sm_90a code (H100/H200 class), but device "
+             "{} is a {} (sm_{}{}); set engine.attention_backend = auto or builtin", op, device_, prop.name,
+             prop.major, prop.minor);
+      }
+      if (!run(K::Wgmma))
+        fail("{}: engine.attention_backend = wgmma runs head dims 64 and 128 with 16-byte aligned rows, but this call "
+             "has {}; set engine.attention_backend = auto (the other kernels take the rest) or builtin", op,
+             shape_str(shape));
+      return;
+    }
+    case AttentionBackend::Auto: break;
+  }
+  if (dt != DType::BF16) {  // only the builtin kernels run f32 data
+    run(K::Builtin);
+    return;
+  }
+  const auto key = std::make_pair(backward, shape);
+  if (const auto it = attention_choices_.find(key); it != attention_choices_.end()) {
+    if (!run(it->second)) fail("{}: attention auto's choice {} no longer runs {}", op, kernels_name(it->second),
+                               shape_str(shape));
+    return;
+  }
+  std::vector<AttentionCandidate> candidates = {{K::Builtin, [&] { return run(K::Builtin); }}};
+  if (attention_wgmma_available()) candidates.push_back({K::Wgmma, [&] { return run(K::Wgmma); }});
+  if (cudnn_attention(shape, dt, op, false)) candidates.push_back({K::Cudnn, [&] { return run(K::Cudnn); }});
+  const std::string what = fmt::format("{} {}", backward ? "backward" : "forward", shape_str(shape));
+  attention_choices_[key] = candidates[fastest_agreeing_attention(what, candidates, outputs)].kernels;
+}
+
+void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) {
+  // out (B,T,NH*HD), saved = lse (B,NH,T) f32, qkv (B,T,(NH+2*NKV)*HD)
+  const char* op = "attention_forward";
+  check_device(out, op, "out");
+  check_f32(saved, op, "saved");
+  check_device(qkv, op, "qkv");
+  const DType dt = data_dtype(op, {{"out", out}, {"qkv", qkv}});
+  check_attention_heads(op, NH, NKV, HD);
+  const int64_t R = int64_t(NH + 2 * NKV) * HD;
+  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
+               qkv.shape.str(), R);
+  const int64_t B = qkv.size(0), T = qkv.size(1);
+  MPIGPT_CHECK(out.numel() == B * T * NH * HD, "{}: out {} must be (B, T, NH*HD) = ({}, {}, {})", op, out.shape.str(),
+               B, T, int64_t(NH) * HD);
+  MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
+               attention_saved_numel(B, T, NH));
+  const SdpaShape shape{B, T, NH, NKV, HD};
+  auto run = [&](AttentionKernels k) {
+    if (k == AttentionKernels::Cudnn) {
+      CudnnSdpa* sdpa = cudnn_attention(shape, dt, op, true);
+      Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
+      sdpa->forward(shape, out.ptr, ptr<float>(saved), qkv.ptr, ws.ptr);
+      return true;
+    }
+    return fused_attention_forward(*this, dt, out, saved, qkv, {}, {}, {}, {}, {}, NH, NKV, HD,
+                                   k == AttentionKernels::Wgmma);
+  };
+  // bf16 out within 1e-2 (it is rounded once); the fp32 lse within 1e-3 (identical inputs; the
+  // kernels differ in summation order and exp2 against exp).
+  run_causal_attention(false, shape, dt, op, run,
+                       {{out.ptr, size_t(out.numel()), dt, "out", 1e-2},
+                        {saved.ptr, size_t(attention_saved_numel(B, T, NH)), DType::F32, "lse", 1e-3}});
+}
+
+void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
+                                 int HD) {
+  // dqkv (B,T,(NH+2*NKV)*HD) overwritten, dout and out (B,T,NH*HD), qkv as forward, saved = lse (B,NH,T)
+  const char* op = "attention_backward";
+  check_device(dqkv, op, "dqkv");
+  check_device(dout, op, "dout");
+  check_device(qkv, op, "qkv");
+  check_device(out, op, "out");
+  check_f32(saved, op, "saved");
+  const DType dt = data_dtype(op, {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}, {"out", out}});
+  check_attention_heads(op, NH, NKV, HD);
+  const int64_t R = int64_t(NH + 2 * NKV) * HD;
+  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
+               qkv.shape.str(), R);
+  const int64_t B = qkv.size(0), T = qkv.size(1), C = int64_t(NH) * HD;
+  MPIGPT_CHECK(dqkv.numel() == qkv.numel(), "{}: dqkv {} must have the shape of qkv {}", op, dqkv.shape.str(),
+               qkv.shape.str());
+  MPIGPT_CHECK(dout.numel() == B * T * C && out.numel() == B * T * C,
+               "{}: dout {} and out {} must be (B, T, NH*HD) = ({}, {}, {})", op, dout.shape.str(), out.shape.str(), B,
+               T, C);
+  MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
+               attention_saved_numel(B, T, NH));
+  const SdpaShape shape{B, T, NH, NKV, HD};
+  auto run = [&](AttentionKernels k) {
+    if (k == AttentionKernels::Cudnn) {
+      CudnnSdpa* sdpa = cudnn_attention(shape, dt, op, true);
+      Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
+      sdpa->backward(shape, dqkv.ptr, dout.ptr, qkv.ptr, out.ptr, ptr<const float>(saved), ws.ptr);
+      return true;
+    }
+    return fused_attention_backward(*this, dt, dqkv, {}, dout, qkv, {}, out, saved, {}, {}, {}, {}, NH, NKV, HD,
+                                    k == AttentionKernels::Wgmma);
+  };
+  // Gradients within 2e-2: the kernels round P and dS to bf16 at different points of their sums.
+  run_causal_attention(true, shape, dt, op, run, {{dqkv.ptr, size_t(dqkv.numel()), dt, "dqkv", 2e-2}});
+}
+
+}  // namespace mpigpt::cuda
