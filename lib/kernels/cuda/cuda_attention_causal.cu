@@ -40,6 +40,22 @@ std::string shape_str(const SdpaShape& s) {
   return fmt::format("B {} T {} heads {}/{} head dim {}", s.B, s.T, s.NH, s.NKV, s.HD);
 }
 
+// The checks both causal passes make, and the call's shape: qkv (B,T,(NH+2*NKV)*HD), out
+// (B,T,NH*HD), saved = lse (B,NH,T) f32.
+SdpaShape causal_shape(const Ops& ops, const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved,
+                       int NH, int NKV, int HD) {
+  check_attention_heads(op, NH, NKV, HD);
+  const int64_t R = int64_t(NH + 2 * NKV) * HD;
+  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
+               qkv.shape.str(), R);
+  const int64_t B = qkv.size(0), T = qkv.size(1);
+  MPIGPT_CHECK(out.numel() == B * T * NH * HD, "{}: out {} must be (B, T, NH*HD) = ({}, {}, {})", op, out.shape.str(),
+               B, T, int64_t(NH) * HD);
+  MPIGPT_CHECK(saved.numel() >= ops.attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op,
+               saved.str(), ops.attention_saved_numel(B, T, NH));
+  return {B, T, NH, NKV, HD};
+}
+
 }  // namespace
 
 CudnnSdpa* CudaOps::cudnn_attention(const SdpaShape& shape, DType dt, const char* op, bool required) {
@@ -225,16 +241,7 @@ void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, in
   check_f32(saved, op, "saved");
   check_device(qkv, op, "qkv");
   const DType dt = data_dtype(op, {{"out", out}, {"qkv", qkv}});
-  check_attention_heads(op, NH, NKV, HD);
-  const int64_t R = int64_t(NH + 2 * NKV) * HD;
-  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
-               qkv.shape.str(), R);
-  const int64_t B = qkv.size(0), T = qkv.size(1);
-  MPIGPT_CHECK(out.numel() == B * T * NH * HD, "{}: out {} must be (B, T, NH*HD) = ({}, {}, {})", op, out.shape.str(),
-               B, T, int64_t(NH) * HD);
-  MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
-               attention_saved_numel(B, T, NH));
-  const SdpaShape shape{B, T, NH, NKV, HD};
+  const SdpaShape shape = causal_shape(*this, op, qkv, out, saved, NH, NKV, HD);
   auto run = [&](AttentionKernels k) {
     if (k == AttentionKernels::Cudnn) {
       CudnnSdpa* sdpa = cudnn_attention(shape, dt, op, true);
@@ -249,7 +256,7 @@ void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, in
   // kernels differ in summation order and exp2 against exp).
   run_causal_attention(false, shape, dt, op, run,
                        {{out.ptr, size_t(out.numel()), dt, "out", 1e-2},
-                        {saved.ptr, size_t(attention_saved_numel(B, T, NH)), DType::F32, "lse", 1e-3}});
+                        {saved.ptr, size_t(attention_saved_numel(shape.B, shape.T, NH)), DType::F32, "lse", 1e-3}});
 }
 
 void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
@@ -262,19 +269,11 @@ void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor ou
   check_device(out, op, "out");
   check_f32(saved, op, "saved");
   const DType dt = data_dtype(op, {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}, {"out", out}});
-  check_attention_heads(op, NH, NKV, HD);
-  const int64_t R = int64_t(NH + 2 * NKV) * HD;
-  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
-               qkv.shape.str(), R);
-  const int64_t B = qkv.size(0), T = qkv.size(1), C = int64_t(NH) * HD;
+  const SdpaShape shape = causal_shape(*this, op, qkv, out, saved, NH, NKV, HD);
   MPIGPT_CHECK(dqkv.numel() == qkv.numel(), "{}: dqkv {} must have the shape of qkv {}", op, dqkv.shape.str(),
                qkv.shape.str());
-  MPIGPT_CHECK(dout.numel() == B * T * C && out.numel() == B * T * C,
-               "{}: dout {} and out {} must be (B, T, NH*HD) = ({}, {}, {})", op, dout.shape.str(), out.shape.str(), B,
-               T, C);
-  MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
-               attention_saved_numel(B, T, NH));
-  const SdpaShape shape{B, T, NH, NKV, HD};
+  MPIGPT_CHECK(dout.numel() == out.numel(), "{}: dout {} must have the shape of out {}", op, dout.shape.str(),
+               out.shape.str());
   auto run = [&](AttentionKernels k) {
     if (k == AttentionKernels::Cudnn) {
       CudnnSdpa* sdpa = cudnn_attention(shape, dt, op, true);
