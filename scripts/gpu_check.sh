@@ -12,6 +12,8 @@
 #                 fortunes: the node has no fortune files to prepare it from)
 #   MODELS=...    attention: the inputs/*_gpu.ini models (default gpt2_124m gpt2_1p3b llama_1b)
 #   ROUNDS=N      attention: rounds of the alternated variants (default 1)
+#   KERNELS=...   attention: the settings timed alone (default "auto auto_wg2"; or builtin, wgmma, cudnn)
+#   TRAIN=...     attention: the settings of the training steps (default "builtin auto")
 #   STEP_TIMEOUT=S  seconds each command may run before it is killed and reported failed (exit 124):
 #                 a kernel that hangs costs one step, not the session (default none; attention 150)
 set -uo pipefail
@@ -56,28 +58,35 @@ for part in "${parts[@]}"; do
     attention)
       saved_timeout=${STEP_TIMEOUT-}
       STEP_TIMEOUT=${STEP_TIMEOUT:-150}
-      # Each attention variant alone (`mpigpt bench-attention`: the kernels at the model's shape)
-      # and in a training step, alternated so that they share the machine's state: auto first (it
-      # runs every candidate on the first call's data, checks each against the builtin kernels and
-      # logs their times and its choice), then the builtin kernels (mma.sync), the builtin kernels on
-      # warpgroup products (wgmma, sm_90a; `wgmma2` with the backward's two-buffer variant at head
-      # dim 64) and cuDNN's fused attention, each named. Micro-batch 64 (Llama 1B: 32), no
-      # recompute; each run's summary lines are in its log.
+      # The attention variants alone (`mpigpt bench-attention`: the kernels at the model's shape)
+      # and in a training step. auto runs every candidate on its first call's data, checks each
+      # against the builtin kernels and logs their times and its choice, so one auto run measures
+      # the builtin kernels (mma.sync), the warpgroup kernels (wgmma, sm_90a) and cuDNN's fused
+      # attention side by side; `auto_wg2` does it again with the warpgroup backward's two-buffer
+      # variant at head dim 64. KERNELS and TRAIN name the settings run (default "auto auto_wg2"
+      # and "builtin auto"; e.g. TRAIN="builtin auto wgmma cudnn" adds each named one). Micro-batch
+      # 64 (Llama 1B: 32), no recompute; each run's summary lines are in its log.
+      setting() {  # name: the environment and option of an attention setting
+        case $1 in
+          auto_wg2) echo "MPIGPT_ATTENTION_WG_TWO_BUFFERS=1 --engine.attention_backend auto" ;;
+          *) echo "MPIGPT_ATTENTION_WG_TWO_BUFFERS= --engine.attention_backend $1" ;;
+        esac
+      }
       for model in ${MODELS:-gpt2_124m gpt2_1p3b llama_1b}; do
         mb=64
         [ "$model" = llama_1b ] && mb=32
         kargs=(mpigpt bench-attention --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
                --bench-steps 20 --bench-warmup 5)
-        for backend in auto builtin wgmma cudnn; do
-          step "kernels_${model}_$backend" "$B/run" "${kargs[@]}" --engine.attention_backend $backend
+        for name in ${KERNELS:-auto auto_wg2}; do
+          read -r env_var opt value <<<"$(setting "$name")"
+          step "kernels_${model}_$name" env "$env_var" "$B/run" "${kargs[@]}" "$opt" "$value"
         done
-        step "kernels_${model}_wgmma2" env MPIGPT_ATTENTION_WG_TWO_BUFFERS=1 "$B/run" "${kargs[@]}" \
-          --engine.attention_backend wgmma
         args=(mpigpt bench --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
               --training.global_batch $mb --engine.recompute none --bench-steps 10 --bench-warmup 3)
         for ((round = 1; round <= ${ROUNDS:-1}; ++round)); do
-          for backend in auto builtin wgmma cudnn; do
-            step "attention_${model}_${backend}_$round" "$B/run" "${args[@]}" --engine.attention_backend $backend
+          for name in ${TRAIN:-builtin auto}; do
+            read -r env_var opt value <<<"$(setting "$name")"
+            step "attention_${model}_${name}_$round" env "$env_var" "$B/run" "${args[@]}" "$opt" "$value"
           done
         done
       done
