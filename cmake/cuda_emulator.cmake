@@ -137,15 +137,7 @@ add_dependencies(mpigpt_emulated_tests mpigpt_emulated_nccl)
 #  - emulated/regression/loss_curves_nccl: fp32 over engine.comm = nccl (the stand-in), one
 #    emulated device per rank, for the layouts that use every NCCL path (p2p pipelines and rings,
 #    all-to-all, tp/sp/dp collectives, the distributed optimizer's overlapped buckets), 2 steps.
-if(DEFINED REGRESSION_DIR)
-  set(tiny_ini ${PROJECT_SOURCE_DIR}/regression/tiny.ini)
-  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${tiny_ini})
-  file(READ ${tiny_ini} tiny)
-  string(REPLACE "num_heads = 4" "num_heads = 1" tiny_hd64 "${tiny}")
-  if(tiny_hd64 STREQUAL tiny)
-    message(FATAL_ERROR "cuda_emulator.cmake: regression/tiny.ini no longer says 'num_heads = 4'")
-  endif()
-  file(WRITE ${REGRESSION_DIR}/tiny_hd64.ini "${tiny_hd64}")
+if(DEFINED REGRESSION_DIR)  # tiny_hd64.ini: regression/regression.cmake
   set(emu_run ${MPIGPT_PYTHON3} ${PROJECT_SOURCE_DIR}/regression/run.py --binary $<TARGET_FILE:mpigpt_emulated>
       --data ${REGRESSION_DIR}/data/fortunes --mpirun "${REGRESSION_MPIRUN}" --with-one-rank)
   add_test(NAME emulated/regression/loss_curves_cuda COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated --steps 3

@@ -19,6 +19,18 @@ set(REGRESSION_RUN ${MPIGPT_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/run.py --binary $
     --out ${REGRESSION_DIR} --data ${REGRESSION_DIR}/data/fortunes)
 string(JOIN " " REGRESSION_MPIRUN ${MPIGPT_MPIRUN})
 
+# The regression model with one head of 64 channels (regression/tiny.ini has 4 heads of 16), so that
+# bf16 training runs the attention kernels of head dims 64 and 128 (tensor cores, warpgroup
+# products, cuDNN) rather than the fp32-FMA ones; scripts/gpu_check.sh makes the same file.
+set(tiny_ini ${CMAKE_CURRENT_LIST_DIR}/tiny.ini)
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${tiny_ini})
+file(READ ${tiny_ini} tiny)
+string(REPLACE "num_heads = 4" "num_heads = 1" tiny_hd64 "${tiny}")
+if(tiny_hd64 STREQUAL tiny)
+  message(FATAL_ERROR "regression.cmake: regression/tiny.ini no longer says 'num_heads = 4'")
+endif()
+file(WRITE ${REGRESSION_DIR}/tiny_hd64.ini "${tiny_hd64}")
+
 add_test(NAME regression/prepare_data COMMAND ${REGRESSION_RUN} --prepare-only)
 set_tests_properties(regression/prepare_data PROPERTIES
   FIXTURES_SETUP regression_data LABELS regression TIMEOUT 120 ENVIRONMENT "${MPIGPT_TEST_ENV}")
@@ -38,7 +50,11 @@ set_tests_properties(regression/loss_curves PROPERTIES
 #    ep2, and tp2 x dp2 with the distributed optimizer, whose parameter gather moves the bf16
 #    weights) in bf16 mixed precision on one GPU against the fp32 CPU curve of the same run, within
 #    2e-2 per step (bf16 rounds activations and the compute weights to 8 bits of mantissa, ~4e-3
-#    relative; the curve may drift a few times that).
+#    relative; the curve may drift a few times that);
+#  - regression/loss_curve_cuda_bf16_hd64 and _hd64_auto: 50 steps of GPT-2 with one head of 64
+#    channels, one rank, bf16, with engine.attention_backend = builtin (the mma.sync tensor-core
+#    kernels) and auto (whichever of those, the warpgroup kernels and cuDNN agrees and is fastest),
+#    against the fp32 CPU curve within 2e-2.
 set(REGRESSION_CUDA_ARGS "--engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true")
 add_test(NAME regression/loss_curves_cuda COMMAND ${REGRESSION_RUN} --mpirun "${REGRESSION_MPIRUN}"
          --out ${REGRESSION_DIR}/cuda --require-gpu --with-one-rank --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$"
@@ -47,6 +63,17 @@ add_test(NAME regression/loss_curve_cuda_bf16 COMMAND ${REGRESSION_RUN} --mpirun
          --out ${REGRESSION_DIR}/cuda_bf16 --require-gpu --with-one-rank --layouts "^(moe-ep2|tp2-dp2-distopt)$"
          --families gpt2,gpt2-moe,llama-moe --steps 50 --skip-reference --tol 2e-2
          --layout-args "${REGRESSION_CUDA_ARGS} --training.precision bf16")
-set_tests_properties(regression/loss_curves_cuda regression/loss_curve_cuda_bf16 PROPERTIES
+foreach(backend builtin auto)
+  set(name regression/loss_curve_cuda_bf16_hd64)
+  if(NOT backend STREQUAL builtin)
+    string(APPEND name _${backend})
+  endif()
+  add_test(NAME ${name} COMMAND ${REGRESSION_RUN} --mpirun "${REGRESSION_MPIRUN}" --out ${REGRESSION_DIR}/cuda_bf16_hd64_${backend}
+           --config ${REGRESSION_DIR}/tiny_hd64.ini --require-gpu --with-one-rank --layouts "^$" --families gpt2
+           --steps 50 --skip-reference --tol 2e-2
+           --layout-args "${REGRESSION_CUDA_ARGS} --training.precision bf16 --engine.attention_backend ${backend}")
+  list(APPEND regression_gpu_tests ${name})
+endforeach()
+set_tests_properties(regression/loss_curves_cuda regression/loss_curve_cuda_bf16 ${regression_gpu_tests} PROPERTIES
   FIXTURES_REQUIRED regression_data LABELS "gpu;regression" SKIP_RETURN_CODE 77 TIMEOUT 600 PROCESSORS 2
   ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")

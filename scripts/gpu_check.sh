@@ -51,7 +51,16 @@ for part in "${parts[@]}"; do
         --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$" --families gpt2,llama,gpt2-moe,llama-moe --layout-args "$shared"
       step regression_bf16 "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" --out "$OUT/reg_bf16" \
         --layouts "^(moe-ep2|tp2-dp2-distopt)$" --families gpt2,gpt2-moe,llama-moe --steps 50 --skip-reference \
-        --tol 2e-2 --layout-args "$shared --training.precision bf16" ;;
+        --tol 2e-2 --layout-args "$shared --training.precision bf16"
+      # One head of 64 channels, so that the attention runs on the kernels of head dims 64 and 128
+      # (as regression/regression.cmake's tiny_hd64.ini), with each attention setting.
+      sed 's/^num_heads = 4$/num_heads = 1/' "$SRC/regression/tiny.ini" >"$OUT/tiny_hd64.ini"
+      for backend in builtin wgmma auto; do
+        step "regression_bf16_hd64_$backend" "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" \
+          --out "$OUT/reg_bf16_hd64_$backend" --config "$OUT/tiny_hd64.ini" --layouts "^$" --families gpt2 \
+          --steps 50 --skip-reference --tol 2e-2 \
+          --layout-args "$shared --training.precision bf16 --engine.attention_backend $backend"
+      done ;;
     bench)
       step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" "$SRC/scripts/bench_gpu.sh" \
         "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;
