@@ -138,8 +138,9 @@ size_t CudaOps::fastest_agreeing_attention(const std::string& what, const std::v
       const AttentionOutput& out = outputs[o];
       const Agreement a = agreement(want[o].data(), got[o].data(), out.n, out.dt, out.tol);
       if (!a.ok) {
-        dropped.push_back(fmt::format("{} disagrees with {} on {} (tolerance {:g}): {}", name, reference, out.name,
-                                      out.tol, a.str()));
+        dropped.push_back(fmt::format("{} disagrees with {} on {} (tolerance {:g}): {}; the worst is row {}, column {}",
+                                      name, reference, out.name, out.tol, a.str(), a.worst / out.cols,
+                                      a.worst % out.cols));
         usable[i] = false;
       }
     }
@@ -255,8 +256,9 @@ void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, in
   // bf16 out within 1e-2 (it is rounded once); the fp32 lse within 1e-3 (identical inputs; the
   // kernels differ in summation order and exp2 against exp).
   run_causal_attention(false, shape, dt, op, run,
-                       {{out.ptr, size_t(out.numel()), dt, "out", 1e-2},
-                        {saved.ptr, size_t(attention_saved_numel(shape.B, shape.T, NH)), DType::F32, "lse", 1e-3}});
+                       {{out.ptr, size_t(out.numel()), size_t(NH * HD), dt, "out (B*T rows)", 1e-2},
+                        {saved.ptr, size_t(attention_saved_numel(shape.B, shape.T, NH)), size_t(shape.T), DType::F32,
+                         "lse (B*NH rows)", 1e-3}});
 }
 
 void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
@@ -285,7 +287,8 @@ void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor ou
                                     k == AttentionKernels::Wgmma);
   };
   // Gradients within 2e-2: the kernels round P and dS to bf16 at different points of their sums.
-  run_causal_attention(true, shape, dt, op, run, {{dqkv.ptr, size_t(dqkv.numel()), dt, "dqkv", 2e-2}});
+  run_causal_attention(true, shape, dt, op, run,
+                       {{dqkv.ptr, size_t(dqkv.numel()), size_t(qkv.size(2)), dt, "dqkv (B*T rows)", 2e-2}});
 }
 
 }  // namespace mpigpt::cuda

@@ -195,14 +195,15 @@ class CudaOps final : public Ops {
 
   // One of auto's candidates for a call: which kernels, and a function that queues them on the
   // stream (false: they do not run this call, nothing queued). The call's outputs, which every
-  // candidate overwrites: a device region of n elements of dt, judged with agreement() at tol.
+  // candidate overwrites: a device region of n elements of dt in rows of `cols` (named by row and
+  // column where a candidate disagrees), judged with agreement() at tol.
   struct AttentionCandidate {
     AttentionKernels kernels;
     std::function<bool()> run;
   };
   struct AttentionOutput {
     const void* ptr;
-    size_t n;
+    size_t n, cols;
     DType dt;
     const char* name;
     double tol;
