@@ -13,7 +13,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <utility>
 #include <vector>
 
@@ -22,6 +21,7 @@
 #include "lib/kernels/cuda/cuda_attention_tc.cuh"
 #include "lib/kernels/cuda/cuda_common.cuh"
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
+#include "lib/kernels/cuda/cuda_timing.cuh"
 
 namespace mpigpt::cuda {
 
@@ -146,39 +146,20 @@ size_t CudaOps::fastest_agreeing_attention(const std::string& what, const std::v
     }
   }
 
-  using Clock = std::chrono::steady_clock;
-  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  // Timed as the GEMM autotuner times (cuda_timing.cuh): a 20 ms warm-up of the reference, then
+  // interleaved rounds of about 10 ms each.
   std::vector<double> best(n, 0.0);  // seconds per run, best round
   size_t chosen = 0;
   if (std::count(usable.begin(), usable.end(), true) > 1) {
-    // Warm-up: the reference for about 20 ms (clocks of a GPU that idled ramp up over tens of ms),
-    // which also says how many runs make a round of about 10 ms (at least 2).
-    int runs = 0;
-    const auto t0 = Clock::now();
-    do {
-      candidates[0].run();
-      MPIGPT_CUDA(cudaStreamSynchronize(stream_));
-      ++runs;
-    } while (seconds_since(t0) < 0.02 && runs < 1000);
-    const int reps = std::clamp(int(0.01 / (seconds_since(t0) / runs)), 2, 20);
-    constexpr int kRounds = 3;
-    for (int round = 0; round < kRounds; ++round)
-      for (size_t i = 0; i < n; ++i) {
-        if (!usable[i]) continue;
-        const auto start = Clock::now();
-        for (int r = 0; r < reps; ++r) candidates[i].run();
-        MPIGPT_CUDA(cudaStreamSynchronize(stream_));
-        const double t = seconds_since(start) / reps;
-        best[i] = round == 0 ? t : std::min(best[i], t);
-      }
-    for (size_t i = 1; i < n; ++i)
-      if (usable[i] && best[i] < best[chosen] * (chosen == 0 ? 0.97 : 1.0)) chosen = i;
+    CandidateTimes t = time_candidates(stream_, usable, [&](size_t i) { return candidates[i].run(); }, 0.02, 0);
+    best = std::move(t.seconds);
+    chosen = t.fastest;
   }
   candidates[chosen].run();  // the outputs are the chosen kernels' own
 
   std::string times;
   for (size_t i = 0; i < n; ++i)
-    if (usable[i] && best[i] > 0) times += fmt::format("{}{} {:.3f} ms", times.empty() ? "" : ", ",
+    if (best[i] > 0) times += fmt::format("{}{} {:.3f} ms", times.empty() ? "" : ", ",
                                                        kernels_name(candidates[i].kernels), best[i] * 1e3);
   std::string note = fmt::format("attention auto, {}: {}", what, kernels_name(candidates[chosen].kernels));
   if (!times.empty()) note += fmt::format(" ({})", times);
@@ -195,8 +176,7 @@ void CudaOps::run_causal_attention(bool backward, const SdpaShape& shape, DType 
     case AttentionBackend::Builtin:
       run(K::Builtin);
       return;
-    case AttentionBackend::Cudnn:
-      cudnn_attention(shape, dt, op, true);  // fails where cuDNN cannot run this call
+    case AttentionBackend::Cudnn:  // run's cudnn_attention(..., true) fails where cuDNN cannot run the call
       run(K::Cudnn);
       return;
     case AttentionBackend::Wgmma: {

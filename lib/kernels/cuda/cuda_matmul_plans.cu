@@ -7,11 +7,11 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <map>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_matmul.cuh"
+#include "lib/kernels/cuda/cuda_timing.cuh"
 
 namespace mpigpt::cuda {
 
@@ -104,56 +104,27 @@ cublasStatus_t launch_matmul(CudaOps& ops, const Plan& p, const LtMatmul& mm, co
 // The heuristic's candidates that autotuning times (cuBLASLt offers up to 8 for the model's shapes).
 constexpr int kTuneCandidates = 8;
 
-// Autotuning: which of the heuristic's candidates runs the product fastest on its own operands.
-// The GPU first runs candidate 0 for about 50 ms (an idle GPU's clocks ramp up over tens of ms: a
-// candidate timed before that would look slower than it is); then kRounds rounds time every
-// candidate, `reps` runs each between two stream synchronisations, and each keeps its best round,
-// so a drift in clocks during the rounds reaches every candidate alike. The result D goes to the
-// product's own output when nothing is read from it (beta 0, or C read from Cin): the chosen
-// algorithm's run overwrites it. An accumulation in place (beta != 0, C = D) writes to a scratch D
-// instead, so the real one is added to exactly once. Candidate 0 stays unless another is at least
-// 3% faster: near-ties keep the heuristic's choice whatever the timing noise.
+// Autotuning: which of the heuristic's candidates runs the product fastest on its own operands,
+// timed by time_candidates (cuda_timing.cuh: a 50 ms warm-up of candidate 0, then interleaved
+// rounds, `reps` runs each, best round kept). The result D goes to the product's own output when
+// nothing is read from it (beta 0, or C read from Cin): the chosen algorithm's run overwrites it.
+// An accumulation in place (beta != 0, C = D) writes to a scratch D instead, so the real one is
+// added to exactly once. Candidate 0 stays unless another is at least 3% faster: near-ties keep the
+// heuristic's choice whatever the timing noise.
 int fastest_candidate(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cublasLtMatmulHeuristicResult_t* cand,
                       int found) {
-  constexpr int kRounds = 3;
   const bool in_place = mm.beta != 0.0f && !mm.Cin;
   const CudaOps::Scratch out{&ops, in_place ? ops.allocate_uninitialised(size_t(mm.ldc) * size_t(mm.n) *
                                                                            dtype_size(mm.cd))
                                             : nullptr};
   void* const d = in_place ? out.ptr : mm.C;
   const int reps = int(std::clamp(2e11 / product_flop(mm), 2.0, 20.0));
-  const cudaStream_t stream = ops.cuda_stream();
-  auto run = [&](int i) { return launch_matmul(ops, p, mm, cand[i].algo, d); };
-  using Clock = std::chrono::steady_clock;
-  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
-  MPIGPT_CUBLAS(run(0));  // the heuristic's first choice runs: it is the fallback
-  MPIGPT_CUDA(cudaStreamSynchronize(stream));
-  for (const auto t0 = Clock::now(); seconds_since(t0) < 0.05;) {
-    for (int r = 0; r < reps; ++r) MPIGPT_CUBLAS(run(0));
-    MPIGPT_CUDA(cudaStreamSynchronize(stream));
-  }
-  std::vector<double> best_round(size_t(found), 0.0);  // 0: cannot run here, never chosen
-  for (int i = 0; i < found; ++i) {
-    const bool ok = cand[i].state == CUBLAS_STATUS_SUCCESS && run(i) == CUBLAS_STATUS_SUCCESS;
-    best_round[size_t(i)] = ok ? 1e30 : 0.0;
-  }
-  MPIGPT_CUDA(cudaStreamSynchronize(stream));
-  for (int round = 0; round < kRounds; ++round) {
-    for (int i = 0; i < found; ++i) {
-      if (best_round[size_t(i)] == 0.0) continue;
-      const auto t0 = Clock::now();
-      bool ran = true;
-      for (int r = 0; r < reps && ran; ++r) ran = run(i) == CUBLAS_STATUS_SUCCESS;
-      MPIGPT_CUDA(cudaStreamSynchronize(stream));
-      best_round[size_t(i)] = ran ? std::min(best_round[size_t(i)], seconds_since(t0)) : 0.0;
-    }
-  }
-  int best = 0;
-  for (int i = 1; i < found; ++i) {
-    const double t = best_round[size_t(i)];
-    if (t > 0.0 && t < best_round[size_t(best)] * (best == 0 ? 0.97 : 1.0)) best = i;
-  }
-  return best;
+  auto run = [&](size_t i) { return launch_matmul(ops, p, mm, cand[i].algo, d) == CUBLAS_STATUS_SUCCESS; };
+  MPIGPT_CUBLAS(launch_matmul(ops, p, mm, cand[0].algo, d));  // the heuristic's first choice runs: the fallback
+  std::vector<bool> usable(size_t(found), false);  // not usable: cannot run here, never chosen
+  for (int i = 0; i < found; ++i) usable[size_t(i)] = cand[i].state == CUBLAS_STATUS_SUCCESS && run(size_t(i));
+  MPIGPT_CUDA(cudaStreamSynchronize(ops.cuda_stream()));
+  return int(time_candidates(ops.cuda_stream(), usable, run, 0.05, reps).fastest);
 }
 
 Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
