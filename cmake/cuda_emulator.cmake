@@ -97,6 +97,9 @@ file(GLOB emu_tests CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/lib/kernels/cuda/*_t
      ${PROJECT_SOURCE_DIR}/parallel/cuda/*_test.cpp)
 add_executable(mpigpt_emulated_tests ${PROJECT_SOURCE_DIR}/cmake/test_main.cpp ${emu_tests})
 target_link_libraries(mpigpt_emulated_tests PRIVATE mpigpt_layers_emulated doctest::doctest)
+# Checks that hold for the reference cuBLASLt alone (emulator/reference_cublaslt.cpp: every epilogue
+# for every consistent product), where a real one may decline.
+target_compile_definitions(mpigpt_emulated_tests PRIVATE MPIGPT_EMULATED_CUBLASLT=1)
 foreach(src ${emu_tests})
   file(RELATIVE_PATH rel ${PROJECT_SOURCE_DIR} ${src})
   string(REGEX REPLACE "_test\\.cpp$" "" name ${rel})

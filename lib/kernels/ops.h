@@ -40,7 +40,8 @@ class Ops {
   // CPU's memory is reported by the process's peak resident size instead).
   virtual size_t peak_allocated() const { return 0; }
   // Lines the backend asks to be logged, each given once: the choices it made by measuring (the
-  // CUDA backend's engine.attention_backend = auto). Ranks choose for themselves.
+  // CUDA backend's engine.attention_backend = auto, and with engine.gemm_autotune the way to a linear
+  // layer's bias gradient). Ranks choose for themselves.
   virtual std::vector<std::string> take_notes() { return {}; }
 
   // ---- memory ---------------------------------------------------------------------------

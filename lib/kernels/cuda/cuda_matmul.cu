@@ -1,6 +1,7 @@
 // CUDA backend: matrix products through cuBLASLt (gemm, linear forward with the bias epilogue,
-// linear backward, the GELU epilogues of the GPT-2 MLP, grouped linear for the MoE experts) and the
-// deterministic column-sum kernel of the bias gradient.
+// linear backward, the GELU epilogues of the GPT-2 MLP, grouped linear for the MoE experts), the
+// bias gradient in the weight gradient's product (cuBLASLt's BGRADB epilogue) and the deterministic
+// column-sum kernel it is measured against.
 //
 // Row-major on column-major: cuBLASLt is column-major, and a row-major (r, c) matrix is the same
 // memory as a column-major (c, r) one, its transpose. So row-major C = op(A) op(B) is computed as
@@ -11,10 +12,13 @@
 // must match the CPU reference to fp32 rounding). BF16 data: A/B bf16, C/D bf16 for activations
 // and dinp, C/D f32 for weight gradients (bf16 in, f32 out with 32F compute is one of cuBLASLt's
 // supported type combinations), so dweight accumulates in fp32 across micro-batches.
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
 #include "lib/kernels/cuda/cuda_matmul.cuh"
+#include "lib/kernels/cuda/cuda_timing.cuh"
 #include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cuda {
@@ -220,6 +224,83 @@ void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, in
   MPIGPT_CUDA_LAUNCHED();
 }
 
+// A linear layer's weight and bias gradients: dweight (OC,IC) f32 += dout (N,OC)^T @ inp (N,IC) and
+// dbias (OC) f32 += the column sums of dout. Two ways:
+//  - fused: one product whose BGRADB epilogue sums dout's columns while the product reads them,
+//    into a scratch that is then added to dbias (the epilogue overwrites);
+//  - separate: the product, then column_sums_accumulate, which reads dout once more (at GPT-2
+//    124M with 64 x 1024 tokens a micro-batch, 11 GB a step).
+// Without autotuning, fused wherever cuBLASLt has an algorithm for it (one pass over dout fewer).
+// With it, the first call of a large enough configuration times both on scratch outputs (the real
+// gradients are added to once), keeps the faster (separate unless fused is 3% faster) and leaves a
+// note; the choice is kept per configuration (CudaOps::bias_grad_fused).
+void weight_and_bias_grads(CudaOps& ops, const char* op, int64_t N, int64_t OC, int64_t IC, const Tensor& dout,
+                           const void* inp, float* dweight, float* dbias, DType dt) {
+  auto separate = [&](float* dw, float* db) {
+    rowmajor_gemm(ops, op, true, false, OC, IC, N, dout.ptr, inp, dw, dt, DType::F32, nullptr, 1.0f, 1.0f);
+    column_sums_accumulate(ops, db, dout, N, OC);
+  };
+  if (N == 0 || OC == 0 || IC == 0) {  // nothing for an epilogue to fuse into
+    separate(dweight, dbias);
+    return;
+  }
+  const CudaOps::Scratch sums = ops.scratch(size_t(OC) * sizeof(float));
+  auto fused = [&](float* dw, float* db) {
+    LtMatmul mm = rowmajor_product(true, false, OC, IC, N, dout.ptr, inp, dw, dt, DType::F32, 1.0f, 1.0f);
+    mm.bgrad = sums.ptr;
+    if (!run_matmul(ops, mm, op)) return false;
+    const Tensor b(db, {OC}, DType::F32, Device::CUDA);
+    ops.add(b, b, Tensor(sums.ptr, {OC}, DType::F32, Device::CUDA));
+    return true;
+  };
+  const CudaOps::BiasGradKey key = {N, OC, IC, int64_t(dt), alignment(dout.ptr), alignment(inp),
+                                    alignment(dweight), alignment(dbias)};
+  auto& choices = ops.bias_grad_fused();
+  if (const auto it = choices.find(key); it != choices.end()) {
+    if (!it->second || !fused(dweight, dbias)) separate(dweight, dbias);
+    return;
+  }
+  const double flop = 2.0 * double(N) * double(OC) * double(IC);
+  if (!ops.gemm_autotune() || flop < ops.gemm_autotune_min_flop()) {
+    const bool ran = fused(dweight, dbias);
+    if (!ran) separate(dweight, dbias);
+    choices[key] = ran;
+    return;
+  }
+  // Measured on scratch gradients; each way's first run (where its products are planned and tuned)
+  // comes before the timing.
+  const CudaOps::Scratch dw = ops.scratch(size_t(OC * IC) * sizeof(float));
+  const CudaOps::Scratch db = ops.scratch(size_t(OC) * sizeof(float));
+  float* const w = static_cast<float*>(dw.ptr);
+  float* const b = static_cast<float*>(db.ptr);
+  separate(w, b);
+  const bool fused_runs = fused(w, b);
+  MPIGPT_CUDA(cudaStreamSynchronize(ops.cuda_stream()));
+  bool chosen = false;
+  std::string times;
+  if (fused_runs) {
+    const CandidateTimes t = time_candidates(
+        ops.cuda_stream(), {true, true},
+        [&](size_t i) {
+          if (i == 0) {
+            separate(w, b);
+            return true;
+          }
+          return fused(w, b);
+        },
+        0.02, 0);
+    chosen = t.fastest == 1;
+    times = fmt::format("separate column sums {:.3f} ms, bias-gradient epilogue {:.3f} ms", t.seconds[0] * 1e3,
+                        t.seconds[1] * 1e3);
+  } else {
+    times = "cuBLASLt has no bias-gradient epilogue for this product";
+  }
+  ops.add_note(fmt::format("{}, weight and bias gradients of {} x {} over {} rows ({}): {} ({})", op, OC, IC, N,
+                           dtype_name(dt), chosen ? "epilogue" : "separate column sums", times));
+  choices[key] = chosen;
+  if (!chosen || !fused(dweight, dbias)) separate(dweight, dbias);
+}
+
 // Row-major c (M,N) = gelu(a (M,K) op(b) + bias) with aux = a op(b) + bias (Gelu::Forward, b
 // stored (N,K)), or c = (a op(b)) * gelu'(aux) (Gelu::Backward, b stored (K,N), no bias), through
 // cuBLASLt's GELU epilogues, all in bf16. False, with nothing queued, where they do not apply:
@@ -341,6 +422,7 @@ void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
     rowmajor_gemm(*this, op, false, false, N, mat_of(weight).cols, OC, dout.ptr, weight.ptr, dinp.ptr, dt, dt,
                   nullptr, 1.0f, 0.0f);
   }
+  int64_t IC = 0;
   if (dweight.defined()) {
     check_device(inp, op, "inp");
     check_dtype(dweight, DType::F32, op, "dweight (weight gradients accumulate in f32)");
@@ -348,15 +430,20 @@ void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
     MPIGPT_CHECK(mx.rows == N && mdw.rows == OC && mdw.cols == mx.cols,
                  "linear_backward: dweight {} += dout {}^T @ inp {} has mismatched shapes", dweight.shape.str(),
                  dout.shape.str(), inp.shape.str());
-    rowmajor_gemm(*this, op, true, false, OC, mx.cols, N, dout.ptr, inp.ptr, dweight.ptr, dt, DType::F32, nullptr,
-                  1.0f, 1.0f);
+    IC = mx.cols;
   }
   if (dbias.defined()) {
     check_dtype(dbias, DType::F32, op, "dbias (bias gradients accumulate in f32)");
     MPIGPT_CHECK(dbias.numel() == OC, "linear_backward: dbias {} must have OC = {} elements (dout {})",
                  dbias.shape.str(), OC, dout.shape.str());
-    column_sums_accumulate(*this, ptr<float>(dbias), dout, N, OC);
   }
+  if (dweight.defined() && dbias.defined())
+    weight_and_bias_grads(*this, op, N, OC, IC, dout, inp.ptr, ptr<float>(dweight), ptr<float>(dbias), dt);
+  else if (dweight.defined())
+    rowmajor_gemm(*this, op, true, false, OC, IC, N, dout.ptr, inp.ptr, dweight.ptr, dt, DType::F32, nullptr, 1.0f,
+                  1.0f);
+  else if (dbias.defined())
+    column_sums_accumulate(*this, ptr<float>(dbias), dout, N, OC);
 }
 
 void CudaOps::linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) {

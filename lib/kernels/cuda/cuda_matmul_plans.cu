@@ -20,7 +20,7 @@ namespace mpigpt::cuda {
 namespace {
 // Everything the heuristic's answer depends on. Pointer alignments are part of it: cuBLASLt picks
 // vectorised kernels only for pointers that allow them (row slices of a grouped matmul do not).
-using PlanKey = std::array<int64_t, 18>;
+using PlanKey = std::array<int64_t, 19>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -71,6 +71,11 @@ namespace {
 cudaDataType_t cuda_type(DType dt) { return dt == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 
 uint32_t epilogue_of(const LtMatmul& mm) {
+  if (mm.bgrad) {
+    MPIGPT_CHECK(mm.gelu == Gelu::None && !mm.bias && mm.alpha == 1.0f,
+                 "cuBLASLt product: the bias-gradient epilogue takes no bias or GELU, and alpha 1");
+    return CUBLASLT_EPILOGUE_BGRADB;
+  }
   switch (mm.gelu) {
     case Gelu::Forward:
       return mm.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
@@ -87,6 +92,9 @@ uint32_t epilogue_of(const LtMatmul& mm) {
 void set_epilogue_pointers(cublasLtMatmulDesc_t desc, const LtMatmul& mm) {
   if (mm.bias)
     MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof(mm.bias)));
+  if (mm.bgrad)  // the bias gradient goes where a bias would be read from
+    MPIGPT_CUBLAS(
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bgrad, sizeof(mm.bgrad)));
   if (mm.aux)
     MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &mm.aux,
                                                  sizeof(mm.aux)));
@@ -132,7 +140,7 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
                        mm.lda,       mm.ldb,        mm.ldc,        int64_t(mm.ab), int64_t(mm.cd),
                        mm.bias != nullptr, alignment(mm.A), alignment(mm.B), alignment(mm.C),
                        mm.bias ? alignment(mm.bias) : 0, int64_t(mm.gelu), mm.aux ? alignment(mm.aux) : 0,
-                       mm.Cin ? alignment(mm.Cin) : 0};
+                       mm.Cin ? alignment(mm.Cin) : 0, mm.bgrad ? alignment(mm.bgrad) : 0};
   auto& cache = ops.matmul_plans();
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second;
@@ -143,8 +151,8 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   const int32_t ta = mm.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = mm.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  // The bias has D's dtype (the default) and length m; the GELU input matrix (aux) has D's dtype
-  // (the default) and leading dimension.
+  // The bias has D's dtype (the default) and length m, the bias gradient D's dtype and length n; the
+  // GELU input matrix (aux) has D's dtype (the default) and leading dimension.
   const uint32_t epi = epilogue_of(mm);
   if (epi != CUBLASLT_EPILOGUE_DEFAULT)
     MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
@@ -204,7 +212,11 @@ std::string describe(const LtMatmul& mm) {
                      "alignment A {} B {} C {}",
                      mm.m, mm.n, mm.k, mm.ta ? "T" : "N", mm.tb ? "T" : "N", mm.lda, mm.ldb, mm.ldc,
                      dtype_name(mm.ab), dtype_name(mm.cd),
-                     mm.gelu != Gelu::None ? ", GELU epilogue" : (mm.bias ? ", bias epilogue" : ""), alignment(mm.A),
+                     mm.gelu != Gelu::None ? ", GELU epilogue"
+                     : mm.bias             ? ", bias epilogue"
+                     : mm.bgrad            ? ", bias-gradient epilogue"
+                                           : "",
+                     alignment(mm.A),
                      alignment(mm.B), alignment(mm.C));
 }
 

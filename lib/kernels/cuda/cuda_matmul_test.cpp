@@ -168,12 +168,19 @@ TEST_CASE("cuda linear backward matches the CPU: dinp overwrites, dweight and db
         check_close(to_host(*gpu, gdw.t), dw, tol_for(DType::F32, d.N, 2 * scale_of(d.N) + 1), "dweight");
         check_close(to_host(*gpu, gdb.t), db, tol_for(DType::F32, d.N, 2 * scale_of(d.N) + 1), "dbias");
       }
-      // The bias gradient is bitwise reproducible (fixed summation order, no atomics).
-      auto db_first = to_host(*gpu, gdb.t);
-      auto gdb2 = to_device(*gpu, db0, {d.OC});
-      gpu->linear_backward(Tensor(), Tensor(), gdb2.t, gg.t, Tensor(), Tensor());
-      gpu->linear_backward(Tensor(), Tensor(), gdb2.t, gg.t, Tensor(), Tensor());
-      CHECK(to_host(*gpu, gdb2.t) == db_first);
+      // Both gradients are bitwise reproducible (fixed summation orders, no atomics): the two
+      // micro-batches again, on fresh gradients, without dinp.
+      auto gdw2 = to_device(*gpu, dw0, {d.OC, d.IC}), gdb2 = to_device(*gpu, db0, {d.OC});
+      for (int pass = 0; pass < 2; ++pass) gpu->linear_backward(Tensor(), gdw2.t, gdb2.t, gg.t, gx.t, Tensor());
+      CHECK(to_host(*gpu, gdw2.t) == to_host(*gpu, gdw.t));
+      CHECK(to_host(*gpu, gdb2.t) == to_host(*gpu, gdb.t));
+      // dbias alone (no product to sum in: the column-sum kernel), twice, against the CPU's two
+      // micro-batches, and bitwise reproducible.
+      auto gdb3 = to_device(*gpu, db0, {d.OC}), gdb4 = to_device(*gpu, db0, {d.OC});
+      for (auto* t : {&gdb3, &gdb3, &gdb4, &gdb4})
+        gpu->linear_backward(Tensor(), Tensor(), t->t, gg.t, Tensor(), Tensor());
+      check_close(to_host(*gpu, gdb3.t), db, tol_for(DType::F32, d.N, 2 * scale_of(d.N) + 1), "dbias alone");
+      CHECK(to_host(*gpu, gdb4.t) == to_host(*gpu, gdb3.t));
       // Undefined gradients are skipped: dweight alone.
       auto gdw_only = zeros(*gpu, {d.OC, d.IC});
       gpu->linear_backward(Tensor(), gdw_only.t, Tensor(), gg.t, gx.t, Tensor());
@@ -184,6 +191,21 @@ TEST_CASE("cuda linear backward matches the CPU: dinp overwrites, dweight and db
     }
   }
   CHECK((tuned_products(*gpu) > 0) == tuned);
+  // The way to dweight and dbias together, per configuration (12 above): with autotuning measured,
+  // each leaving a note with both times; without it the bias-gradient epilogue wherever cuBLASLt
+  // has it, which the emulator's reference cuBLASLt has for every product.
+  const BiasGradWays ways = bias_grad_ways(*gpu);
+  CHECK(ways.configurations == 12);
+  const auto notes = gpu->take_notes();
+  if (tuned) {
+    CHECK(notes.size() == 12);
+    for (const std::string& note : notes) CHECK_MESSAGE(note.find("bias-gradient epilogue") != std::string::npos, note);
+  } else {
+    CHECK(notes.empty());
+#ifdef MPIGPT_EMULATED_CUBLASLT
+    CHECK(ways.fused == 12);
+#endif
+  }
   // Weight and bias gradients must be f32 whatever the data dtype.
   auto g = zeros(*gpu, {4, 3}, DType::BF16), x = zeros(*gpu, {4, 5}, DType::BF16);
   auto dw16 = zeros(*gpu, {3, 5}, DType::BF16), db16 = zeros(*gpu, {3}, DType::BF16);

@@ -13,6 +13,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <functional>
 #include <map>
 #include <memory>
@@ -167,6 +168,11 @@ class CudaOps final : public Ops {
   MatmulPlans& matmul_plans();
   // How many matmul configurations in the plan cache had their algorithm chosen by timing.
   size_t gemm_tuned_plans();
+  // linear_backward's way to the weight and bias gradients, per configuration (cuda_matmul.cu): true
+  // where one product with cuBLASLt's bias-gradient epilogue runs them, false where the product and
+  // separate column sums do.
+  using BiasGradKey = std::array<int64_t, 8>;
+  std::map<BiasGradKey, bool>& bias_grad_fused() { return bias_grad_fused_; }
   // adamw_runs' chunk tables on the device, one per run list met (cuda_optim.cu).
   struct AdamTables;
   AdamTables& adam_tables();
@@ -190,8 +196,10 @@ class CudaOps final : public Ops {
   AttentionBackend attention_backend() const { return attention_backend_; }
   // What auto chose for a pass and shape; empty before its first call (or when it ran f32 data).
   std::optional<AttentionKernels> attention_choice(bool backward, const SdpaShape& shape) const;
-  // Auto's measurements since the last call, one line per pass and shape, for the log.
+  // The one-time measurements since the last call (attention auto's, one line per pass and shape;
+  // linear_backward's bias-gradient choice, one per configuration), for the log.
   std::vector<std::string> take_notes() override;
+  void add_note(std::string note) { notes_.push_back(std::move(note)); }
 
   // One of auto's candidates for a call: which kernels, and a function that queues them on the
   // stream (false: they do not run this call, nothing queued). The call's outputs, which every
@@ -234,6 +242,7 @@ class CudaOps final : public Ops {
   AttentionBackend attention_backend_ = AttentionBackend::Builtin;
   std::map<std::pair<bool, SdpaShape>, AttentionKernels> attention_choices_;  // auto's, by (backward, shape)
   std::vector<std::string> notes_;
+  std::map<BiasGradKey, bool> bias_grad_fused_;
   std::unique_ptr<CudnnSdpa> sdpa_;  // created on first use
   bool sdpa_missing_ = false;        // auto: cuDNN could not be loaded, never try again
   double tune_min_flop_ = kTuneMinFlop;

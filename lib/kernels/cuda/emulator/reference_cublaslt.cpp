@@ -2,7 +2,9 @@
 // plain structs, the heuristic accepts every consistent product, and cublasLtMatmul computes
 // D = alpha op(A) op(B) + beta C with plain loops (double sums in order, rounded once to f32 as an fp32
 // accumulator would be), then the epilogue: + bias (per row of the column-major D), GELU (tanh
-// approximation, writing its input to the aux matrix) or the GELU gradient (from the aux matrix).
+// approximation, writing its input to the aux matrix), the GELU gradient (from the aux matrix), or
+// the bias gradient of B (BGRADB: the sums of op(B) over k, one per column of D, in D's dtype,
+// written to the bias pointer).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -105,6 +107,7 @@ static bool shapes_ok(cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t A, cublasLt
   const uint64_t bk = d->tb ? B->cols : B->rows, bn = d->tb ? B->rows : B->cols;
   if (am != m || bn != n || ak != bk || C->rows != m || C->cols != n || A->t != B->t || C->t != D->t) return false;
   if ((d->epi & 128) && (d->aux_ld % 8 != 0 || d->aux_ld < int64_t(m) || !d->aux)) return false;
+  if (d->epi == CUBLASLT_EPILOGUE_BGRADB && !d->bias) return false;
   return true;
 }
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t A,
@@ -145,6 +148,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
   const int64_t m = int64_t(ld->rows), n = int64_t(ld->cols), k = d->ta ? int64_t(la->rows) : int64_t(la->cols);
   const bool has_bias = d->epi & 4, gelu_fwd = (d->epi & 32) != 0, dgelu = (d->epi & 64) != 0;
   if (has_bias && !d->bias) return CUBLAS_STATUS_INVALID_VALUE;
+
   // op(A) by rows and op(B) by columns, in double, so that each dot product reads two contiguous
   // rows; four columns at a time keep four independent sums in flight (each still summed in order
   // p = 0, 1, ..., k - 1, the result of the plain loop).
@@ -155,6 +159,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
   for (int64_t j = 0; j < n; ++j)
     for (int64_t p = 0; p < k; ++p)
       b[size_t(j * k + p)] = d->tb ? rd(B, lb->t, j + p * lb->ld) : rd(B, lb->t, p + j * lb->ld);
+  if (d->epi == CUBLASLT_EPILOGUE_BGRADB)  // the sums of op(B)'s columns, in order, rounded once
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0.0;
+      for (int64_t p = 0; p < k; ++p) s += b[size_t(j * k + p)];
+      wr(const_cast<void*>(d->bias), ld->t, j, s);
+    }
   auto finish = [&](int64_t i, int64_t j, double s) {
     float acc = alpha * float(s);
     if (beta != 0.0f) acc += beta * float(rd(C, lc->t, i + j * lc->ld));
