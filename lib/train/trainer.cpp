@@ -285,8 +285,8 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       log_line("checkpoint: saved iteration {} to {}/{} ({:.1f} MiB in {:.2f} s, {:.0f} MB/s)", it, ck.save,
                checkpoint_dir_name(it), st.bytes / 1048576.0, st.seconds, st.bytes / 1e6 / st.seconds);
   };
-  // What the backend chose by measuring (the CUDA backend's attention auto), logged by rank 0; each
-  // rank measures and chooses for itself.
+  // What the backend chose by measuring (the CUDA backend's attention auto and bias-gradient way),
+  // logged by rank 0; each rank measures and chooses for itself.
   auto backend_notes = [&] {
     for (std::string& note : ops->take_notes()) {
       if (mesh.rank() == 0 && !opts.quiet) log_line("{}", note);

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
 #include "lib/kernels/cuda/cuda_matmul.cuh"
@@ -233,19 +234,18 @@ void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, in
 // Without autotuning, fused wherever cuBLASLt has an algorithm for it (one pass over dout fewer).
 // With it, the first call of a large enough configuration times both on scratch outputs (the real
 // gradients are added to once), keeps the faster (separate unless fused is 3% faster) and leaves a
-// note; the choice is kept per configuration (CudaOps::bias_grad_fused).
+// note; the choice is kept per configuration (CudaOps::bias_grad_fused). separate(dw, db) is the
+// second way, linear_backward's own for either gradient alone.
 void weight_and_bias_grads(CudaOps& ops, const char* op, int64_t N, int64_t OC, int64_t IC, const Tensor& dout,
-                           const void* inp, float* dweight, float* dbias, DType dt) {
-  auto separate = [&](float* dw, float* db) {
-    rowmajor_gemm(ops, op, true, false, OC, IC, N, dout.ptr, inp, dw, dt, DType::F32, nullptr, 1.0f, 1.0f);
-    column_sums_accumulate(ops, db, dout, N, OC);
-  };
+                           const void* inp, float* dweight, float* dbias, DType dt,
+                           const std::function<void(float*, float*)>& separate) {
   if (N == 0 || OC == 0 || IC == 0) {  // nothing for an epilogue to fuse into
     separate(dweight, dbias);
     return;
   }
-  const CudaOps::Scratch sums = ops.scratch(size_t(OC) * sizeof(float));
   auto fused = [&](float* dw, float* db) {
+    // Freed on return: its readers are queued on the stream before the block is handed out again.
+    const CudaOps::Scratch sums = ops.scratch(size_t(OC) * sizeof(float));
     LtMatmul mm = rowmajor_product(true, false, OC, IC, N, dout.ptr, inp, dw, dt, DType::F32, 1.0f, 1.0f);
     mm.bgrad = sums.ptr;
     if (!run_matmul(ops, mm, op)) return false;
@@ -437,13 +437,18 @@ void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
     MPIGPT_CHECK(dbias.numel() == OC, "linear_backward: dbias {} must have OC = {} elements (dout {})",
                  dbias.shape.str(), OC, dout.shape.str());
   }
-  if (dweight.defined() && dbias.defined())
-    weight_and_bias_grads(*this, op, N, OC, IC, dout, inp.ptr, ptr<float>(dweight), ptr<float>(dbias), dt);
-  else if (dweight.defined())
-    rowmajor_gemm(*this, op, true, false, OC, IC, N, dout.ptr, inp.ptr, dweight.ptr, dt, DType::F32, nullptr, 1.0f,
-                  1.0f);
-  else if (dbias.defined())
-    column_sums_accumulate(*this, ptr<float>(dbias), dout, N, OC);
+  // The product and the column sums, each where its gradient is asked for.
+  auto separate = [&](float* dw, float* db) {
+    if (dw)
+      rowmajor_gemm(*this, op, true, false, OC, IC, N, dout.ptr, inp.ptr, dw, dt, DType::F32, nullptr, 1.0f, 1.0f);
+    if (db) column_sums_accumulate(*this, db, dout, N, OC);
+  };
+  float* const dw = dweight.defined() ? ptr<float>(dweight) : nullptr;
+  float* const db = dbias.defined() ? ptr<float>(dbias) : nullptr;
+  if (dw && db)
+    weight_and_bias_grads(*this, op, N, OC, IC, dout, inp.ptr, dw, db, dt, separate);
+  else
+    separate(dw, db);
 }
 
 void CudaOps::linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) {
