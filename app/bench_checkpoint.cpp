@@ -29,6 +29,7 @@ int cmd_bench_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi
   if (cfg.checkpoint.save.empty())
     fail("mpigpt bench-checkpoint needs --checkpoint.save DIR (a scratch directory on the disk to measure)");
   cfg.validate(mpi.size());
+  const std::unique_ptr<Watchdog> watchdog = start_watchdog(cfg.engine.comm_timeout, "engine.comm_timeout");
   Mesh mesh(MPI_COMM_WORLD, mesh_sizes(cfg.parallel));
   const int vocab = cfg.model.vocab_size > 0 ? cfg.model.vocab_size : 50257;
   const GptDims d = make_dims(cfg, vocab);

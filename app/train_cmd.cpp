@@ -77,6 +77,8 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
                                   mpi.size(), cfg.to_ini());
   std::fflush(stdout);
 
+  // From here on the ranks wait for each other: a wait longer than engine.comm_timeout stops the job.
+  const std::unique_ptr<Watchdog> watchdog = start_watchdog(cfg.engine.comm_timeout, "engine.comm_timeout");
   Mesh mesh(MPI_COMM_WORLD, mesh_sizes(cfg.parallel));
   TrainResult r = train(cfg, mesh, opts);
   if (bench) {

@@ -162,6 +162,7 @@ TEST_CASE("config: unknown keys suggest the closest option") {
   CHECK_FAILS(parsed({"--sede", "1"}), "did you mean '--training.seed'?");
   CHECK_FAILS(parsed({"--layers", "1"}), "did you mean '--model.num_layers'?");
   CHECK_FAILS(parsed({"--distributed-backend=nccl"}), "did you mean '--engine.comm'?");
+  CHECK_FAILS(parsed({"--distributed-timeout-minutes=10"}), "did you mean '--engine.comm_timeout'?");
   CHECK_FAILS(parsed({"--zzzzzzzz", "1"}), "unknown option '--zzzzzzzz'; run with --help to list the options");
   CHECK_FAILS(parsed({"-x"}), "command line: unknown option '-x'");
   CHECK_FAILS(parsed({"--data.path", "--lr", "1"}),
@@ -364,6 +365,10 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_FAILS(parsed({"--valid_fraction=-0.1"}).validate(1), "data.valid_fraction = -0.1 must lie in [0, 1)");
     CHECK_NOTHROW(parsed({"--valid_fraction=0", "--lr=0", "--clip_grad=0", "--beta1=0"}).validate(1));
     CHECK_FAILS(parsed({"--peak_tflops=-1"}).validate(1), "training.peak_tflops = -1 must not be negative");
+    CHECK_FAILS(parsed({"--comm_timeout=-1"}).validate(1), "engine.comm_timeout = -1 must be a number of seconds");
+    CHECK_FAILS(parsed({"--comm_timeout=inf"}), "engine.comm_timeout = 'inf' is not a finite number");
+    CHECK_NOTHROW(parsed({"--comm_timeout=0"}).validate(1));  // waits never time out
+    CHECK(parsed({"--comm_timeout=0.5"}).engine.comm_timeout == 0.5);
     CHECK_FAILS(parsed({"--norm_eps=0"}).validate(1), "model.norm_eps = 0 must be positive");
     CHECK_FAILS(parsed({"--rope_theta=0"}).validate(1), "model.rope_theta = 0 must be positive");
     CHECK_FAILS(parsed({"--init_std=-0.02"}).validate(1), "model.init_std = -0.02 must not be negative");

@@ -64,6 +64,9 @@ void check_ranges(const Config& c) {
   one_of("data.tokenizer", c.data.tokenizer, {"byte", "gpt2"});
   parse_order(p.order);  // the rank grid's own check
   check_no_decay(t.no_decay);
+  if (e.comm_timeout < 0)  // (the parser takes finite numbers only)
+    fail("engine.comm_timeout = {} must be a number of seconds, 0 or more (0: ranks wait for each other forever); "
+         "the default is 600", e.comm_timeout);
 
   at_least("parallel.tp", p.tp, 1);
   at_least("parallel.pp", p.pp, 1);

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "lib/core/error.h"
+#include "lib/core/watchdog.h"
 
 namespace mpigpt::h5 {
 namespace {
@@ -135,7 +136,10 @@ Agreement::~Agreement() {
 
 Vote Agreement::vote(const std::string& err, uint64_t hash, const std::string& call, uint64_t count, uint64_t sum) {
   Vote v{hash, ~hash, err.empty() ? uint64_t(size_) : uint64_t(rank_), count, sum}, all;
-  MPI_Allreduce(&v, &all, 1, type_, op_, comm_);
+  {
+    const Waiting w([&call] { return "the ranks' agreement on the checkpoint call " + call; });
+    MPI_Allreduce(&v, &all, 1, type_, op_, comm_);
+  }
   if (all.hash_max != ~all.not_hash_max)
     raise(0, fmt::format("ranks make different calls (rank 0: {}); every rank must make the same calls with the same "
                          "arguments in the same order", call));
@@ -145,7 +149,10 @@ Vote Agreement::vote(const std::string& err, uint64_t hash, const std::string& c
 
 void Agreement::agree(const std::string& err) {
   int mine = err.empty() ? size_ : rank_, first = size_;
-  MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm_);
+  {
+    const Waiting w([] { return std::string("the ranks' agreement on the outcome of a checkpoint transfer"); });
+    MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm_);
+  }
   if (first < size_) raise(first, err);
 }
 

@@ -11,6 +11,7 @@
 
 #include "lib/core/error.h"
 #include "lib/core/log.h"
+#include "lib/core/watchdog.h"
 #include "parallel/comm_nccl.h"
 #include "parallel/nccl_loader.h"
 
@@ -24,7 +25,35 @@ void mpi_check(int rc, const char* call, const char* file, int line) {
   fail("{}:{}: {} failed: {}", file, line, call, std::string(msg, len));
 }
 
+std::string GroupLabel::str() const {
+  constexpr size_t kShown = 16;
+  std::string members;
+  for (size_t i = 0; i < world_ranks.size() && i < kShown; ++i)
+    members += fmt::format("{}{}", i ? ", " : "", world_ranks[i]);
+  if (world_ranks.size() > kShown) members += fmt::format(", ... ({} more)", world_ranks.size() - kShown);
+  return fmt::format("group {} (rank {} of {}; world ranks {})", name.empty() ? "(unnamed)" : name, rank, size,
+                     members);
+}
+
+std::string CallInfo::str() const {
+  std::string s = type ? fmt::format("{} of {} {}", op, count, type) : op;
+  if (peer >= 0) {
+    const bool known = group && size_t(peer) < group->world_ranks.size();
+    const bool receive = std::string_view(op).find("receive") != std::string_view::npos;
+    s += fmt::format(" {} group rank {}{}", receive ? "from" : "to", peer,
+                     known ? fmt::format(" (world rank {})", group->world_ranks[size_t(peer)]) : "");
+  }
+  if (group) s += " over " + group->str();
+  return s;
+}
+
 namespace {
+
+// Marks a blocking call as a wait for the watchdog (lib/core/watchdog.h): a peer that never
+// joins it ends the job with this description instead of hanging it.
+auto watch(CallInfo call) {
+  return Waiting([c = std::move(call)] { return c.str(); });
+}
 
 MPI_Datatype mpi_type(const Tensor& t) {
   switch (t.dtype) {
@@ -202,6 +231,7 @@ Request& Request::operator=(Request&& o) noexcept {
     reqs_ = std::exchange(o.reqs_, {});
     then_ = std::exchange(o.then_, nullptr);
     work_ = std::move(o.work_);
+    call_ = std::move(o.call_);
   }
   return *this;
 }
@@ -220,7 +250,10 @@ void Request::finish() noexcept {
     work_.reset();
     return;
   }
-  if (!reqs_.empty()) MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
+  if (!reqs_.empty()) {
+    const auto w = watch(call_);
+    MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
+  }
   reqs_.clear();
   try {
     if (work_) std::exchange(work_, nullptr)->wait();
@@ -233,7 +266,10 @@ void Request::finish() noexcept {
 Request::~Request() { finish(); }
 
 void Request::wait() {
-  if (!reqs_.empty()) MPIGPT_MPI(MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
+  if (!reqs_.empty()) {
+    const auto w = watch(call_);
+    MPIGPT_MPI(MPI_Waitall(int(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
+  }
   reqs_.clear();
   if (work_) std::exchange(work_, nullptr)->wait();
   if (then_) std::exchange(then_, nullptr)();
@@ -257,12 +293,29 @@ bool Request::test() {
 // ---- Comm: set-up ----------------------------------------------------------------------------
 
 Comm::Comm(MPI_Comm comm) : comm_(comm), device_(std::make_shared<DeviceComm>()) {
+  auto label = std::make_shared<GroupLabel>();
+  label_ = label;
   if (comm == MPI_COMM_NULL) {  // not a member of any group of this kind
     size_ = 0;
     return;
   }
   MPIGPT_MPI(MPI_Comm_rank(comm, &rank_));
   MPIGPT_MPI(MPI_Comm_size(comm, &size_));
+  char name[MPI_MAX_OBJECT_NAME] = {};
+  int len = 0;
+  MPIGPT_MPI(MPI_Comm_get_name(comm, name, &len));
+  label->name.assign(name, size_t(len));
+  label->rank = rank_;
+  label->size = size_;
+  MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  MPIGPT_MPI(MPI_Comm_group(comm, &mine));
+  MPIGPT_MPI(MPI_Comm_group(MPI_COMM_WORLD, &world));
+  std::vector<int> ranks(size_t(size_), 0);
+  for (int r = 0; r < size_; ++r) ranks[size_t(r)] = r;
+  label->world_ranks.resize(size_t(size_));
+  MPIGPT_MPI(MPI_Group_translate_ranks(mine, size_, ranks.data(), world, label->world_ranks.data()));
+  MPIGPT_MPI(MPI_Group_free(&mine));
+  MPIGPT_MPI(MPI_Group_free(&world));
 }
 
 DeviceComm& Comm::device() const { return *device_; }
@@ -313,6 +366,7 @@ std::string shared_gpu_error(MPI_Comm comm, int size, const std::string& bus) {
 
 void Comm::use_nccl(void* compute_stream, bool p2p_links) const {
   if (size_ == 0) return;  // not a member
+  const auto w = watch(call("the set-up of NCCL (error agreement, unique id, ncclCommInitRank, links)", 0, nullptr));
   DeviceComm& d = device();
   d.compute_stream = compute_stream;
   if (!d.group) {
@@ -370,6 +424,7 @@ void Comm::allreduce_max(Tensor t) const {
   if (size_ <= 1) return;
   stats_.allreduce += int64_t(t.nbytes());
   ++stats_.calls;
+  const auto w = watch(call("all-reduce (max)", t.numel(), t.dtype));
   switch (path("allreduce_max", {t})) {
     case Path::Host: return mpi_allreduce(comm_, t, MPI_MAX);
     case Path::Nccl: return nccl_allreduce(device(), t, ReduceOp::Max).wait();
@@ -385,6 +440,7 @@ void Comm::allreduce_sum(double* x, int n) const {
   if (size_ <= 1) return;
   stats_.allreduce += int64_t(n) * 8;
   ++stats_.calls;
+  const auto w = watch(call("all-reduce (sum)", n, "f64"));
   MPIGPT_MPI(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, comm_));
 }
 
@@ -392,6 +448,7 @@ void Comm::allreduce_sum(int64_t* x, int n) const {
   if (size_ <= 1) return;
   stats_.allreduce += int64_t(n) * 8;
   ++stats_.calls;
+  const auto w = watch(call("all-reduce (sum)", n, "i64"));
   MPIGPT_MPI(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_INT64_T, MPI_SUM, comm_));
 }
 
@@ -400,11 +457,13 @@ Request Comm::iallreduce_sum(Tensor t) const {
   if (size_ <= 1) return Request();
   stats_.allreduce += int64_t(t.nbytes());
   ++stats_.calls;
+  CallInfo c = call("all-reduce (sum)", t.numel(), t.dtype);
   switch (path("allreduce_sum", {t})) {
-    case Path::Host: return mpi_iallreduce(comm_, t, MPI_SUM);
-    case Path::Nccl: return nccl_allreduce(device(), t, ReduceOp::Sum);
+    case Path::Host: return mpi_iallreduce(comm_, t, MPI_SUM).about(std::move(c));
+    case Path::Nccl: return nccl_allreduce(device(), t, ReduceOp::Sum).about(std::move(c));
     case Path::Staged: break;
   }
+  const auto w = watch(std::move(c));
   HostImage h(device(), t, true, true);
   mpi_allreduce(comm_, h.host(), MPI_SUM);
   h.store(device(), t);
@@ -420,11 +479,13 @@ Request Comm::ireduce_scatter_sum(Tensor out, Tensor inp) const {
                "reduce_scatter_sum: inp {} must hold {} blocks of out {}", inp.str(), size_, out.str());
   stats_.reduce_scatter += int64_t(inp.nbytes());
   ++stats_.calls;
+  CallInfo c = call("reduce-scatter (sum)", inp.numel(), inp.dtype);
   switch (p) {
-    case Path::Host: return mpi_ireduce_scatter(comm_, out, inp);
-    case Path::Nccl: return nccl_reduce_scatter(device(), out, inp);
+    case Path::Host: return mpi_ireduce_scatter(comm_, out, inp).about(std::move(c));
+    case Path::Nccl: return nccl_reduce_scatter(device(), out, inp).about(std::move(c));
     case Path::Staged: break;
   }
+  const auto w = watch(std::move(c));
   HostImage hi(device(), inp, true, true), ho(device(), out, false, true);
   mpi_ireduce_scatter(comm_, ho.host(), hi.host()).wait();
   ho.store(device(), out);
@@ -439,11 +500,13 @@ Request Comm::iall_gather(Tensor out, Tensor inp) const {
                "all_gather: out {} must hold {} blocks of inp {}", out.str(), size_, inp.str());
   stats_.all_gather += int64_t(inp.nbytes());
   ++stats_.calls;
+  CallInfo c = call("all-gather", inp.numel(), inp.dtype);
   switch (p) {
-    case Path::Host: return mpi_iall_gather(comm_, out, inp);
-    case Path::Nccl: return nccl_all_gather(device(), out, inp);
+    case Path::Host: return mpi_iall_gather(comm_, out, inp).about(std::move(c));
+    case Path::Nccl: return nccl_all_gather(device(), out, inp).about(std::move(c));
     case Path::Staged: break;
   }
+  const auto w = watch(std::move(c));
   HostImage hi(device(), inp, true, false), ho(device(), out, false, false);
   mpi_iall_gather(comm_, ho.host(), hi.host()).wait();
   ho.store(device(), out);
@@ -460,12 +523,14 @@ Request Comm::ireduce_scatter_sum_inplace(Tensor buf) const {
   stats_.reduce_scatter += int64_t(buf.nbytes());
   ++stats_.calls;
   const int64_t n = buf.numel() / size_;
+  CallInfo c = call("reduce-scatter (sum, in place)", buf.numel(), buf.dtype);
   switch (path("reduce_scatter_sum_inplace", {buf})) {
-    case Path::Host: return mpi_ireduce_scatter_inplace(comm_, rank_, size_, buf);
+    case Path::Host: return mpi_ireduce_scatter_inplace(comm_, rank_, size_, buf).about(std::move(c));
     // NCCL's in-place convention is ours: the result lands in block rank() directly.
-    case Path::Nccl: return nccl_reduce_scatter(device(), buf.flat_slice(n * rank_, n), buf);
+    case Path::Nccl: return nccl_reduce_scatter(device(), buf.flat_slice(n * rank_, n), buf).about(std::move(c));
     case Path::Staged: break;
   }
+  const auto w = watch(std::move(c));
   // The host image takes MPI's detour through block 0 (the `then` above) before it goes back.
   HostImage h(device(), buf, true, true);
   mpi_ireduce_scatter_inplace(comm_, rank_, size_, h.host()).wait();
@@ -482,11 +547,13 @@ Request Comm::iall_gather_inplace(Tensor buf) const {
   const int64_t n = buf.numel() / size_;
   stats_.all_gather += n * int64_t(dtype_size(buf.dtype));
   ++stats_.calls;
+  CallInfo c = call("all-gather (in place)", n, buf.dtype);
   switch (path("all_gather_inplace", {buf})) {
-    case Path::Host: return mpi_iall_gather_inplace(comm_, size_, buf);
-    case Path::Nccl: return nccl_all_gather(device(), buf, buf.flat_slice(n * rank_, n));
+    case Path::Host: return mpi_iall_gather_inplace(comm_, size_, buf).about(std::move(c));
+    case Path::Nccl: return nccl_all_gather(device(), buf, buf.flat_slice(n * rank_, n)).about(std::move(c));
     case Path::Staged: break;
   }
+  const auto w = watch(std::move(c));
   HostImage h(device(), buf, true, false);
   mpi_iall_gather_inplace(comm_, size_, h.host()).wait();
   h.store(device(), buf);
@@ -498,6 +565,7 @@ void Comm::broadcast(Tensor t, int root) const {
   if (size_ <= 1) return;
   stats_.broadcast += int64_t(t.nbytes());
   ++stats_.calls;
+  const auto w = watch(call(rank_ == root ? "broadcast (as its root)" : "broadcast", t.numel(), t.dtype));
   switch (p) {
     case Path::Host: return mpi_broadcast(comm_, t, root);
     case Path::Nccl: return nccl_broadcast(device(), t, root).wait();
@@ -516,27 +584,29 @@ Request Comm::isend(Tensor t, int peer, int tag) const {
   const Path p = path("send", {t});
   stats_.send += int64_t(t.nbytes());
   ++stats_.calls;
+  CallInfo c = call("send", t.numel(), t.dtype, peer);
   switch (p) {
-    case Path::Host: return mpi_isend(comm_, t, peer, tag);
-    case Path::Nccl: return nccl_send(device(), t, peer);
+    case Path::Host: return mpi_isend(comm_, t, peer, tag).about(std::move(c));
+    case Path::Nccl: return nccl_send(device(), t, peer).about(std::move(c));
     case Path::Staged: break;
   }
   // The image is copied now and lives until the send completes (the `then` holds it).
   auto h = std::make_shared<HostImage>(device(), t, true, false);
-  return mpi_isend(comm_, h->host(), peer, tag, [h] {});
+  return mpi_isend(comm_, h->host(), peer, tag, [h] {}).about(std::move(c));
 }
 
 Request Comm::irecv(Tensor t, int peer, int tag) const {
   const Path p = path("recv", {t});
   stats_.recv += int64_t(t.nbytes());
   ++stats_.calls;
+  CallInfo c = call("receive", t.numel(), t.dtype, peer);
   switch (p) {
-    case Path::Host: return mpi_irecv(comm_, t, peer, tag);
-    case Path::Nccl: return nccl_recv(device(), t, peer);
+    case Path::Host: return mpi_irecv(comm_, t, peer, tag).about(std::move(c));
+    case Path::Nccl: return nccl_recv(device(), t, peer).about(std::move(c));
     case Path::Staged: break;
   }
   auto h = std::make_shared<HostImage>(device(), t, false, false);
-  return mpi_irecv(comm_, h->host(), peer, tag, [h, d = device_, t] { h->store(*d, t); });
+  return mpi_irecv(comm_, h->host(), peer, tag, [h, d = device_, t] { h->store(*d, t); }).about(std::move(c));
 }
 
 void Comm::all_to_all_v(Tensor out, const std::vector<int64_t>& recv_counts, Tensor inp,
@@ -556,6 +626,7 @@ void Comm::all_to_all_v(Tensor out, const std::vector<int64_t>& recv_counts, Ten
                so, inp.numel(), ro, out.numel());
   stats_.all_to_all += so * int64_t(dtype_size(inp.dtype));
   ++stats_.calls;
+  const auto w = watch(call("all-to-all", so, inp.dtype));
   switch (p) {
     case Path::Host: return mpi_all_to_all_v(comm_, out, recv_counts, inp, send_counts);
     case Path::Nccl: return nccl_all_to_all_v(device(), out, recv_counts, inp, send_counts).wait();
@@ -567,6 +638,9 @@ void Comm::all_to_all_v(Tensor out, const std::vector<int64_t>& recv_counts, Ten
   }
 }
 
-void Comm::barrier() const { MPIGPT_MPI(MPI_Barrier(comm_)); }
+void Comm::barrier() const {
+  const auto w = watch(call("barrier", 0, nullptr));
+  MPIGPT_MPI(MPI_Barrier(comm_));
+}
 
 }  // namespace mpigpt

@@ -34,6 +34,7 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -46,6 +47,25 @@ struct CommStats {
   int64_t allreduce = 0, reduce_scatter = 0, all_gather = 0, broadcast = 0, send = 0, recv = 0, all_to_all = 0;
   int64_t calls = 0;
   int64_t total() const { return allreduce + reduce_scatter + all_gather + broadcast + send + recv + all_to_all; }
+};
+
+// What a group is, for messages: its name (the mesh names its groups: "dp", "expert tp-ep", ...),
+// this rank's place in it and the world ranks of its members.
+struct GroupLabel {
+  std::string name;
+  int rank = 0, size = 0;
+  std::vector<int> world_ranks;
+  std::string str() const;  // "group dp (rank 1 of 4; world ranks 0, 2, 4, 6)"
+};
+
+// One communication call, as the watchdog reports a wait in it (lib/core/watchdog.h).
+struct CallInfo {
+  const char* op = "";
+  int64_t count = 0;        // elements this rank contributes (sends, for all-to-all)
+  const char* type = "f32";  // their type; nullptr: a call without a payload (a barrier)
+  int peer = -1;  // group rank of a send's or receive's peer
+  std::shared_ptr<const GroupLabel> group;
+  std::string str() const;  // "all-reduce (sum) of 4096 f32 over group dp (rank 1 of 4; world ranks ...)"
 };
 
 // Work queued on a device stream by a communication backend (NCCL): wait() makes the compute
@@ -70,7 +90,10 @@ class Request {
       : reqs_(std::move(r)), then_(std::move(then)) {}
   explicit Request(std::shared_ptr<AsyncWork> work) : work_(std::move(work)) {}
   Request(Request&& o) noexcept
-      : reqs_(std::exchange(o.reqs_, {})), then_(std::exchange(o.then_, nullptr)), work_(std::move(o.work_)) {}
+      : reqs_(std::exchange(o.reqs_, {})),
+        then_(std::exchange(o.then_, nullptr)),
+        work_(std::move(o.work_)),
+        call_(std::move(o.call_)) {}
   Request& operator=(Request&& o) noexcept;
   ~Request();
   void wait();
@@ -79,12 +102,18 @@ class Request {
   // only inside MPI calls. For device work it only polls.
   bool test();
   bool done() const { return reqs_.empty() && !then_ && !work_; }
+  // The call this request completes, named in the watchdog's report if wait() takes too long.
+  Request about(CallInfo call) && {
+    call_ = std::move(call);
+    return std::move(*this);
+  }
 
  private:
   void finish() noexcept;
   std::vector<MPI_Request> reqs_;
   std::function<void()> then_;
   std::shared_ptr<AsyncWork> work_;
+  CallInfo call_;
 };
 
 struct DeviceComm;  // how this Comm moves device tensors (comm_nccl.h)
@@ -95,6 +124,8 @@ class Comm {
   int rank() const { return rank_; }
   int size() const { return size_; }
   MPI_Comm mpi() const { return comm_; }
+  // Its name (MPI_Comm_get_name, as the mesh set it), this rank's place and the members.
+  const GroupLabel& label() const { return *label_; }
   const CommStats& stats() const { return stats_; }
   void reset_stats() const { stats_ = {}; }
 
@@ -150,11 +181,16 @@ class Comm {
   enum class Path { Host, Nccl, Staged };
   Path path(const char* op, std::initializer_list<Tensor> tensors) const;
   DeviceComm& device() const;
+  CallInfo call(const char* op, int64_t count, DType dtype, int peer = -1) const {
+    return {op, count, dtype_name(dtype), peer, label_};
+  }
+  CallInfo call(const char* op, int64_t count, const char* type) const { return {op, count, type, -1, label_}; }
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
   mutable CommStats stats_;
   // Shared by copies of this Comm, so that a copy made before use_nccl() sees it too.
   std::shared_ptr<DeviceComm> device_;
+  std::shared_ptr<const GroupLabel> label_;
 };
 
 // Throws mpigpt::Error with the MPI error string when rc is not MPI_SUCCESS.

@@ -1,6 +1,8 @@
 // Communicator construction for the mesh.
 #include "parallel/mesh.h"
 
+#include "lib/core/watchdog.h"
+
 namespace mpigpt {
 
 static int world_size_of(MPI_Comm c) {
@@ -41,8 +43,12 @@ Mesh::Mesh(MPI_Comm world, const MeshSizes& sizes)
   // Embedding group: the first and the last stage of this rank's pipeline.
   const bool edge = coords_.pp == 0 || coords_.pp == sizes_.pp - 1;
   MPI_Comm e = MPI_COMM_NULL;
-  MPIGPT_MPI(MPI_Comm_split(world, edge ? dense_.group_index(rank_, "pp") : MPI_UNDEFINED, rank_, &e));
+  {
+    const Waiting w([] { return std::string("MPI_Comm_split of the world into the embedding groups"); });
+    MPIGPT_MPI(MPI_Comm_split(world, edge ? dense_.group_index(rank_, "pp") : MPI_UNDEFINED, rank_, &e));
+  }
   if (e != MPI_COMM_NULL) {
+    MPIGPT_MPI(MPI_Comm_set_name(e, "embedding"));
     owned_.push_back(e);
     embd_ = Comm(e);
   }
@@ -55,9 +61,15 @@ Mesh::~Mesh() {
   for (MPI_Comm& c : owned_) MPI_Comm_free(&c);
 }
 
+// The group's communicator, named for messages ("dp", "expert tp-ep"; Comm::label()).
 MPI_Comm Mesh::split(const RankGrid& g, const std::string& group) {
+  const std::string name = (&g == &expert_ ? "expert " : "") + group;
   MPI_Comm c = MPI_COMM_NULL;
-  MPIGPT_MPI(MPI_Comm_split(world_.mpi(), g.group_index(rank_, group), g.group_rank(rank_, group), &c));
+  {
+    const Waiting w([&name] { return "MPI_Comm_split of the world into the " + name + " groups"; });
+    MPIGPT_MPI(MPI_Comm_split(world_.mpi(), g.group_index(rank_, group), g.group_rank(rank_, group), &c));
+  }
+  MPIGPT_MPI(MPI_Comm_set_name(c, name.c_str()));
   owned_.push_back(c);
   return c;
 }

@@ -1,6 +1,7 @@
 // MPI start-up and the job-wide fatal exit.
 #include "parallel/mpi_env.h"
 
+#include <fmt/format.h>
 #include <mpi.h>
 
 #include <cstdio>
@@ -50,14 +51,39 @@ int world_size() {
   return n;
 }
 
-void abort_job(const std::string& message, int code) {
-  int n = world_size();
+namespace {
+
+void print_error(int rank, int n, const std::string& message) {
   if (n > 1)
-    std::fprintf(stderr, "mpigpt: error (rank %d of %d): %s\n", world_rank(), n, message.c_str());
+    std::fprintf(stderr, "mpigpt: error (rank %d of %d): %s\n", rank, n, message.c_str());
   else
     std::fprintf(stderr, "mpigpt: error: %s\n", message.c_str());
   std::fflush(stderr);
   std::fflush(stdout);
+}
+
+}  // namespace
+
+std::unique_ptr<Watchdog> start_watchdog(double timeout_s, const std::string& setting) {
+  if (timeout_s <= 0) return nullptr;
+  const int rank = world_rank(), n = world_size();  // here: the watchdog's thread makes no MPI call but the last
+  return std::make_unique<Watchdog>(timeout_s, [rank, n, setting](const std::string& report) {
+    print_error(rank, n,
+                fmt::format("{}\nA rank that never reaches the matching call (it failed elsewhere, hangs, or took "
+                            "another path) would leave the others waiting forever, so the job is stopped. If the "
+                            "wait is legitimate (a very slow step or checkpoint), raise {} (seconds; 0 waits "
+                            "forever).",
+                            report, setting));
+    // MPI_Abort ends every rank, including those not in an MPI call; one rank just exits (the main
+    // thread is blocked, so nothing else would run the exit handlers safely).
+    if (n > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+    std::_Exit(1);
+  });
+}
+
+void abort_job(const std::string& message, int code) {
+  const int n = world_size();
+  print_error(world_rank(), n, message);
   if (n > 1) MPI_Abort(MPI_COMM_WORLD, code);
   int finalized = 0, init = 0;
   MPI_Initialized(&init);

@@ -1,7 +1,10 @@
 // The MPI process environment: initialisation, world rank/size, and the fatal-error exit that
 // aborts every rank (a failing rank must never leave the others waiting in a collective).
 #pragma once
+#include <memory>
 #include <string>
+
+#include "lib/core/watchdog.h"
 
 namespace mpigpt {
 
@@ -31,5 +34,11 @@ int world_size();
 // Print "mpigpt: error (rank R of N): MESSAGE" to stderr and end the job with `code`:
 // MPI_Abort when more than one rank runs, so that no rank hangs, plain exit otherwise.
 [[noreturn]] void abort_job(const std::string& message, int code = 1);
+
+// The watchdog of a run (lib/core/watchdog.h): a wait of this rank that lasts longer than
+// timeout_s seconds prints the waits in progress as an error naming `setting` (the option that
+// sets the timeout) and ends the job on every rank (MPI_Abort, from the watchdog's thread).
+// nullptr when timeout_s is 0 (waits never time out). Call it from the thread that initialised MPI.
+std::unique_ptr<Watchdog> start_watchdog(double timeout_s, const std::string& setting);
 
 }  // namespace mpigpt

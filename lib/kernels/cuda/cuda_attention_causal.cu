@@ -113,7 +113,7 @@ size_t CudaOps::fastest_agreeing_attention(const std::string& what, const std::v
       host[o].resize(outputs[o].n * dtype_size(outputs[o].dt));
       MPIGPT_CUDA(cudaMemcpyAsync(host[o].data(), outputs[o].ptr, host[o].size(), cudaMemcpyDeviceToHost, stream_));
     }
-    MPIGPT_CUDA(cudaStreamSynchronize(stream_));
+    wait_for_stream(stream_, "a comparison of attention candidates on the host");
   };
   if (!candidates[0].run()) fail("attention auto: the reference kernels ({}) did not run {}", reference, what);
   std::vector<std::vector<char>> want, got;

@@ -47,6 +47,11 @@ __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <>
 __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
 
+// The host waits for the work queued on `stream` (cudaStreamSynchronize), as a wait the
+// watchdog watches (lib/core/watchdog.h): the stream may itself wait for collectives on NCCL
+// streams, which wait for peers. `why` names what the host needs the results for.
+void wait_for_stream(cudaStream_t stream, const char* why);
+
 inline unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
 // Runs the generic lambda `body` with a value of the storage type matching `dtype` (F32 -> float,

@@ -275,7 +275,7 @@ void weight_and_bias_grads(CudaOps& ops, const char* op, int64_t N, int64_t OC, 
   float* const b = static_cast<float*>(db.ptr);
   separate(w, b);
   const bool fused_runs = fused(w, b);
-  MPIGPT_CUDA(cudaStreamSynchronize(ops.cuda_stream()));
+  wait_for_stream(ops.cuda_stream(), "the timing of the bias-gradient ways");
   bool chosen = false;
   std::string times;
   if (fused_runs) {

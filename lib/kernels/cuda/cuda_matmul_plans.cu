@@ -131,7 +131,7 @@ int fastest_candidate(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cub
   MPIGPT_CUBLAS(launch_matmul(ops, p, mm, cand[0].algo, d));  // the heuristic's first choice runs: the fallback
   std::vector<bool> usable(size_t(found), false);  // not usable: cannot run here, never chosen
   for (int i = 0; i < found; ++i) usable[size_t(i)] = cand[i].state == CUBLAS_STATUS_SUCCESS && run(size_t(i));
-  MPIGPT_CUDA(cudaStreamSynchronize(ops.cuda_stream()));
+  wait_for_stream(ops.cuda_stream(), "the timing of GEMM candidates");
   return int(time_candidates(ops.cuda_stream(), usable, run, 0.05, reps).fastest);
 }
 

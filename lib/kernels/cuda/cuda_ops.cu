@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "lib/core/watchdog.h"
 #include "lib/kernels/cuda/cuda_common.cuh"
 
 // The architectures this binary carries code for, for the "no kernel image" message. CMake may
@@ -263,7 +264,15 @@ std::string CudaOps::name() const {
                      double(prop.totalGlobalMem) / double(1ull << 30), attention);
 }
 
-void CudaOps::synchronize() { MPIGPT_CUDA(cudaStreamSynchronize(stream_)); }
+void wait_for_stream(cudaStream_t stream, const char* why) {
+  const Waiting w([why] {
+    return fmt::format("the GPU's work queued before {} (kernels, and collectives on NCCL streams that the "
+                       "compute stream waits for)", why);
+  });
+  MPIGPT_CUDA(cudaStreamSynchronize(stream));
+}
+
+void CudaOps::synchronize() { wait_for_stream(stream_, "a synchronisation of the host with the device"); }
 
 // ---- memory ----------------------------------------------------------------------------------
 
@@ -342,7 +351,7 @@ void CudaOps::copy(Tensor dst, Tensor src) {
   // pinned (pageable sources are staged by the driver anyway).
   MPIGPT_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, dst_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
                               stream_));
-  MPIGPT_CUDA(cudaStreamSynchronize(stream_));
+  wait_for_stream(stream_, dst_host ? "a copy to the host" : "a copy from the host");
 }
 
 void CudaOps::fill(Tensor t, float value) {

@@ -159,7 +159,7 @@ double reduce(CudaOps& ops, Tensor t, const char* op) {
   MPIGPT_CUDA_LAUNCHED();
   double* host = ops.host_result();
   MPIGPT_CUDA(cudaMemcpyAsync(host, partial + G, sizeof(double), cudaMemcpyDeviceToHost, s));
-  MPIGPT_CUDA(cudaStreamSynchronize(s));
+  wait_for_stream(s, "a reduction whose result the host reads");
   return host[0];
 }
 

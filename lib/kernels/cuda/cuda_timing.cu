@@ -17,7 +17,7 @@ CandidateTimes time_candidates(cudaStream_t stream, const std::vector<bool>& usa
   const auto t0 = Clock::now();
   do {
     for (int r = 0; r < warm_reps; ++r) run(0);
-    MPIGPT_CUDA(cudaStreamSynchronize(stream));
+    wait_for_stream(stream, "the end of a timed run of candidate kernels");
     runs += warm_reps;
   } while (seconds_since(t0) < warmup_s);
   if (reps <= 0) reps = std::clamp(int(0.01 / (seconds_since(t0) / runs)), 2, 20);
@@ -33,7 +33,7 @@ CandidateTimes time_candidates(cudaStream_t stream, const std::vector<bool>& usa
       const auto start = Clock::now();
       bool ran = true;
       for (int r = 0; r < reps && ran; ++r) ran = run(i);
-      MPIGPT_CUDA(cudaStreamSynchronize(stream));
+      wait_for_stream(stream, "the end of a timed run of candidate kernels");
       const double s = seconds_since(start) / reps;
       running[i] = ran;
       t.seconds[i] = !ran ? 0.0 : round == 0 ? s : std::min(t.seconds[i], s);
