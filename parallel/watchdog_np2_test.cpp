@@ -5,30 +5,15 @@
 #include <mpi.h>
 
 #include <chrono>
-#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "lib/core/watchdog.h"
+#include "lib/core/watchdog_testing.h"
 #include "parallel/comm.h"
 
 namespace mpigpt {
 namespace {
-
-struct Reports {
-  std::mutex mu;
-  std::vector<std::string> list;
-  std::function<void(const std::string&)> action() {
-    return [this](const std::string& r) {
-      const std::lock_guard<std::mutex> lock(mu);
-      list.push_back(r);
-    };
-  }
-  std::vector<std::string> get() {
-    const std::lock_guard<std::mutex> lock(mu);
-    return list;
-  }
-};
 
 // A named duplicate of the world, as the mesh names its groups.
 struct NamedWorld {
@@ -54,7 +39,7 @@ TEST_CASE("watchdog over MPI: the waiting rank's report names the call, its payl
   REQUIRE(comm.size() == 2);
   const int me = comm.rank();
   CHECK(comm.label().str() == fmt::format("group watchdog-test (rank {} of 2; world ranks 0, 1)", me));
-  Reports reports;
+  WatchdogReports reports;
   {
     const Watchdog dog(0.2, reports.action());
 

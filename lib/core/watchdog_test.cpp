@@ -7,32 +7,17 @@
 #include <vector>
 
 #include "lib/core/error.h"
+#include "lib/core/watchdog_testing.h"
 
 namespace mpigpt {
 namespace {
-
-// The watchdog's action in these tests: keeps the reports.
-struct Reports {
-  std::mutex mu;
-  std::vector<std::string> list;
-  std::function<void(const std::string&)> action() {
-    return [this](const std::string& r) {
-      const std::lock_guard<std::mutex> lock(mu);
-      list.push_back(r);
-    };
-  }
-  std::vector<std::string> get() {
-    const std::lock_guard<std::mutex> lock(mu);
-    return list;
-  }
-};
 
 void sleep_s(double s) { std::this_thread::sleep_for(std::chrono::duration<double>(s)); }
 
 }  // namespace
 
 TEST_CASE("watchdog: a wait longer than the timeout is reported once, with its description") {
-  Reports reports;
+  WatchdogReports reports;
   const Watchdog dog(0.2, reports.action());
   {
     const Waiting w([] { return std::string("all-reduce over the test group"); });
@@ -45,7 +30,7 @@ TEST_CASE("watchdog: a wait longer than the timeout is reported once, with its d
 }
 
 TEST_CASE("watchdog: short waits and the time between waits do not count") {
-  Reports reports;
+  WatchdogReports reports;
   const Watchdog dog(0.3, reports.action());
   for (int i = 0; i < 5; ++i) {
     const Waiting w([] { return std::string("a short wait"); });
@@ -61,7 +46,7 @@ TEST_CASE("watchdog: short waits and the time between waits do not count") {
 }
 
 TEST_CASE("watchdog: nested waits are reported together, outer first") {
-  Reports reports;
+  WatchdogReports reports;
   const Watchdog dog(0.2, reports.action());
   {
     const Waiting outer([] { return std::string("the outer call"); });
@@ -78,7 +63,7 @@ TEST_CASE("watchdog: nested waits are reported together, outer first") {
 }
 
 TEST_CASE("watchdog: waits on another thread are watched too") {
-  Reports reports;
+  WatchdogReports reports;
   const Watchdog dog(0.2, reports.action());
   std::thread t([] {
     const Waiting w([] { return std::string("a message on a helper thread"); });
@@ -97,7 +82,7 @@ TEST_CASE("watchdog: without one running, waits are not registered and never des
       ++described;
       return std::string("unwatched");
     });
-    Reports reports;
+    WatchdogReports reports;
     const Watchdog dog(0.1, reports.action());  // started after the wait began: it never sees it
     sleep_s(0.4);
     CHECK(reports.get().empty());
@@ -106,7 +91,7 @@ TEST_CASE("watchdog: without one running, waits are not registered and never des
 }
 
 TEST_CASE("watchdog: one at a time, a positive timeout") {
-  Reports reports;
+  WatchdogReports reports;
   CHECK_THROWS_WITH_AS(Watchdog(0, reports.action()), doctest::Contains("must be positive"), Error);
   {
     const Watchdog dog(1, reports.action());
