@@ -42,16 +42,8 @@ Mesh::Mesh(MPI_Comm world, const MeshSizes& sizes)
              expert_.coord(rank_, "dp")};
   // Embedding group: the first and the last stage of this rank's pipeline.
   const bool edge = coords_.pp == 0 || coords_.pp == sizes_.pp - 1;
-  MPI_Comm e = MPI_COMM_NULL;
-  {
-    const Waiting w([] { return std::string("MPI_Comm_split of the world into the embedding groups"); });
-    MPIGPT_MPI(MPI_Comm_split(world, edge ? dense_.group_index(rank_, "pp") : MPI_UNDEFINED, rank_, &e));
-  }
-  if (e != MPI_COMM_NULL) {
-    MPIGPT_MPI(MPI_Comm_set_name(e, "embedding"));
-    owned_.push_back(e);
-    embd_ = Comm(e);
-  }
+  const MPI_Comm e = split(edge ? dense_.group_index(rank_, "pp") : MPI_UNDEFINED, rank_, "embedding");
+  if (e != MPI_COMM_NULL) embd_ = Comm(e);
 }
 
 Mesh::~Mesh() {
@@ -61,14 +53,19 @@ Mesh::~Mesh() {
   for (MPI_Comm& c : owned_) MPI_Comm_free(&c);
 }
 
-// The group's communicator, named for messages ("dp", "expert tp-ep"; Comm::label()).
 MPI_Comm Mesh::split(const RankGrid& g, const std::string& group) {
-  const std::string name = (&g == &expert_ ? "expert " : "") + group;
+  return split(g.group_index(rank_, group), g.group_rank(rank_, group), (&g == &expert_ ? "expert " : "") + group);
+}
+
+// One MPI_Comm_split of the world, a wait the watchdog watches; the communicator (MPI_COMM_NULL
+// for colour MPI_UNDEFINED) is named for messages ("dp", "expert tp-ep"; Comm::label()).
+MPI_Comm Mesh::split(int colour, int key, const std::string& name) {
   MPI_Comm c = MPI_COMM_NULL;
   {
     const Waiting w([&name] { return "MPI_Comm_split of the world into the " + name + " groups"; });
-    MPIGPT_MPI(MPI_Comm_split(world_.mpi(), g.group_index(rank_, group), g.group_rank(rank_, group), &c));
+    MPIGPT_MPI(MPI_Comm_split(world_.mpi(), colour, key, &c));
   }
+  if (c == MPI_COMM_NULL) return c;
   MPIGPT_MPI(MPI_Comm_set_name(c, name.c_str()));
   owned_.push_back(c);
   return c;

@@ -70,6 +70,7 @@ class Mesh {
 
  private:
   MPI_Comm split(const RankGrid& g, const std::string& group);
+  MPI_Comm split(int colour, int key, const std::string& name);
   MeshSizes sizes_;
   int rank_ = 0, world_size_ = 1;
   RankGrid dense_, expert_;

@@ -66,7 +66,9 @@ void print_error(int rank, int n, const std::string& message) {
 
 std::unique_ptr<Watchdog> start_watchdog(double timeout_s, const std::string& setting) {
   if (timeout_s <= 0) return nullptr;
-  const int rank = world_rank(), n = world_size();  // here: the watchdog's thread makes no MPI call but the last
+  // Taken here, on the thread that initialised MPI: the watchdog's thread makes one MPI call only,
+  // MPI_Abort.
+  const int rank = world_rank(), n = world_size();
   return std::make_unique<Watchdog>(timeout_s, [rank, n, setting](const std::string& report) {
     print_error(rank, n,
                 fmt::format("{}\nA rank that never reaches the matching call (it failed elsewhere, hangs, or took "
