@@ -18,6 +18,11 @@ target_include_directories(mpigpt_tests PRIVATE ${OPENBLAS_INCLUDE_DIR})
 target_compile_definitions(mpigpt_tests PRIVATE
   MPIGPT_TEST_DATA_DIR="${PROJECT_SOURCE_DIR}/inputs"
   MPIGPT_BINARY="$<TARGET_FILE:mpigpt>")
+# The toolkit's stub of the CUDA driver, with which the cuDNN test plans attention on a machine
+# without a driver (lib/kernels/cuda/cudnn_sdpa_test.cpp).
+if(MPIGPT_HAVE_CUDA AND EXISTS ${CUDAToolkit_LIBRARY_DIR}/stubs/libcuda.so)
+  target_compile_definitions(mpigpt_tests PRIVATE MPIGPT_CUDA_DRIVER_STUB="${CUDAToolkit_LIBRARY_DIR}/stubs/libcuda.so")
+endif()
 if(NOT MPIGPT_TEST_FILTER)
   add_dependencies(mpigpt_tests mpigpt)  # the command-line tests run the real binary
 endif()

@@ -55,6 +55,9 @@ std::string cudnn_sdpa_version() {
 #ifndef MPIGPT_HAVE_CUDNN
 
 SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape&) { throw Error(cudnn_load_error()); }
+SdpaDevicePlans cudnn_sdpa_plan_for_device(const SdpaShape&, const std::string&) {
+  throw Error(cudnn_load_error());
+}
 
 struct CudnnSdpa::Plans {};
 CudnnSdpa::CudnnSdpa(void*) { throw Error(cudnn_load_error()); }
@@ -406,7 +409,7 @@ SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape& shape) {
 struct Planned {
   Graph graph;
   std::unique_ptr<Desc> opgraph, heuristics, config, plan;  // kept for the plan's life
-  int64_t workspace = 0;
+  SdpaPlanInfo info;
   explicit Planned(const char* name) : graph(name) {}
 };
 
@@ -416,60 +419,96 @@ struct CudnnSdpa::Plans {
 
 namespace {
 
-// Plans g's operations for the handle: the first engine configuration of heuristics mode A whose
+// Where a plan is made for: a handle on the current device, or (device-less, cuDNN 9.8 on) a device
+// property descriptor made from another machine's description (cudnn_sdpa_plan_for_device).
+struct Target {
+  cudnnHandle_t handle = nullptr;
+  cudnnBackendDescriptor_t device = nullptr;
+};
+
+// The global index of the engine a finalized engine configuration runs.
+int64_t engine_index(cudnnBackendDescriptor_t config, const std::string& name) {
+  Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR, name + " engine");
+  cudnnBackendDescriptor_t raw = engine.get();
+  int64_t n = 0, index = -1;
+  check(cudnn().BackendGetAttribute(config, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &raw),
+        name + ": reading the configuration's engine");
+  check(cudnn().BackendGetAttribute(raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index),
+        name + ": reading the engine's index");
+  return index;
+}
+
+// Plans g's operations for the target: the first engine configuration of heuristics mode A whose
 // plan finalizes. (Not FALLBACK: its engines would be generic ones, where the builtin kernels are
-// the better fallback.)
-void make_plan(Planned& p, cudnnHandle_t handle) {
+// the better fallback.) False when none does, each configuration's reason in p.rejected.
+bool try_plan(Planned& p, Target target) {
   const std::vector<cudnnBackendDescriptor_t> ops = p.graph.ops();
   const std::string& name = p.graph.name();
   p.opgraph = std::make_unique<Desc>(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, name + " operation graph");
   p.opgraph->set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, ops.data(), int64_t(ops.size()));
   // Deprecated (as the plan's below): a cuDNN that no longer takes it does not need it.
-  (void)cudnn().BackendSetAttribute(p.opgraph->get(), kGraphHandle, CUDNN_TYPE_HANDLE, 1, &handle);
+  if (target.handle)
+    (void)cudnn().BackendSetAttribute(p.opgraph->get(), kGraphHandle, CUDNN_TYPE_HANDLE, 1, &target.handle);
   p.opgraph->finalize();
-  std::string tried;
-  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A}) {
-    Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, name + " heuristics");
-    const cudnnBackendDescriptor_t graph = p.opgraph->get();
-    heur.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, &graph)
-        .set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, &mode);
-    check(cudnn().BackendFinalize(heur.get()), name + ": heuristics mode " + std::to_string(int(mode)));
-    int64_t count = 0;
-    check(cudnn().BackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0,
-                                      &count, nullptr),
-          name + ": counting the heuristics' engine configurations");
-    std::deque<Desc> configs;
-    std::vector<cudnnBackendDescriptor_t> raw;
-    for (int64_t i = 0; i < count; ++i) {
-      raw.push_back(configs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, name + " engine configuration").get());
+  const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+  auto heur = std::make_unique<Desc>(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, name + " heuristics");
+  const cudnnBackendDescriptor_t graph = p.opgraph->get();
+  heur->set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, &graph)
+      .set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, &mode);
+  if (target.device) heur->set(CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, &target.device);
+  check(cudnn().BackendFinalize(heur->get()), name + ": heuristics mode A");
+  int64_t count = 0;
+  check(cudnn().BackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0,
+                                    &count, nullptr),
+        name + ": counting the heuristics' engine configurations");
+  std::deque<Desc> configs;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int64_t i = 0; i < count; ++i)
+    raw.push_back(configs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, name + " engine configuration").get());
+  int64_t returned = 0;
+  if (count > 0)
+    check(cudnn().BackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                      count, &returned, raw.data()),
+          name + ": reading the heuristics' engine configurations");
+  p.info.offered = returned;
+  for (int64_t i = 0; i < returned; ++i) {
+    const int64_t engine = engine_index(raw[size_t(i)], name);
+    auto plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, name + " execution plan");
+    if (target.handle)
+      (void)cudnn().BackendSetAttribute(plan->get(), kPlanHandle, CUDNN_TYPE_HANDLE, 1, &target.handle);
+    if (target.device) plan->set(CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, &target.device);
+    plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, &raw[size_t(i)]);
+    const cudnnStatus_t rc = cudnn().BackendFinalize(plan->get());
+    if (rc != CUDNN_STATUS_SUCCESS) {
+      const std::string why = cudnn_error_text(rc);
+      // The engine's kernels were generated and compiled; the CUDA driver could not load them
+      // (only the device-less planning of a machine without a driver gets this far and no further).
+      if (rc == CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER && why.find("cuLibraryLoadData") != std::string::npos)
+        ++p.info.built;
+      p.info.rejected.push_back(fmt::format("configuration {} (engine {}): {}", i, engine, why));
+      continue;
     }
-    int64_t returned = 0;
-    if (count > 0)
-      check(cudnn().BackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                        count, &returned, raw.data()),
-            name + ": reading the heuristics' engine configurations");
-    for (int64_t i = 0; i < returned; ++i) {
-      auto plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, name + " execution plan");
-      (void)cudnn().BackendSetAttribute(plan->get(), kPlanHandle, CUDNN_TYPE_HANDLE, 1, &handle);
-      plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, &raw[size_t(i)]);
-      const cudnnStatus_t rc = cudnn().BackendFinalize(plan->get());
-      if (rc != CUDNN_STATUS_SUCCESS) {
-        tried += fmt::format("; mode {} configuration {}: {}", int(mode), i, cudnn_error_text(rc));
-        continue;
-      }
-      int64_t ws = 0, n = 0;
-      check(cudnn().BackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
-                                        &n, &ws),
-            name + ": reading the plan's workspace size");
-      p.workspace = ws;
-      p.plan = std::move(plan);
-      p.config = std::make_unique<Desc>(std::move(configs[size_t(i)]));
-      p.heuristics = std::make_unique<Desc>(std::move(heur));
-      return;
-    }
-    if (returned == 0) tried += fmt::format("; heuristics mode {} offered no engine", int(mode));
+    int64_t ws = 0, n = 0;
+    check(cudnn().BackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n,
+                                      &ws),
+          name + ": reading the plan's workspace size");
+    p.info.workspace = ws;
+    p.info.chosen = i;
+    p.info.engine = engine;
+    p.plan = std::move(plan);
+    p.config = std::make_unique<Desc>(std::move(configs[size_t(i)]));
+    p.heuristics = std::move(heur);
+    return true;
   }
-  fail("no cuDNN engine runs the {} graph{}", name, tried);
+  if (returned == 0) p.info.rejected.push_back("heuristics mode A offered no engine configuration");
+  return false;
+}
+
+void make_plan(Planned& p, Target target) {
+  if (try_plan(p, target)) return;
+  std::string tried;
+  for (const std::string& r : p.info.rejected) tried += "; " + r;
+  fail("no cuDNN engine runs the {} graph{}", p.graph.name(), tried);
 }
 
 // Queues plan p with the (uid, pointer) pairs and the workspace.
@@ -494,6 +533,24 @@ float mask_value() {
 }
 
 }  // namespace
+
+SdpaDevicePlans cudnn_sdpa_plan_for_device(const SdpaShape& shape, const std::string& device_json) {
+  if (cudnn().GetVersion() < 90800)
+    fail("cuDNN attention: planning for a described device needs cuDNN 9.8 or newer, this is {}",
+         cudnn_sdpa_version());
+  if (std::string why = shape_unsupported(shape, cudnn().GetVersion()); !why.empty())
+    fail("cuDNN attention: cuDNN does not run this shape: {}", why);
+  Desc device(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, "device description");
+  device.set(CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, CUDNN_TYPE_CHAR, device_json.data(),
+             int64_t(device_json.size()));
+  device.finalize();
+  CudnnSdpa::Plans plans;
+  build_forward(plans.fwd.graph, shape);
+  build_backward(plans.bwd.graph, shape);
+  try_plan(plans.fwd, {nullptr, device.get()});
+  try_plan(plans.bwd, {nullptr, device.get()});
+  return {plans.fwd.info, plans.bwd.info};
+}
 
 CudnnSdpa::CudnnSdpa(void* stream) : stream_(stream) {
   cudnnHandle_t h = nullptr;
@@ -522,8 +579,8 @@ bool CudnnSdpa::prepare(const SdpaShape& shape, std::string* why) {
       auto plans = std::make_unique<Plans>();
       build_forward(plans->fwd.graph, shape);
       build_backward(plans->bwd.graph, shape);
-      make_plan(plans->fwd, as_handle(handle_));
-      make_plan(plans->bwd, as_handle(handle_));
+      make_plan(plans->fwd, {as_handle(handle_), nullptr});
+      make_plan(plans->bwd, {as_handle(handle_), nullptr});
       plans_.emplace(shape, std::move(plans));
       return true;
     } catch (const Error& e) {
@@ -537,7 +594,7 @@ bool CudnnSdpa::prepare(const SdpaShape& shape, std::string* why) {
 
 size_t CudnnSdpa::workspace_bytes(const SdpaShape& shape) const {
   const Plans& p = *plans_.at(shape);
-  return std::max(size_t(p.fwd.workspace), backward_workspace(shape).total + size_t(p.bwd.workspace));
+  return std::max(size_t(p.fwd.info.workspace), backward_workspace(shape).total + size_t(p.bwd.info.workspace));
 }
 
 void CudnnSdpa::forward(const SdpaShape& shape, void* out, float* lse, const void* qkv, void* workspace) {

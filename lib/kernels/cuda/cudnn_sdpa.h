@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace mpigpt::cuda {
 
@@ -38,6 +39,31 @@ struct SdpaOpCounts {
   int forward = 0, backward = 0;
 };
 SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape& shape);
+
+// How cuDNN planned one graph: heuristics mode A's engine configurations are tried in order and
+// the first whose execution plan finalizes is kept (CudnnSdpa::prepare).
+struct SdpaPlanInfo {
+  int64_t offered = 0;    // configurations the heuristics offered (after their support checks)
+  int64_t chosen = -1;    // the index of the one kept, -1 when none finalized
+  int64_t engine = -1;    // its engine's global index
+  int64_t workspace = 0;  // bytes of cuDNN workspace it needs
+  int64_t built = 0;      // configurations whose kernels were compiled but could not be loaded
+  std::vector<std::string> rejected;  // why each configuration before the one kept failed
+};
+struct SdpaDevicePlans {
+  SdpaPlanInfo forward, backward;
+};
+
+// Device-less planning (cuDNN 9.8 on): the plans cuDNN makes for shape on a GPU it is told about,
+// device_json being that device's description in cuDNN's format (CUDNN_ATTR_DEVICEPROP_JSON_
+// REPRESENTATION: compute capability, multiprocessors, shared memory, ...). The heuristics
+// recognise the graphs as fused attention (or not), check their engines' support for the device
+// and compile the chosen kernels with NVRTC; only loading them needs the CUDA driver. So a machine
+// with no GPU checks that cuDNN runs these graphs on, say, a Hopper GPU: there every configuration
+// fails at the loading (counted in `built`), where the driver exists the plans finalize. Throws
+// mpigpt::Error when cuDNN cannot be loaded, is older than 9.8, rejects the description or does
+// not take the shape (cuDNN's version limits).
+SdpaDevicePlans cudnn_sdpa_plan_for_device(const SdpaShape& shape, const std::string& device_json);
 
 // A cuDNN handle on one stream and the execution plans per shape.
 class CudnnSdpa {

@@ -1,14 +1,18 @@
 // Tests of cuDNN's fused attention (engine.attention_backend = cudnn | auto). Without a GPU: every
 // operation of the forward and backward graphs finalizes in cuDNN (which checks attributes, shapes
-// and dtypes). With one: the causal ops through cuDNN against the CPU backend in bf16, its saved
+// and dtypes), and cuDNN's device-less planning for an H100/H200 recognises both graphs as fused
+// attention and compiles its engines' kernels for them (only loading those needs a GPU). With one: the causal ops through cuDNN against the CPU backend in bf16, its saved
 // log-sum-exp against the reference, each pass paired with the builtin kernels' other pass (the
 // saved state is the same), and the errors of an explicit cudnn request it cannot honour. Without
 // cuDNN (the host emulator has none), that cudnn is an error naming it and auto runs the builtin
 // kernels.
 #include <doctest/doctest.h>
 
+#include <dlfcn.h>
+
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lib/core/error.h"
@@ -39,6 +43,32 @@ bool have_cudnn() {
 
 cuda::SdpaShape shape_of(const Geometry& g) { return {g.B, g.T, g.NH, g.NKV, g.HD}; }
 
+// cuDNN compiles its fused attention kernels with NVRTC and loads them through the CUDA driver
+// (libcuda.so.1). On a machine without the driver, the toolkit's stub of it (the same soname, every
+// call failing) lets cuDNN's device-less planning run up to that loading: loaded here first, it is
+// the library cuDNN's own dlopen of libcuda.so.1 finds. True when either loads.
+bool cuda_driver_or_stub() {
+  if (dlopen("libcuda.so.1", RTLD_LAZY | RTLD_GLOBAL)) return true;
+#ifdef MPIGPT_CUDA_DRIVER_STUB
+  if (dlopen(MPIGPT_CUDA_DRIVER_STUB, RTLD_LAZY | RTLD_GLOBAL)) return true;
+#endif
+  return false;
+}
+
+// A Hopper GPU (sm_90, 132 multiprocessors, as the H100 SXM and the H200) in cuDNN's device
+// description format; name and memory as the device reports them.
+std::string hopper_json(const std::string& name, int64_t memory) {
+  return R"({"maxGridSize":[2147483647,65535,65535],"maxBlockSize":[1024,1024,64],"regsPerBlock":65536,)"
+         R"("multiProcessorCount":132,"warpSize":32,"maxSharedMemoryPerBlock":49152,)"
+         R"("maxSharedMemoryPerBlockOptin":232448,"reservedSharedMemoryPerBlock":1024,"maxRegistersPerSM":65536,)"
+         R"("maxCtasPerSM":32,"maxThreadsPerBlock":1024,"maxThreadsPerSM":2048,"pciDeviceId":0,"isTccDriver":0,)"
+         R"("supportCoopLaunch":1,"totalGlobalMem":)" +
+         std::to_string(memory) +
+         R"(,"smClockRateKHz":1980000,"memClockRateKHz":2619000,"l2CacheSize":52428800,"cudaDeviceId":0,)"
+         R"("deviceVer":900,"driverVer":13000,"deviceName":")" +
+         name + R"("})";
+}
+
 // The shapes of the numerical tests: plain heads and grouped-query heads, HD 64 and 128, B > 1,
 // T a multiple of 128 (every cuDNN 9 runs these) and not (only cuDNN newer than 9.15.0).
 const std::vector<Geometry> kShapes = {
@@ -57,6 +87,47 @@ TEST_CASE("cudnn attention graphs: every operation of the forward and backward f
   const auto gqa = cuda::cudnn_sdpa_finalize_operations({2, 2048, 32, 8, 128});
   CHECK(gqa.forward == 14);
   CHECK(gqa.backward == 24);
+}
+
+TEST_CASE("cudnn attention graphs: cuDNN's fused attention engines take and compile them for an H100/H200") {
+  if (!have_cudnn()) return;
+  if (!cuda_driver_or_stub()) {
+    MESSAGE("neither the CUDA driver nor the toolkit's stub of it (stubs/libcuda.so) loads: cuDNN cannot compile "
+            "attention kernels here, so device-less planning was not checked");
+    return;
+  }
+  const std::string version = cuda::cudnn_sdpa_version();
+  CAPTURE(version);
+  // The benchmark's shapes: GPT-2 124M and 350M (heads of 64), the 1.3B-class model (heads of 128),
+  // the Llama-style 1B (32 query heads over 8 kv heads, T 2048).
+  const std::vector<cuda::SdpaShape> shapes = {
+      {64, 1024, 12, 12, 64}, {64, 1024, 16, 16, 64}, {64, 1024, 16, 16, 128}, {32, 2048, 32, 8, 64}};
+  for (const auto& [device, json] :
+       {std::pair<std::string, std::string>{"H100 SXM", hopper_json("NVIDIA H100 80GB HBM3", 85520809984)},
+        std::pair<std::string, std::string>{"H200", hopper_json("NVIDIA H200", 150754820096)}}) {
+    CAPTURE(device);
+    for (const cuda::SdpaShape& s : shapes) {
+      CAPTURE(s.B);
+      CAPTURE(s.T);
+      CAPTURE(s.NH);
+      CAPTURE(s.NKV);
+      CAPTURE(s.HD);
+      const cuda::SdpaDevicePlans plans = cuda::cudnn_sdpa_plan_for_device(s, json);
+      for (const auto& [pass, info] : {std::pair<std::string, cuda::SdpaPlanInfo>{"forward", plans.forward},
+                                       std::pair<std::string, cuda::SdpaPlanInfo>{"backward", plans.backward}}) {
+        CAPTURE(pass);
+        std::string rejected;
+        for (const std::string& r : info.rejected) rejected += "\n  " + r;
+        CAPTURE(rejected);
+        // The heuristics recognised the graph as fused attention: they offer configurations of its
+        // engines, which pass their support checks for this device.
+        CHECK(info.offered >= 1);
+        if (info.chosen >= 0) continue;  // planned outright: this machine has a CUDA driver
+        // No driver: every configuration's kernels compiled, and failed only to load.
+        CHECK(info.built == info.offered);
+      }
+    }
+  }
 }
 
 TEST_CASE("cudnn attention forward and backward match the CPU backend (bf16)") {
