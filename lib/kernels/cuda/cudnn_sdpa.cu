@@ -55,7 +55,7 @@ std::string cudnn_sdpa_version() {
 #ifndef MPIGPT_HAVE_CUDNN
 
 SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape&) { throw Error(cudnn_load_error()); }
-SdpaDevicePlans cudnn_sdpa_plan_for_device(const SdpaShape&, const std::string&) {
+SdpaPlans cudnn_sdpa_plan_for_device(const SdpaShape&, const std::string&) {
   throw Error(cudnn_load_error());
 }
 
@@ -66,6 +66,7 @@ bool CudnnSdpa::prepare(const SdpaShape&, std::string* why) {
   *why = cudnn_load_error();
   return false;
 }
+SdpaPlans CudnnSdpa::plans(const SdpaShape&) const { return {}; }
 size_t CudnnSdpa::workspace_bytes(const SdpaShape&) const { return 0; }
 void CudnnSdpa::forward(const SdpaShape&, void*, float*, const void*, void*) { throw Error(cudnn_load_error()); }
 void CudnnSdpa::backward(const SdpaShape&, void*, const void*, const void*, const void*, const float*, void*) {
@@ -426,15 +427,17 @@ struct Target {
   cudnnBackendDescriptor_t device = nullptr;
 };
 
-// The global index of the engine a finalized engine configuration runs.
+// The global index of the engine a finalized engine configuration runs, for the reports: -1 when
+// cuDNN does not say (never an error).
 int64_t engine_index(cudnnBackendDescriptor_t config, const std::string& name) {
   Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR, name + " engine");
   cudnnBackendDescriptor_t raw = engine.get();
   int64_t n = 0, index = -1;
-  check(cudnn().BackendGetAttribute(config, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &raw),
-        name + ": reading the configuration's engine");
-  check(cudnn().BackendGetAttribute(raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index),
-        name + ": reading the engine's index");
+  if (cudnn().BackendGetAttribute(config, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &raw) !=
+          CUDNN_STATUS_SUCCESS ||
+      cudnn().BackendGetAttribute(raw, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index) !=
+          CUDNN_STATUS_SUCCESS)
+    return -1;
   return index;
 }
 
@@ -534,7 +537,7 @@ float mask_value() {
 
 }  // namespace
 
-SdpaDevicePlans cudnn_sdpa_plan_for_device(const SdpaShape& shape, const std::string& device_json) {
+SdpaPlans cudnn_sdpa_plan_for_device(const SdpaShape& shape, const std::string& device_json) {
   if (cudnn().GetVersion() < 90800)
     fail("cuDNN attention: planning for a described device needs cuDNN 9.8 or newer, this is {}",
          cudnn_sdpa_version());
@@ -590,6 +593,11 @@ bool CudnnSdpa::prepare(const SdpaShape& shape, std::string* why) {
   *why = reason;
   unsupported_.emplace(shape, reason);
   return false;
+}
+
+SdpaPlans CudnnSdpa::plans(const SdpaShape& shape) const {
+  const Plans& p = *plans_.at(shape);
+  return {p.fwd.info, p.bwd.info};
 }
 
 size_t CudnnSdpa::workspace_bytes(const SdpaShape& shape) const {

@@ -50,7 +50,7 @@ struct SdpaPlanInfo {
   int64_t built = 0;      // configurations whose kernels were compiled but could not be loaded
   std::vector<std::string> rejected;  // why each configuration before the one kept failed
 };
-struct SdpaDevicePlans {
+struct SdpaPlans {
   SdpaPlanInfo forward, backward;
 };
 
@@ -63,7 +63,7 @@ struct SdpaDevicePlans {
 // fails at the loading (counted in `built`), where the driver exists the plans finalize. Throws
 // mpigpt::Error when cuDNN cannot be loaded, is older than 9.8, rejects the description or does
 // not take the shape (cuDNN's version limits).
-SdpaDevicePlans cudnn_sdpa_plan_for_device(const SdpaShape& shape, const std::string& device_json);
+SdpaPlans cudnn_sdpa_plan_for_device(const SdpaShape& shape, const std::string& device_json);
 
 // A cuDNN handle on one stream and the execution plans per shape.
 class CudnnSdpa {
@@ -79,6 +79,10 @@ class CudnnSdpa {
   // plans (both, so that a shape never pairs a cuDNN forward with a builtin backward by chance)
   // and keeps them; when either cannot be built, false with cuDNN's reason in *why.
   bool prepare(const SdpaShape& shape, std::string* why);
+  // Whether prepare(shape) was called before (and so planned it or gave up on it).
+  bool tried(const SdpaShape& shape) const { return plans_.count(shape) || unsupported_.count(shape); }
+  // How the shape's plans were made (after prepare returned true).
+  SdpaPlans plans(const SdpaShape& shape) const;
   // Device workspace the shape's forward or backward needs (after prepare).
   size_t workspace_bytes(const SdpaShape& shape) const;
 

@@ -7,9 +7,11 @@
 // cuDNN (the host emulator has none), that cudnn is an error naming it and auto runs the builtin
 // kernels.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -112,7 +114,7 @@ TEST_CASE("cudnn attention graphs: cuDNN's fused attention engines take and comp
       CAPTURE(s.NH);
       CAPTURE(s.NKV);
       CAPTURE(s.HD);
-      const cuda::SdpaDevicePlans plans = cuda::cudnn_sdpa_plan_for_device(s, json);
+      const cuda::SdpaPlans plans = cuda::cudnn_sdpa_plan_for_device(s, json);
       for (const auto& [pass, info] : {std::pair<std::string, cuda::SdpaPlanInfo>{"forward", plans.forward},
                                        std::pair<std::string, cuda::SdpaPlanInfo>{"backward", plans.backward}}) {
         CAPTURE(pass);
@@ -161,7 +163,14 @@ TEST_CASE("cudnn attention forward and backward match the CPU backend (bf16)") {
     std::string pass = "both passes on cuDNN";
     CAPTURE(pass);
     cuda_ops.set_attention_backend(Backend::Cudnn);
+    (void)cuda_ops.take_notes();
     compare(g, DType::BF16, *ops, *cpu, {}, false);
+    // The first call of a shape says which of cuDNN's engines run it.
+    const auto notes = cuda_ops.take_notes();
+    CHECK(std::any_of(notes.begin(), notes.end(), [&](const std::string& n) {
+      return n.find(fmt::format("attention: cuDNN planned B={} T={} NH={} NKV={} HD={}: forward engine ", g.B, g.T,
+                                g.NH, g.NKV, g.HD)) != std::string::npos;
+    }));
     pass = "cuDNN forward, builtin backward";
     compare(g, DType::BF16, *ops, *cpu, [&] { cuda_ops.set_attention_backend(Backend::Builtin); });
     pass = "builtin forward, cuDNN backward";
