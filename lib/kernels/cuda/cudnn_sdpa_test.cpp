@@ -48,13 +48,18 @@ cuda::SdpaShape shape_of(const Geometry& g) { return {g.B, g.T, g.NH, g.NKV, g.H
 // cuDNN compiles its fused attention kernels with NVRTC and loads them through the CUDA driver
 // (libcuda.so.1). On a machine without the driver, the toolkit's stub of it (the same soname, every
 // call failing) lets cuDNN's device-less planning run up to that loading: loaded here first, it is
-// the library cuDNN's own dlopen of libcuda.so.1 finds. True when either loads.
-bool cuda_driver_or_stub() {
-  if (dlopen("libcuda.so.1", RTLD_LAZY | RTLD_GLOBAL)) return true;
+// the library cuDNN's own dlopen of libcuda.so.1 finds. Empty when NVRTC and either load, else
+// what is missing.
+std::string cudnn_compiler_missing() {
+  bool nvrtc = false;
+  for (const char* name : {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"})
+    nvrtc = nvrtc || dlopen(name, RTLD_LAZY | RTLD_GLOBAL) != nullptr;
+  if (!nvrtc) return "NVRTC (libnvrtc.so) does not load";
+  if (dlopen("libcuda.so.1", RTLD_LAZY | RTLD_GLOBAL)) return "";
 #ifdef MPIGPT_CUDA_DRIVER_STUB
-  if (dlopen(MPIGPT_CUDA_DRIVER_STUB, RTLD_LAZY | RTLD_GLOBAL)) return true;
+  if (dlopen(MPIGPT_CUDA_DRIVER_STUB, RTLD_LAZY | RTLD_GLOBAL)) return "";
 #endif
-  return false;
+  return "neither the CUDA driver nor the toolkit's stub of it (stubs/libcuda.so) loads";
 }
 
 // A Hopper GPU (sm_90, 132 multiprocessors, as the H100 SXM and the H200) in cuDNN's device
@@ -93,9 +98,8 @@ TEST_CASE("cudnn attention graphs: every operation of the forward and backward f
 
 TEST_CASE("cudnn attention graphs: cuDNN's fused attention engines take and compile them for an H100/H200") {
   if (!have_cudnn()) return;
-  if (!cuda_driver_or_stub()) {
-    MESSAGE("neither the CUDA driver nor the toolkit's stub of it (stubs/libcuda.so) loads: cuDNN cannot compile "
-            "attention kernels here, so device-less planning was not checked");
+  if (const std::string missing = cudnn_compiler_missing(); !missing.empty()) {
+    MESSAGE(missing << ": cuDNN cannot compile attention kernels here, so its device-less planning was not checked");
     return;
   }
   const std::string version = cuda::cudnn_sdpa_version();
