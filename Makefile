@@ -11,7 +11,7 @@ NPM_DIR    := .deps/npm
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev openssh-client \
   libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libfmt-dev doctest-dev \
   libopenblas-openmp-dev nlohmann-json3-dev libicu-dev fortunes nodejs python3-matplotlib python3-numpy procps \
-  xz-utils
+  xz-utils slurmctld slurmd slurm-client munge
 
 # Root may start mpirun only when it says so; tests also need --oversubscribe on 2 cores.
 export OMPI_ALLOW_RUN_AS_ROOT := 1

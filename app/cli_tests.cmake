@@ -91,6 +91,16 @@ ckpt_test(ckpt_kill_in_save_np2 ok "resumed from .*iter_0000004"
 # SIGTERM to every rank (what Slurm does before the time limit): save at the step boundary, exit 0.
 ckpt_test(ckpt_sigterm_np2 ok "^exit 0, latest = iter_[0-9]+$"
   "${PROJECT_SOURCE_DIR}/app/testdata/sigterm_run.sh ${CLI_DIR}/s7 ${MPIRUN_STR} -np 2 -- ${BIN} train ${CK} --training.train_iters 1000000 > ${CLI_DIR}/s7.out && grep -E 'SIGTERM: stopped after iteration [0-9]+, checkpoint saved' ${CLI_DIR}/s7.out && grep '^exit' ${CLI_DIR}/s7.out")
+# Slurm: scripts/slurm/train.sbatch on a private one-node cluster (scripts/slurm/local_cluster.sh):
+# srun starts 2 ranks through PMIx, SIGTERM in the middle of training (as before a time limit)
+# saves, the job requeues itself, starts again from the checkpoint and trains to the end. Skipped
+# where Slurm is not installed (make deps installs it).
+set(SLURM_TRAIN "--model.num_layers 2 --model.hidden 128 --model.num_heads 4 --model.seq_len 64 --training.micro_batch 4 --training.global_batch 8 --training.train_iters 400 --training.eval_interval 0 --training.peak_tflops 1 --data.path ${CLI_DIR}/ck/c")
+add_test(NAME cli/slurm_requeue COMMAND bash -c
+  "${CKPREP} >/dev/null && ${PROJECT_SOURCE_DIR}/app/testdata/slurm_requeue.sh ${CLI_DIR}/slurm ${BIN} ${SLURM_TRAIN}")
+set_tests_properties(cli/slurm_requeue PROPERTIES TIMEOUT 180 SKIP_RETURN_CODE 77 RESOURCE_LOCK ckpt_data PROCESSORS 2
+  ENVIRONMENT "OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+
 # Interchange: checkpoint -> Hugging Face -> checkpoint is bit-identical (every model checksum),
 # and training starts from the llm.c export of it.
 ckpt_test(ckpt_convert_roundtrip ok "weights: from the llm.c model"

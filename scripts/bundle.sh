@@ -301,6 +301,7 @@ cat > "$OUT/etc/pmix-mca-params.conf" <<'EOF'
 EOF
 
 cp "$SRC"/inputs/*.ini "$OUT/inputs/"
+mkdir -p "$OUT/slurm" && cp "$SRC"/scripts/slurm/train.sbatch "$OUT/slurm/"
 
 # ---- the run wrapper -------------------------------------------------------------------------
 sed -e "s|@NEED_CORE@|$NEED_CORE|" -e "s|@NEED_GCC@|$NEED_GCC|" -e "s|@NEED_COMPAT@|$NEED_COMPAT|" \
@@ -451,6 +452,9 @@ anywhere; start every program through ./run, which sets the paths:
   ./run mpigpt bench --config inputs/gpt2_124m_bench.ini
 $TESTS_LINE
   ./run ompi_info                        (the bundled Open MPI)
+  MPIGPT="\$PWD/run mpigpt" sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 \\
+    slurm/train.sbatch --config CONFIG.ini --engine.backend cuda    (Slurm: srun starts ./run
+    on every rank, which sets up the bundle there; requeued at the time limit)
 
 What the node needs
   - glibc $NEED_CORE or newer (./run says so otherwise).
@@ -474,6 +478,7 @@ Contents
   lib/openmpi/, lib/pmix/   Open MPI's and PMIx's components
   share/, etc/  Open MPI's and PMIx's help texts and settings (etc/openmpi-mca-params.conf)
   inputs/       the example and benchmark configurations
+  slurm/        train.sbatch, the Slurm job script (its header lists its settings)
 
 Notes
   - Under ./run mpirun, "mpigpt" is this bundle's binary on every rank: bin/ comes first on
