@@ -36,7 +36,8 @@ print(*[s.getsockname()[1] for s in socks])')
 head -c 1024 /dev/urandom >"$D/munge/munge.key"
 chmod 400 "$D/munge/munge.key"
 munged --force --key-file="$D/munge/munge.key" --socket="$D/munge/munge.sock" --pid-file="$D/munge/munged.pid" \
-  --log-file="$D/log/munged.log" --seed-file="$D/munge/munged.seed" || { echo "local_cluster: munged did not start"; exit 1; }
+  --log-file="$D/log/munged.log" --seed-file="$D/munge/munged.seed" ||
+  { echo "local_cluster: munged did not start"; exit 1; }
 
 cat >"$D/slurm.conf" <<EOF
 ClusterName=mpigpt-local

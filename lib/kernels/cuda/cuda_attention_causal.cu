@@ -87,19 +87,19 @@ CudnnSdpa* CudaOps::cudnn_attention(const SdpaShape& shape, DType dt, const char
   const bool first = !sdpa_->tried(shape);
   std::string why;
   const bool runs = sdpa_->prepare(shape, &why);
+  // After the shape's first call there is nothing to note, only an explicit request to refuse.
+  if (!first && (runs || !required)) return runs ? sdpa_.get() : nullptr;
   const std::string call = fmt::format("B={} T={} NH={} NKV={} HD={}", shape.B, shape.T, shape.NH, shape.NKV, shape.HD);
-  if (runs) {
-    if (first) {  // which of cuDNN's engines runs it, once per shape
-      const SdpaPlans plans = sdpa_->plans(shape);
-      notes_.push_back(fmt::format("attention: cuDNN planned {}: forward engine {} (configuration {} of {}), backward "
-                                   "engine {} (configuration {} of {}), workspace {:.1f} MiB",
-                                   call, plans.forward.engine, plans.forward.chosen + 1, plans.forward.offered,
-                                   plans.backward.engine, plans.backward.chosen + 1, plans.backward.offered,
-                                   double(sdpa_->workspace_bytes(shape)) / (1 << 20)));
-    }
+  if (runs) {  // which of cuDNN's engines runs it, once per shape
+    const SdpaPlans plans = sdpa_->plans(shape);
+    notes_.push_back(fmt::format("attention: cuDNN planned {}: forward engine {} (configuration {} of {}), backward "
+                                 "engine {} (configuration {} of {}), workspace {:.1f} MiB",
+                                 call, plans.forward.engine, plans.forward.chosen + 1, plans.forward.offered,
+                                 plans.backward.engine, plans.backward.chosen + 1, plans.backward.offered,
+                                 double(sdpa_->workspace_bytes(shape)) / (1 << 20)));
     return sdpa_.get();
   }
-  if (first && !required) notes_.push_back(fmt::format("attention auto: cuDNN does not run {}: {}", call, why));
+  if (!required) notes_.push_back(fmt::format("attention auto: cuDNN does not run {}: {}", call, why));
   if (required)
     fail("{}: engine.attention_backend = cudnn, but cuDNN cannot run attention with {}: {}; set "
          "engine.attention_backend = auto (the builtin kernels take the shapes cuDNN does not) or builtin",

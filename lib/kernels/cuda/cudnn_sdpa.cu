@@ -414,8 +414,14 @@ struct Planned {
   explicit Planned(const char* name) : graph(name) {}
 };
 
+// The forward and backward graphs of a shape, to be planned (on a handle or a described device).
 struct CudnnSdpa::Plans {
   Planned fwd{"forward"}, bwd{"backward"};
+  explicit Plans(const SdpaShape& shape) {
+    build_forward(fwd.graph, shape);
+    build_backward(bwd.graph, shape);
+  }
+  SdpaPlans info() const { return {fwd.info, bwd.info}; }
 };
 
 namespace {
@@ -547,12 +553,10 @@ SdpaPlans cudnn_sdpa_plan_for_device(const SdpaShape& shape, const std::string& 
   device.set(CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, CUDNN_TYPE_CHAR, device_json.data(),
              int64_t(device_json.size()));
   device.finalize();
-  CudnnSdpa::Plans plans;
-  build_forward(plans.fwd.graph, shape);
-  build_backward(plans.bwd.graph, shape);
+  CudnnSdpa::Plans plans(shape);
   try_plan(plans.fwd, {nullptr, device.get()});
   try_plan(plans.bwd, {nullptr, device.get()});
-  return {plans.fwd.info, plans.bwd.info};
+  return plans.info();
 }
 
 CudnnSdpa::CudnnSdpa(void* stream) : stream_(stream) {
@@ -579,9 +583,7 @@ bool CudnnSdpa::prepare(const SdpaShape& shape, std::string* why) {
   std::string reason = shape_unsupported(shape, cudnn().GetVersion());
   if (reason.empty()) {
     try {
-      auto plans = std::make_unique<Plans>();
-      build_forward(plans->fwd.graph, shape);
-      build_backward(plans->bwd.graph, shape);
+      auto plans = std::make_unique<Plans>(shape);
       make_plan(plans->fwd, {as_handle(handle_), nullptr});
       make_plan(plans->bwd, {as_handle(handle_), nullptr});
       plans_.emplace(shape, std::move(plans));
@@ -595,10 +597,7 @@ bool CudnnSdpa::prepare(const SdpaShape& shape, std::string* why) {
   return false;
 }
 
-SdpaPlans CudnnSdpa::plans(const SdpaShape& shape) const {
-  const Plans& p = *plans_.at(shape);
-  return {p.fwd.info, p.bwd.info};
-}
+SdpaPlans CudnnSdpa::plans(const SdpaShape& shape) const { return plans_.at(shape)->info(); }
 
 size_t CudnnSdpa::workspace_bytes(const SdpaShape& shape) const {
   const Plans& p = *plans_.at(shape);

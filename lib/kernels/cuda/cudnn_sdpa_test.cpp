@@ -1,8 +1,9 @@
 // Tests of cuDNN's fused attention (engine.attention_backend = cudnn | auto). Without a GPU: every
 // operation of the forward and backward graphs finalizes in cuDNN (which checks attributes, shapes
 // and dtypes), and cuDNN's device-less planning for an H100/H200 recognises both graphs as fused
-// attention and compiles its engines' kernels for them (only loading those needs a GPU). With one: the causal ops through cuDNN against the CPU backend in bf16, its saved
-// log-sum-exp against the reference, each pass paired with the builtin kernels' other pass (the
+// attention and compiles its engines' kernels for them (only loading those needs a GPU). With
+// one: the causal ops through cuDNN against the CPU backend in bf16, its saved log-sum-exp
+// against the reference, each pass paired with the builtin kernels' other pass (the
 // saved state is the same), and the errors of an explicit cudnn request it cannot honour. Without
 // cuDNN (the host emulator has none), that cudnn is an error naming it and auto runs the builtin
 // kernels.
