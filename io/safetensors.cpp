@@ -178,7 +178,7 @@ HostTensor SafetensorsFile::read(const std::string& name) const {
   const uint8_t* src = file_->data() + data_begin_ + e.begin;
   float* dst = t.data.data();
   if (e.dtype == "F32") {
-    std::memcpy(dst, src, size_t(n) * 4);
+    if (n > 0) std::memcpy(dst, src, size_t(n) * 4);  // an empty tensor's vector has no data pointer
   } else if (e.dtype == "BF16") {
     for (int64_t i = 0; i < n; ++i) {
       uint16_t h;
