@@ -23,6 +23,18 @@
 
 #include "cuda_runtime.h"
 
+// Under AddressSanitizer (docs/testing.md, `make test-sanitize`) every stack switch is announced to
+// it, so that it tracks which stack is current; without that, the redzones a fiber's frames leave
+// behind in its heap-allocated stack read as errors, and the fiber's own frames are checked against
+// the wrong stack bounds.
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define MPIGPT_EMU_ASAN 1
+#else
+#define MPIGPT_EMU_ASAN 0
+#endif
+
 uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
@@ -59,11 +71,23 @@ namespace {
 
 // A fiber's execution context: start(entry) makes it begin at entry() on the given stack, and
 // switch_to saves the current context in `from` and resumes `to`.
+// A context also records its stack's extent for AddressSanitizer: a fiber's from start, the
+// scheduler's (the calling thread's) from the first switch into a fiber.
+struct StackExtent {
+  const void* bottom = nullptr;
+  size_t size = 0;
+  void* fake_stack = nullptr;  // AddressSanitizer's save of the context's fake stack while it is away
+};
 #if defined(__x86_64__)
 struct Context {
   void* sp = nullptr;
+  StackExtent extent;
 };
 void start(Context& c, std::vector<char>& stack, void (*entry)()) {
+  c.extent = {stack.data(), stack.size(), nullptr};
+#if MPIGPT_EMU_ASAN
+  ASAN_UNPOISON_MEMORY_REGION(stack.data(), stack.size());  // redzones of the fiber's last run
+#endif
   auto top = reinterpret_cast<uintptr_t>(stack.data() + stack.size()) & ~uintptr_t(15);
   void** sp = reinterpret_cast<void**>(top);
   *--sp = nullptr;                          // entry's return address: it never returns
@@ -71,20 +95,38 @@ void start(Context& c, std::vector<char>& stack, void (*entry)()) {
   for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12-r15
   c.sp = sp;
 }
-void switch_to(Context& from, Context& to) { mpigpt_emu_switch(&from.sp, to.sp); }
+void raw_switch(Context& from, Context& to) { mpigpt_emu_switch(&from.sp, to.sp); }
 #else
 struct Context {
   ucontext_t uc;
+  StackExtent extent;
 };
 void start(Context& c, std::vector<char>& stack, void (*entry)()) {
+  c.extent = {stack.data(), stack.size(), nullptr};
+#if MPIGPT_EMU_ASAN
+  ASAN_UNPOISON_MEMORY_REGION(stack.data(), stack.size());
+#endif
   getcontext(&c.uc);
   c.uc.uc_stack.ss_sp = stack.data();
   c.uc.uc_stack.ss_size = stack.size();
   c.uc.uc_link = nullptr;
   makecontext(&c.uc, entry, 0);
 }
-void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+void raw_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
 #endif
+
+// Saves the current context in `from` and resumes `to`; `from_ends` when `from` is a fiber that
+// will never be resumed (its body returned).
+void switch_to(Context& from, Context& to, bool from_ends = false) {
+#if MPIGPT_EMU_ASAN
+  __sanitizer_start_switch_fiber(from_ends ? nullptr : &from.extent.fake_stack, to.extent.bottom, to.extent.size);
+#endif
+  raw_switch(from, to);
+#if MPIGPT_EMU_ASAN
+  __sanitizer_finish_switch_fiber(from.extent.fake_stack, nullptr, nullptr);
+#endif
+  (void)from_ends;
+}
 
 enum State { Runnable, AtBlockBar, AtWarpBar, Done };
 // PTX's commit groups, of asynchronous copies and of warpgroup products alike: the operations issued
@@ -154,6 +196,11 @@ size_t smem_size = 0;  // the launch's dynamic shared memory bytes
 int unfenced_copies = 0;  // fibers of the block whose copies_unfenced is set
 
 void trampoline() {
+#if MPIGPT_EMU_ASAN
+  // The first code on a fiber's stack: completes the switch from the scheduler and learns the
+  // scheduler's stack, where the fiber's barriers switch back to.
+  __sanitizer_finish_switch_fiber(nullptr, &sched.extent.bottom, &sched.extent.size);
+#endif
   (*body)();
   if (!fibers[cur].products.empty()) {
     fprintf(stderr, "cuda emulator: thread %d of block (%u,%u,%u) ended with warpgroup products (wgmma) that no "
@@ -161,7 +208,7 @@ void trampoline() {
     abort();
   }
   fibers[cur].state = Done;
-  switch_to(fibers[cur].ctx, sched);
+  switch_to(fibers[cur].ctx, sched, /*from_ends=*/true);
 }
 void yield(State s) {
   fibers[cur].state = s;
@@ -432,6 +479,9 @@ void launch(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, ::CUst
     return;
   }
   nthreads = int(n);
+  // Room for a whole block of 1024 threads at once, so that growing never copies the fibers and
+  // their stacks (a Fiber's move is not noexcept, so a reallocation would copy them).
+  if (fibers.capacity() < 1024) fibers.reserve(1024);
   if (fibers.size() < size_t(n)) fibers.resize(size_t(n));
   for (auto& f : fibers)
     if (f.stack.empty()) f.stack.resize(256 * 1024);
