@@ -142,7 +142,8 @@ add_dependencies(mpigpt_emulated_tests mpigpt_emulated_nccl)
 #    all-to-all, tp/sp/dp collectives, the distributed optimizer's overlapped buckets), 2 steps.
 if(DEFINED REGRESSION_DIR)  # tiny_hd64.ini: regression/regression.cmake
   set(emu_run ${MPIGPT_PYTHON3} ${PROJECT_SOURCE_DIR}/regression/run.py --binary $<TARGET_FILE:mpigpt_emulated>
-      --data ${REGRESSION_DIR}/data/fortunes --mpirun "${REGRESSION_MPIRUN}" --with-one-rank)
+      --data ${REGRESSION_DIR}/data/fortunes --mpirun "${REGRESSION_MPIRUN}" --with-one-rank
+      --timeout ${MPIGPT_RUN_TIMEOUT})
   add_test(NAME emulated/regression/loss_curves_cuda COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated --steps 3
            --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$" --families gpt2,llama,gpt2-moe,llama-moe
            --layout-args "${REGRESSION_CUDA_ARGS}")

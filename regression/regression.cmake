@@ -16,7 +16,7 @@ endif()
 
 set(REGRESSION_DIR ${PROJECT_BINARY_DIR}/regression)
 set(REGRESSION_RUN ${MPIGPT_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/run.py --binary $<TARGET_FILE:mpigpt>
-    --out ${REGRESSION_DIR} --data ${REGRESSION_DIR}/data/fortunes)
+    --out ${REGRESSION_DIR} --data ${REGRESSION_DIR}/data/fortunes --timeout ${MPIGPT_RUN_TIMEOUT})
 string(JOIN " " REGRESSION_MPIRUN ${MPIGPT_MPIRUN})
 
 # The regression model with one head of 64 channels (regression/tiny.ini has 4 heads of 16), so that

@@ -7,6 +7,21 @@
 
 #include "lib/core/error.h"
 
+// In a sanitizer build of the host emulator (MPIGPT_POISON_CACHED_BLOCKS: `make test-sanitize`,
+// where "device" memory is host memory) every byte of a segment that is not part of a live
+// allocation is poisoned for AddressSanitizer: the free blocks and the rounding tail of each live
+// one. A kernel that reads or writes past its tensor, into a neighbour's block or a cached one, is
+// then reported where it happens; on a GPU it would silently use another tensor's bytes. Not with
+// real device memory, whose addresses may lie where AddressSanitizer keeps no shadow.
+#if MPIGPT_POISON_CACHED_BLOCKS
+#include <sanitizer/asan_interface.h>
+#define MPIGPT_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define MPIGPT_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define MPIGPT_POISON(p, n) ((void)(p), (void)(n))
+#define MPIGPT_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
 namespace mpigpt {
 
 CachingAllocator::CachingAllocator(RawAlloc raw_alloc, RawFree raw_free)
@@ -18,6 +33,9 @@ CachingAllocator::~CachingAllocator() {
   for (Block* head : segments_) {
     // A destructor must not throw: a failing raw free (a dead CUDA context at exit) is ignored.
     try {
+      size_t seg_bytes = 0;  // the segment's blocks, live ones included, add up to it
+      for (const Block* b = head; b; b = b->next) seg_bytes += b->size;
+      MPIGPT_UNPOISON(head->ptr, seg_bytes);
       raw_free_(head->ptr);
     } catch (...) {
     }
@@ -73,6 +91,7 @@ CachingAllocator::Block* CachingAllocator::new_segment(size_t rounded, bool smal
     p = raw_alloc_or_null(rounded);
   }
   if (!p) return nullptr;
+  MPIGPT_POISON(p, got);
   Block* b = new Block;
   b->ptr = static_cast<char*>(p);
   b->size = got;
@@ -115,6 +134,7 @@ void* CachingAllocator::allocate(size_t bytes) {
     if (!b) return nullptr;
   }
   split(b, rounded);
+  MPIGPT_UNPOISON(b->ptr, bytes);
   b->allocated = true;
   live_.emplace(b->ptr, b);
   ++stats_.allocations;
@@ -132,6 +152,7 @@ void CachingAllocator::release(void* p) {
     fail("CachingAllocator::release: pointer {} was not handed out by this allocator or was already released", p);
   Block* b = it->second;
   live_.erase(it);
+  MPIGPT_POISON(b->ptr, b->size);
   b->allocated = false;
   --stats_.blocks_in_use;
   stats_.in_use -= b->size;
@@ -164,6 +185,7 @@ void CachingAllocator::empty_cache_locked() {
   for (Block* head : segments_)
     if (!head->allocated && !head->next) idle.push_back(head);
   for (Block* head : idle) {
+    MPIGPT_UNPOISON(head->ptr, head->size);
     raw_free_(head->ptr);  // first: if it throws, the bookkeeping still describes every segment
     pool(head->small).erase(head);
     segments_.erase(std::find(segments_.begin(), segments_.end(), head));

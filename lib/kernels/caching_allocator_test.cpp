@@ -17,6 +17,10 @@
 #include "lib/core/error.h"
 #include "lib/core/rng.h"
 
+#if MPIGPT_POISON_CACHED_BLOCKS
+#include <sanitizer/asan_interface.h>
+#endif
+
 using namespace mpigpt;
 
 namespace {
@@ -122,8 +126,8 @@ TEST_CASE("caching allocator: distinct aligned blocks, block sizes, statistics a
     check_consistent(a, raw, live - 34 * MiB - 1024, 3);
     CHECK(a.stats().peak_in_use == live);
     CHECK(raw.frees == 0);  // released blocks stay cached
-    // The memory is usable over its whole block size.
-    std::memset(m, 0xab, a.block_size(m));
+    // The requested bytes are usable (the rounding tail is not: a sanitizer build poisons it).
+    std::memset(m, 0xab, 3 * MiB + 7);
     a.release(z0);
     a.release(z1);
     a.release(m);
@@ -391,3 +395,27 @@ TEST_CASE("caching allocator: a random workload keeps blocks disjoint, contents 
   CHECK(raw.held == 0);
   CHECK(raw.live.empty());
 }
+
+#if MPIGPT_POISON_CACHED_BLOCKS
+TEST_CASE("caching allocator: a sanitizer build poisons all but the requested bytes of live blocks") {
+  RawHeap raw;
+  CachingAllocator a = raw.make();
+  char* p = static_cast<char*>(a.allocate(1000));
+  char* q = static_cast<char*>(a.allocate(3 * MiB + 7));
+  CHECK(__asan_region_is_poisoned(p, 1000) == nullptr);
+  CHECK(__asan_address_is_poisoned(p + 1000));  // the rounding tail of a 1024-byte block
+  CHECK(__asan_address_is_poisoned(p + 1024));  // the free rest of the small segment
+  CHECK(__asan_region_is_poisoned(q, 3 * MiB + 7) == nullptr);
+  CHECK(__asan_address_is_poisoned(q + 3 * MiB + 7));
+  a.release(p);
+  CHECK(__asan_address_is_poisoned(p));  // a cached block is poisoned until handed out again
+  char* p2 = static_cast<char*>(a.allocate(24));
+  CHECK(p2 == p);
+  CHECK(__asan_region_is_poisoned(p2, 24) == nullptr);
+  CHECK(__asan_address_is_poisoned(p2 + 24));
+  a.release(p2);
+  a.release(q);
+  a.empty_cache();  // the raw free gets unpoisoned segments (the raw heap frees them with free())
+  CHECK(raw.live.empty());
+}
+#endif
