@@ -31,15 +31,12 @@ endif()
 set(MPIGPT_MPIRUN ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe --bind-to none
     CACHE STRING "mpirun command line used by multi-rank tests")
 set(MPIGPT_TEST_ENV OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1)
+# MPIGPT_RUN_TIMEOUT: seconds before regression/run.py counts one training run as hung.
 if(MPIGPT_SANITIZE)
   # No leak check: Open MPI's plugins leave allocations at exit and are unloaded before the check
   # runs, so their reports name no module and cannot be told from ours or suppressed.
   list(APPEND MPIGPT_TEST_ENV ASAN_OPTIONS=detect_leaks=0:strict_string_checks=1 UBSAN_OPTIONS=print_stacktrace=1)
-endif()
-# Seconds before regression/run.py counts one training run as hung; instrumented code runs the
-# emulated bf16 curve several times slower.
-if(MPIGPT_SANITIZE)
-  set(MPIGPT_RUN_TIMEOUT 600)
+  set(MPIGPT_RUN_TIMEOUT 600)  # instrumented code runs the emulated bf16 curve several times slower
 else()
   set(MPIGPT_RUN_TIMEOUT 120)
 endif()

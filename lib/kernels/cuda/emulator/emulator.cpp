@@ -78,16 +78,21 @@ struct StackExtent {
   size_t size = 0;
   void* fake_stack = nullptr;  // AddressSanitizer's save of the context's fake stack while it is away
 };
+// A fiber's stack about to be used from its top again: recorded as the context's extent, and
+// cleared of the redzones its last run's frames left (AddressSanitizer).
+StackExtent fresh_stack(std::vector<char>& stack) {
+#if MPIGPT_EMU_ASAN
+  ASAN_UNPOISON_MEMORY_REGION(stack.data(), stack.size());
+#endif
+  return {stack.data(), stack.size(), nullptr};
+}
 #if defined(__x86_64__)
 struct Context {
   void* sp = nullptr;
   StackExtent extent;
 };
 void start(Context& c, std::vector<char>& stack, void (*entry)()) {
-  c.extent = {stack.data(), stack.size(), nullptr};
-#if MPIGPT_EMU_ASAN
-  ASAN_UNPOISON_MEMORY_REGION(stack.data(), stack.size());  // redzones of the fiber's last run
-#endif
+  c.extent = fresh_stack(stack);
   auto top = reinterpret_cast<uintptr_t>(stack.data() + stack.size()) & ~uintptr_t(15);
   void** sp = reinterpret_cast<void**>(top);
   *--sp = nullptr;                          // entry's return address: it never returns
@@ -102,10 +107,7 @@ struct Context {
   StackExtent extent;
 };
 void start(Context& c, std::vector<char>& stack, void (*entry)()) {
-  c.extent = {stack.data(), stack.size(), nullptr};
-#if MPIGPT_EMU_ASAN
-  ASAN_UNPOISON_MEMORY_REGION(stack.data(), stack.size());
-#endif
+  c.extent = fresh_stack(stack);
   getcontext(&c.uc);
   c.uc.uc_stack.ss_sp = stack.data();
   c.uc.uc_stack.ss_size = stack.size();
