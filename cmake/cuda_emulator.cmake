@@ -139,7 +139,8 @@ add_dependencies(mpigpt_emulated_tests mpigpt_emulated_nccl)
 #    optimizer, against the fp32 CPU curve within 2e-2 (4 steps);
 #  - emulated/regression/loss_curves_nccl: fp32 over engine.comm = nccl (the stand-in), one
 #    emulated device per rank, for the layouts that use every NCCL path (p2p pipelines and rings,
-#    all-to-all, tp/sp/dp collectives, the distributed optimizer's overlapped buckets), 2 steps.
+#    all-to-all, tp/sp/dp collectives, the distributed optimizer's overlapped buckets), 2 steps;
+#    loss_curves_nccl_split: some of them with the communicators split from the world's.
 if(DEFINED REGRESSION_DIR)  # tiny_hd64.ini: regression/regression.cmake
   set(emu_run ${MPIGPT_PYTHON3} ${PROJECT_SOURCE_DIR}/regression/run.py --binary $<TARGET_FILE:mpigpt_emulated>
       --data ${REGRESSION_DIR}/data/fortunes --mpirun "${REGRESSION_MPIRUN}" --with-one-rank
@@ -161,14 +162,20 @@ if(DEFINED REGRESSION_DIR)  # tiny_hd64.ini: regression/regression.cmake
            --layouts "^(dp2|tp2|pp2-vpp2|tp2-sp|cp2|cp2-allgather|tp2-pp2-dp2-distopt-overlap|dp4-distopt-buckets|moe-ep2|moe-cp2-tp2-sp-distopt)$"
            --families gpt2,llama,gpt2-moe,llama-moe
            --layout-args "--engine.backend cuda --engine.comm nccl")
+  # The same over communicators split from the world's (engine.nccl_init = split) for the layouts
+  # that make every kind of group and link: 8 ranks of tp, pp and dp; interleaved pipelines and
+  # the context-parallel ring (point-to-point links); expert parallelism (expert groups).
+  add_test(NAME emulated/regression/loss_curves_nccl_split COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_nccl_split
+           --steps 2 --layouts "^(pp2-vpp2|cp2|tp2-pp2-dp2-distopt-overlap|moe-ep2|moe-cp2-tp2-sp-distopt)$"
+           --families gpt2,gpt2-moe --layout-args "--engine.backend cuda --engine.comm nccl --engine.nccl_init split")
   set_tests_properties(emulated/regression/loss_curves_cuda emulated/regression/loss_curve_cuda_bf16
                        emulated/regression/loss_curve_cuda_bf16_wgmma emulated/regression/loss_curves_cuda_bf16_moe
-                       emulated/regression/loss_curves_nccl PROPERTIES
+                       emulated/regression/loss_curves_nccl emulated/regression/loss_curves_nccl_split PROPERTIES
     FIXTURES_REQUIRED regression_data LABELS "emulated;regression" TIMEOUT 900 PROCESSORS 2
     ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
   # NCCL wants a device per rank: eight emulated ones, and the stand-in library first on the path.
-  set_property(TEST emulated/regression/loss_curves_nccl APPEND PROPERTY ENVIRONMENT
-               "LD_LIBRARY_PATH=${EMU_GEN}/nccl" "MPIGPT_EMULATED_DEVICES=8")
+  set_property(TEST emulated/regression/loss_curves_nccl emulated/regression/loss_curves_nccl_split APPEND
+               PROPERTY ENVIRONMENT "LD_LIBRARY_PATH=${EMU_GEN}/nccl" "MPIGPT_EMULATED_DEVICES=8")
 endif()
 
 # `mpigpt bench-attention` on the emulated CUDA backend, bf16 with head dim 64: the builtin

@@ -86,6 +86,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(engine, gemm_autotune, "cuda: time cuBLASLt's candidate algorithms per GEMM shape, keep the fastest"),
       MPIGPT_OPTION(engine, attention_backend, "cuda causal attention: builtin (own kernels) | wgmma (own, Hopper) | cudnn (fused SDPA) | auto (fastest)"),
       MPIGPT_OPTION(engine, comm, "communication of device tensors: auto (nccl for cuda) | nccl | mpi (staged through host)", {"distributed_backend"}),
+      MPIGPT_OPTION(engine, nccl_init, "cuda + nccl: how each group's NCCL communicator is made: init_rank (its own bootstrap) | split (ncclCommSplit of the world's)"),
       MPIGPT_OPTION(engine, comm_timeout, "seconds a rank may wait for its peers (a collective, a message) before the job is stopped (0: forever)", {"distributed_timeout_minutes"}),
       MPIGPT_OPTION(engine, distributed_optimizer, "shard fp32 master weights and Adam moments over dp (ZeRO-1)", {"use_distributed_optimizer"}),
       MPIGPT_OPTION(engine, overlap_grad_reduce, "start each bucket's gradient reduction during backward"),

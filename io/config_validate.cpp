@@ -59,6 +59,7 @@ void check_ranges(const Config& c) {
   one_of("training.precision", t.precision, {"fp32", "bf16"});
   one_of("engine.backend", e.backend, {"cpu", "cuda"});
   one_of("engine.comm", e.comm, {"auto", "nccl", "mpi"});
+  one_of("engine.nccl_init", e.nccl_init, {"init_rank", "split"});
   one_of("engine.attention_backend", e.attention_backend, {"builtin", "wgmma", "cudnn", "auto"});
   one_of("parallel.cp_comm_type", p.cp_comm_type, {"p2p", "all_gather"});
   one_of("data.tokenizer", c.data.tokenizer, {"byte", "gpt2"});

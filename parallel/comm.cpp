@@ -385,12 +385,48 @@ void Comm::use_nccl(void* compute_stream, bool p2p_links) const {
                   "that rank's NCCL or GPU, or set engine.comm = mpi");
     const std::string shared = shared_gpu_error(comm_, size_, bus);
     if (!shared.empty()) throw Error(shared);  // every rank found the same pair
-    // One communicator per group, each with its own ncclCommInitRank. Splitting one world
-    // communicator (ncclCommSplit) may start faster at scale; which wins needs a multi-GPU node
-    // to measure.
+    // One communicator per group, each with its own ncclCommInitRank (engine.nccl_init =
+    // init_rank; use_nccl_split below splits them from the world's instead).
     d.group = nccl_comm(comm_, rank_, size_);
   }
-  if (p2p_links && d.to.empty() && d.from.empty()) nccl_links(d, comm_, rank_, size_);
+  if (p2p_links && d.to.empty() && d.from.empty()) nccl_links(d, comm_, rank_, size_, false);
+}
+
+void Comm::use_nccl_split(void* compute_stream, bool p2p_links, const Comm& parent) const {
+  if (parent.size_ == 0) return;  // not in the call at all
+  MPIGPT_CHECK(parent.device_->group, "use_nccl_split: the parent group {} has no NCCL communicator yet (use_nccl)",
+               parent.label().str());
+  DeviceComm& d = device();
+  d.compute_stream = compute_stream;
+  const std::string op = size_ > 0 ? "ncclCommSplit of NCCL's communicator into the groups " + label().name
+                                   : std::string("ncclCommSplit of NCCL's communicator into groups without this rank");
+  {
+    const auto w = watch(parent.call(op.c_str(), 0, nullptr));
+    // Each group's colour is the parent rank of its first member (unique: groups of one kind are
+    // disjoint); ranked as in the group. Every parent member takes part, once: a second call only
+    // rebinds the stream, on every rank alike.
+    if (!d.split_done) {
+      int colour = -1;
+      if (size_ > 0) {
+        MPI_Group mine = MPI_GROUP_NULL, theirs = MPI_GROUP_NULL;
+        MPIGPT_MPI(MPI_Comm_group(comm_, &mine));
+        MPIGPT_MPI(MPI_Comm_group(parent.comm_, &theirs));
+        const int first = 0;
+        MPIGPT_MPI(MPI_Group_translate_ranks(mine, 1, &first, theirs, &colour));
+        MPI_Group_free(&mine);
+        MPI_Group_free(&theirs);
+        MPIGPT_CHECK(colour >= 0, "use_nccl_split: group {} is not within the parent group {}", label().str(),
+                     parent.label().str());
+      }
+      d.group = nccl_split(*parent.device_->group, colour, rank_);
+      d.split_done = true;
+    }
+  }
+  if (size_ > 0 && p2p_links && d.to.empty() && d.from.empty()) {
+    const auto w = watch(call("ncclCommSplit of the group's NCCL communicator into its point-to-point links", 0,
+                              nullptr));
+    nccl_links(d, comm_, rank_, size_, true);
+  }
 }
 
 // Host tensors take MPI; device tensors NCCL once use_nccl() ran, else the staged path. All

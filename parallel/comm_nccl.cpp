@@ -185,6 +185,8 @@ class NcclComm {
   void join(int nranks, const ncclUniqueId& id, int rank) {
     MPIGPT_NCCL(nccl().CommInitRank(&comm_, nranks, id, rank));
   }
+  // The colour's (>= 0) communicator split from parent (nccl_split).
+  void split_from(const NcclComm& parent, int colour, int key);
   ncclComm_t comm() const { return comm_; }
   cudaStream_t stream() const { return stream_; }
 
@@ -209,6 +211,41 @@ class NcclComm {
   cudaEvent_t ready_ = nullptr;  // re-recorded by every begin(); the stream captures it at once
 };
 
+namespace {
+
+// ncclCommSplit of parent: the colour's communicator, or nullptr for a negative colour.
+ncclComm_t split_comm(ncclComm_t parent, int colour, int key) {
+#ifdef NCCL_SPLIT_NOCOLOR
+  const NcclApi& a = nccl();
+  if (a.CommSplit) {
+    ncclComm_t child = nullptr;
+    MPIGPT_NCCL(a.CommSplit(parent, colour < 0 ? NCCL_SPLIT_NOCOLOR : colour, key, &child, nullptr));
+    return child;
+  }
+#endif
+  (void)parent, (void)colour, (void)key;
+  int version = 0;
+  (void)nccl().GetVersion(&version);
+  fail("engine.nccl_init = split needs ncclCommSplit (NCCL 2.18 and newer), which this NCCL (version code {}) or the "
+       "nccl.h this mpigpt was built with lacks; install a newer NCCL or set engine.nccl_init = init_rank", version);
+}
+
+}  // namespace
+
+void NcclComm::split_from(const NcclComm& parent, int colour, int key) {
+  comm_ = split_comm(parent.comm(), colour, key);
+}
+
+std::shared_ptr<NcclComm> nccl_split(const NcclComm& parent, int colour, int key) {
+  if (colour < 0) {  // a part in the collective call, no communicator (nor a stream for one)
+    split_comm(parent.comm(), colour, key);
+    return nullptr;
+  }
+  auto c = std::make_shared<NcclComm>();
+  c->split_from(parent, colour, key);
+  return c;
+}
+
 std::shared_ptr<NcclComm> nccl_comm(MPI_Comm group, int rank, int size) {
   ncclUniqueId id{};
   if (rank == 0) MPIGPT_NCCL(nccl().GetUniqueId(&id));
@@ -218,13 +255,19 @@ std::shared_ptr<NcclComm> nccl_comm(MPI_Comm group, int rank, int size) {
   return c;
 }
 
-void nccl_links(DeviceComm& dc, MPI_Comm group, int rank, int size) {
+void nccl_links(DeviceComm& dc, MPI_Comm group, int rank, int size, bool split) {
   constexpr int kTag = 0x4e43;  // the id's message: no user message is in flight during set-up
   dc.to.clear();
   dc.from.clear();
+  MPIGPT_CHECK(!split || dc.group, "nccl_links: splitting links needs the group's NCCL communicator");
   for (const auto& [sender, receiver] : ring_links(size)) {
-    if (sender != rank && receiver != rank) continue;
-    const bool sends = sender == rank;
+    const bool member = sender == rank || receiver == rank, sends = sender == rank;
+    if (split) {  // the sender is the link's rank 0
+      std::shared_ptr<NcclComm> link = nccl_split(*dc.group, member ? 0 : -1, sends ? 0 : 1);
+      if (member) (sends ? dc.to : dc.from).emplace_back(sends ? receiver : sender, std::move(link));
+      continue;
+    }
+    if (!member) continue;
     ncclUniqueId id{};
     if (sends) {
       MPIGPT_NCCL(nccl().GetUniqueId(&id));
@@ -334,7 +377,8 @@ namespace {
 }  // namespace
 
 std::shared_ptr<NcclComm> nccl_comm(MPI_Comm, int, int) { no_nccl(); }
-void nccl_links(DeviceComm&, MPI_Comm, int, int) { no_nccl(); }
+std::shared_ptr<NcclComm> nccl_split(const NcclComm&, int, int) { no_nccl(); }
+void nccl_links(DeviceComm&, MPI_Comm, int, int, bool) { no_nccl(); }
 Request nccl_allreduce(const DeviceComm&, Tensor, ReduceOp) { no_nccl(); }
 Request nccl_reduce_scatter(const DeviceComm&, Tensor, Tensor) { no_nccl(); }
 Request nccl_all_gather(const DeviceComm&, Tensor, Tensor) { no_nccl(); }

@@ -28,6 +28,7 @@ struct DeviceComm {
   // from[i] = (peer, the link this rank receives from it on).
   std::vector<std::pair<int, std::shared_ptr<NcclComm>>> to, from;
   std::shared_ptr<PinnedPool> pinned;  // made on first use
+  bool split_done = false;  // Comm::use_nccl_split took part in its ncclCommSplit (member or not)
 };
 
 enum class ReduceOp { Sum, Max };
@@ -37,13 +38,20 @@ enum class ReduceOp { Sum, Max };
 // CUDA device; collective over the group: rank 0 makes the unique id, MPI_Bcast hands it on,
 // ncclCommInitRank joins.
 std::shared_ptr<NcclComm> nccl_comm(MPI_Comm group, int rank, int size);
+// A communicator split from `parent` (ncclCommSplit, NCCL 2.18 and newer): collective over the
+// parent's members, those that pass the same colour (>= 0) forming one, ranked by key; a member
+// that passes a negative colour takes part and gets none (nullptr). No unique id is handed
+// round: the members meet through the parent's bootstrap.
+std::shared_ptr<NcclComm> nccl_split(const NcclComm& parent, int colour, int key);
 // The directed links (sender, receiver) between ring neighbours of a group of `size` ranks, each
 // once, in the one order every rank creates its own. Creation blocks until both ends join, and
 // following one global order cannot deadlock: the first link not yet made has both its ranks
 // waiting at it.
 std::vector<std::pair<int, int>> ring_links(int size);
-// Makes this rank's links of the group (collective over it) into dc.to and dc.from.
-void nccl_links(DeviceComm& dc, MPI_Comm group, int rank, int size);
+// Makes this rank's links of the group (collective over it) into dc.to and dc.from: each with its
+// own ncclCommInitRank (the sender's unique id sent over `group`), or, with split, each split from
+// the group's communicator dc.group (every member takes part in every link's split).
+void nccl_links(DeviceComm& dc, MPI_Comm group, int rank, int size, bool split);
 
 // Queued on the communicator's stream after the compute work queued so far; the Request's
 // wait() makes the compute stream wait for the result. Counts are the tensors' (checked by Comm).

@@ -85,10 +85,13 @@ void Mesh::enable_device_comm(CommBackend backend, void* compute_stream) const {
   const Comm* all[] = {&world_, &tp_,    &cp_,  &dp_, &dp_cp_, &pp_, &mp_,
                        &tp_dp_cp_, &tp_cp_, &embd_, &etp_, &ep_, &edp_, &etp_ep_};
   for (const Comm* c : all) {
+    const bool p2p = c == &pp_ || c == &cp_;  // the groups that send point to point
     if (backend == CommBackend::Mpi)
       c->use_staging(compute_stream);
+    else if (backend == CommBackend::Nccl || c == &world_)
+      c->use_nccl(compute_stream, p2p);
     else
-      c->use_nccl(compute_stream, c == &pp_ || c == &cp_);  // the groups that send point to point
+      c->use_nccl_split(compute_stream, p2p, world_);
   }
 }
 

@@ -17,8 +17,10 @@ struct Coords {
   int etp = 0, edp = 0;                        // expert grid (its ep coordinate is `ep`)
 };
 
-// How device (CUDA) tensors cross ranks: engine.comm = nccl or mpi (staged through the host).
-enum class CommBackend { Mpi, Nccl };
+// How device (CUDA) tensors cross ranks: engine.comm = nccl or mpi (staged through the host); with
+// NCCL, engine.nccl_init says how each group's communicator is made: its own ncclCommInitRank
+// (Nccl) or ncclCommSplit of the world's (NcclSplit).
+enum class CommBackend { Mpi, Nccl, NcclSplit };
 
 class Mesh {
  public:
@@ -64,8 +66,10 @@ class Mesh {
   // `compute_stream` (the CUDA ops' Ops::stream()); call it once the CUDA ops exist (their
   // device is current). Nccl bootstraps one NCCL communicator per group, in one fixed order on
   // every rank (collective over the world), plus point-to-point links in the pipeline and
-  // context-parallel groups; Mpi stages through pinned host memory. Calling again rebinds the
-  // stream. const for the reason Comm::use_nccl is (the trainer receives the mesh const).
+  // context-parallel groups; NcclSplit bootstraps the world's alone and splits every other group's
+  // (and the links) from it, in the same order; Mpi stages through pinned host memory. Calling
+  // again rebinds the stream. const for the reason Comm::use_nccl is (the trainer receives the
+  // mesh const).
   void enable_device_comm(CommBackend backend, void* compute_stream) const;
 
  private:

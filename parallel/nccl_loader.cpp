@@ -55,6 +55,9 @@ Loaded load() {
   lib.bind("ncclBroadcast", a.Broadcast);
   lib.bind("ncclSend", a.Send);
   lib.bind("ncclRecv", a.Recv);
+#ifdef NCCL_SPLIT_NOCOLOR
+  lib.bind_optional("ncclCommSplit", a.CommSplit);
+#endif
   l.error = lib.error();
   if (!l.error.empty()) return l;
   int version = 0;

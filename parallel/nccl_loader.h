@@ -34,6 +34,10 @@ struct NcclApi {
   decltype(&::ncclBroadcast) Broadcast;
   decltype(&::ncclSend) Send;
   decltype(&::ncclRecv) Recv;
+#ifdef NCCL_SPLIT_NOCOLOR
+  // NCCL 2.18 and newer; nullptr in an older library (engine.nccl_init = split then fails, naming it).
+  decltype(&::ncclCommSplit) CommSplit;
+#endif
 };
 
 // The loaded table; throws mpigpt::Error with nccl_load_error()'s text when it cannot be loaded.

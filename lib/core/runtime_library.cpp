@@ -19,10 +19,10 @@ RuntimeLibrary::RuntimeLibrary(const RuntimeLibrarySpec& spec) : spec_(spec) {
                        spec.install);
 }
 
-void* RuntimeLibrary::symbol(const char* name) {
+void* RuntimeLibrary::symbol(const char* name, bool required) {
   if (!handle_) return nullptr;
   void* p = dlsym(handle_, name);
-  if (!p && error_.empty())
+  if (!p && required && error_.empty())
     error_ = fmt::format("{}{} lacks the function {} {}", spec_.context, spec_.soname, name, spec_.missing);
   return p;
 }

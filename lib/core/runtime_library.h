@@ -29,11 +29,17 @@ class RuntimeLibrary {
   // first missing one sets error()).
   template <class F>
   void bind(const char* name, F& slot) {
-    slot = reinterpret_cast<F>(symbol(name));
+    slot = reinterpret_cast<F>(symbol(name, true));
+  }
+  // The same for a function that older versions lack: nullptr then, and error() stays as it was
+  // (the feature that needs it says so).
+  template <class F>
+  void bind_optional(const char* name, F& slot) {
+    slot = reinterpret_cast<F>(symbol(name, false));
   }
 
  private:
-  void* symbol(const char* name);
+  void* symbol(const char* name, bool required);
 
   RuntimeLibrarySpec spec_;
   void* handle_ = nullptr;

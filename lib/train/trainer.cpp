@@ -132,7 +132,16 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
     const int dev = choose_device(node.local_rank, node.local_size, visible_cuda_devices(),
                                   cfg.engine.allow_device_sharing, node.host);
     backend = make_cuda_ops(dev, CudaOptions{cfg.engine.gemm_autotune, cfg.engine.attention_backend});
-    mesh.enable_device_comm(cfg.engine.comm == "mpi" ? CommBackend::Mpi : CommBackend::Nccl, backend->stream());
+    const CommBackend comm = cfg.engine.comm == "mpi"              ? CommBackend::Mpi
+                             : cfg.engine.nccl_init == "split" ? CommBackend::NcclSplit
+                                                               : CommBackend::Nccl;
+    const auto t0 = std::chrono::steady_clock::now();
+    mesh.enable_device_comm(comm, backend->stream());
+    if (comm != CommBackend::Mpi && mesh.rank() == 0 && !opts.quiet)
+      log_line("comm: NCCL communicators of every group made in {:.3f} s ({})",
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+               comm == CommBackend::NcclSplit ? "engine.nccl_init = split: ncclCommSplit of the world's"
+                                              : "engine.nccl_init = init_rank: one ncclCommInitRank per group");
   } else if (cfg.engine.backend == "cpu") {
     if (tc.precision != "fp32")
       fail("training.precision = '{}' needs the CUDA backend; use training.precision = fp32 on the CPU", tc.precision);

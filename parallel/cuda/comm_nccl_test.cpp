@@ -89,6 +89,32 @@ TEST_CASE("NCCL, one rank: Comm's calls that reach NCCL, ordered against the com
   CHECK(c.uses_nccl());
 }
 
+TEST_CASE("NCCL, one rank: a group's communicator split from its parent's (engine.nccl_init = split)") {
+  std::unique_ptr<Ops> ops = ops_with_nccl();
+  Comm world(MPI_COMM_SELF), group(MPI_COMM_SELF), outside(MPI_COMM_NULL);
+  CHECK_THROWS_WITH_AS(group.use_nccl_split(ops->stream(), false, world),
+                       doctest::Contains("has no NCCL communicator yet (use_nccl)"), Error);
+  world.use_nccl(ops->stream(), false);
+  outside.use_nccl_split(ops->stream(), false, world);  // takes its part in the split, gets nothing
+  CHECK_FALSE(outside.uses_nccl());
+  group.use_nccl_split(ops->stream(), true, world);
+  REQUIRE(group.uses_nccl());
+  group.use_nccl_split(ops->stream(), true, world);  // again: rebinds the stream, splits nothing
+  const int64_t n = int64_t(kValues.size());
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const std::string dtype = dtype_name(dt);
+    CAPTURE(dtype);
+    DeviceTensor inp = to_device(*ops, kValues, {n}, dt), mid = zeros(*ops, {n}, dt), out = zeros(*ops, {n}, dt);
+    ops->scale(inp.t, 2.0f);
+    group.reduce_scatter_sum(mid.t, inp.t);
+    ops->scale(mid.t, 3.0f);
+    group.all_gather(out.t, mid.t);
+    ops->scale(out.t, 0.5f);
+    CHECK(to_host(*ops, out.t) == times(kValues, 3.0f));
+  }
+  CHECK(group.stats().calls == 4);
+}
+
 TEST_CASE("NCCL, one rank: every collective of comm_nccl.h, in place and out of place, f32 bf16 i32") {
   std::unique_ptr<Ops> ops = ops_with_nccl();
   DeviceComm dc;

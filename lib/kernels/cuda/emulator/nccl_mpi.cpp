@@ -9,7 +9,8 @@
 // A communicator is an MPI communicator of its members: ncclGetUniqueId names the calling world
 // rank and a counter; in ncclCommInitRank every member sends its NCCL rank and world rank to that
 // rank, which answers with the member list, and MPI_Comm_create_group (collective over the members
-// only) makes the communicator, ranked as NCCL ranks them.
+// only) makes the communicator, ranked as NCCL ranks them. ncclCommSplit is MPI_Comm_split of the
+// parent's.
 #include <mpi.h>
 
 #include <cstdint>
@@ -255,6 +256,23 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   complete(nullptr, ~0ull);
   MPI_Comm_free(&comm->mpi);
   delete comm;
+  return ncclSuccess;
+}
+
+// Collective over the parent's members, as MPI_Comm_split of its MPI communicator: the same colour
+// makes one communicator, ranked by key (ties by parent rank, NCCL's order too); NOCOLOR, none.
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t*) {
+  if (!comm || !newcomm || color < NCCL_SPLIT_NOCOLOR) return ncclInvalidArgument;
+  MPI_Comm mpi = MPI_COMM_NULL;
+  if (MPI_Comm_split(comm->mpi, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key, &mpi) != MPI_SUCCESS)
+    return ncclSystemError;
+  *newcomm = nullptr;
+  if (mpi == MPI_COMM_NULL) return ncclSuccess;
+  auto* nc = new ncclComm;
+  nc->mpi = mpi;
+  MPI_Comm_rank(mpi, &nc->rank);
+  MPI_Comm_size(mpi, &nc->nranks);
+  *newcomm = nc;
   return ncclSuccess;
 }
 

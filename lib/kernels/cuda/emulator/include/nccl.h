@@ -7,7 +7,9 @@
 #include "cuda_runtime.h"
 
 #define NCCL_UNIQUE_ID_BYTES 128
+#define NCCL_SPLIT_NOCOLOR -1
 typedef struct ncclComm* ncclComm_t;
+typedef struct ncclConfig_v22800 ncclConfig_t;  // only ever passed as nullptr (the parent's configuration)
 typedef struct {
   char internal[NCCL_UNIQUE_ID_BYTES];
 } ncclUniqueId;
@@ -39,6 +41,7 @@ extern "C" {
 ncclResult_t ncclGetVersion(int* version);
 ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank);
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
 const char* ncclGetErrorString(ncclResult_t result);
