@@ -402,20 +402,16 @@ void Comm::use_nccl_split(void* compute_stream, bool p2p_links, const Comm& pare
                                    : std::string("ncclCommSplit of NCCL's communicator into groups without this rank");
   {
     const auto w = watch(parent.call(op.c_str(), 0, nullptr));
-    // Each group's colour is the parent rank of its first member (unique: groups of one kind are
+    // Each group's colour is the world rank of its first member (unique: groups of one kind are
     // disjoint); ranked as in the group. Every parent member takes part, once: a second call only
     // rebinds the stream, on every rank alike.
     if (!d.split_done) {
       int colour = -1;
       if (size_ > 0) {
-        MPI_Group mine = MPI_GROUP_NULL, theirs = MPI_GROUP_NULL;
-        MPIGPT_MPI(MPI_Comm_group(comm_, &mine));
-        MPIGPT_MPI(MPI_Comm_group(parent.comm_, &theirs));
-        const int first = 0;
-        MPIGPT_MPI(MPI_Group_translate_ranks(mine, 1, &first, theirs, &colour));
-        MPI_Group_free(&mine);
-        MPI_Group_free(&theirs);
-        MPIGPT_CHECK(colour >= 0, "use_nccl_split: group {} is not within the parent group {}", label().str(),
+        colour = label().world_ranks[0];
+        const std::vector<int>& in_parent = parent.label().world_ranks;
+        MPIGPT_CHECK(std::find(in_parent.begin(), in_parent.end(), colour) != in_parent.end(),
+                     "use_nccl_split: group {} is not within the parent group {}", label().str(),
                      parent.label().str());
       }
       d.group = nccl_split(*parent.device_->group, colour, rank_);
