@@ -12,8 +12,9 @@
 #                 fortunes: the node has no fortune files to prepare it from)
 #   MODELS=...    attention: the inputs/*_gpu.ini models (default gpt2_124m gpt2_1p3b llama_1b)
 #   ROUNDS=N      attention: rounds of the alternated variants (default 1)
-#   KERNELS=...   attention: the settings timed alone (default "auto auto_wg2"; or builtin, wgmma, cudnn)
-#   TRAIN=...     attention: the settings of the training steps (default "builtin auto")
+#   KERNELS=...   attention: the settings timed alone (default "builtin cudnn wgmma wgmma_wg2 auto"; a
+#                 name ending in _wg2 runs the warpgroup backward's two-buffer variant at head dim 64)
+#   TRAIN=...     attention: the settings of the training steps (default "builtin cudnn wgmma auto")
 #   STEP_TIMEOUT=S  seconds each command may run before it is killed and reported failed (exit 124):
 #                 a kernel that hangs costs one step, not the session (default none; attention 150)
 set -uo pipefail
@@ -68,16 +69,16 @@ for part in "${parts[@]}"; do
       saved_timeout=${STEP_TIMEOUT-}
       STEP_TIMEOUT=${STEP_TIMEOUT:-150}
       # The attention variants alone (`mpigpt bench-attention`: the kernels at the model's shape)
-      # and in a training step. auto runs every candidate on its first call's data, checks each
-      # against the builtin kernels and logs their times and its choice, so one auto run measures
-      # the builtin kernels (mma.sync), the warpgroup kernels (wgmma, sm_90a) and cuDNN's fused
-      # attention side by side; `auto_wg2` does it again with the warpgroup backward's two-buffer
-      # variant at head dim 64. KERNELS and TRAIN name the settings run (default "auto auto_wg2"
-      # and "builtin auto"; e.g. TRAIN="builtin auto wgmma cudnn" adds each named one). Micro-batch
-      # 64 (Llama 1B: 32), no recompute; each run's summary lines are in its log.
+      # and in a training step, each setting in a process of its own: a kernel that faults takes
+      # the CUDA context with it, so one that does costs its own figures, not the others'. auto
+      # runs every candidate on its first call's data, checks each against the builtin kernels and
+      # logs their times and its choice, so its log has builtin (mma.sync), wgmma (sm_90a) and
+      # cuDNN's fused attention side by side as well. KERNELS and TRAIN name the settings run
+      # (defaults above). Micro-batch 64 (Llama 1B: 32), no recompute; each run's summary lines
+      # are in its log.
       setting() {  # name: the environment and option of an attention setting
         case $1 in
-          auto_wg2) echo "MPIGPT_ATTENTION_WG_TWO_BUFFERS=1 --engine.attention_backend auto" ;;
+          *_wg2) echo "MPIGPT_ATTENTION_WG_TWO_BUFFERS=1 --engine.attention_backend ${1%_wg2}" ;;
           *) echo "MPIGPT_ATTENTION_WG_TWO_BUFFERS= --engine.attention_backend $1" ;;
         esac
       }
@@ -86,18 +87,25 @@ for part in "${parts[@]}"; do
         [ "$model" = llama_1b ] && mb=32
         kargs=(mpigpt bench-attention --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
                --bench-steps 20 --bench-warmup 5)
-        for name in ${KERNELS:-auto auto_wg2}; do
+        for name in ${KERNELS:-builtin cudnn wgmma wgmma_wg2 auto}; do
           read -r env_var opt value <<<"$(setting "$name")"
           step "kernels_${model}_$name" env "$env_var" "$B/run" "${kargs[@]}" "$opt" "$value"
         done
         args=(mpigpt bench --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
               --training.global_batch $mb --engine.recompute none --bench-steps 10 --bench-warmup 3)
         for ((round = 1; round <= ${ROUNDS:-1}; ++round)); do
-          for name in ${TRAIN:-builtin auto}; do
+          for name in ${TRAIN:-builtin cudnn wgmma auto}; do
             read -r env_var opt value <<<"$(setting "$name")"
             step "attention_${model}_${name}_$round" env "$env_var" "$B/run" "${args[@]}" "$opt" "$value"
           done
         done
+      done
+      # The lines that matter, last, so that they are at the end of the output: each kernel run's
+      # times and each training run's MFU, with auto's choices.
+      for log in "$OUT"/kernels_*.log "$OUT"/attention_*.log; do
+        [ -e "$log" ] || continue
+        echo "== $(basename "$log" .log)"
+        grep -E "bench-attention: (forward|attention)|bench: (achieved|.*attention)|rror" "$log" | cut -c1-300 | head -12
       done
       STEP_TIMEOUT=$saved_timeout ;;
     *) echo "gpu_check: unknown part $part (unit, regression, bench, attention)" >&2; exit 2 ;;
