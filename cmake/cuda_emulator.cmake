@@ -206,3 +206,38 @@ add_test(NAME emulated/bench_attention_auto_training COMMAND $<TARGET_FILE:mpigp
 set_tests_properties(emulated/bench_attention_auto_training PROPERTIES LABELS emulated
   ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1"
   PASS_REGULAR_EXPRESSION "bench: attention auto, forward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) .*bench: attention auto, backward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) .*bench: achieved")
+
+# Which GPU runs what, and a GPU too small, on emulated devices (emulator.cpp: MPIGPT_EMULATED_CC,
+# MPIGPT_EMULATED_MEMORY_MIB). The emulated program carries code for sm_90, as a build for CMake's
+# architecture 90 does, and the warpgroup attention as sm_90a machine code only. On two ranks:
+#  - an sm_80 GPU cannot load that code: every rank stops, naming its GPU, what the binary carries
+#    and the CMake setting to rebuild with;
+#  - a 64 MiB GPU: every rank stops at the first allocation that does not fit, naming the bytes
+#    asked for and free and the settings that need less.
+# And on one sm_100 GPU, where the sm_90 code runs (from its PTX) and the sm_90a code does not: an
+# explicit engine.attention_backend = wgmma is an error naming the GPU, auto runs the builtin kernels
+# (the only candidate: no times to compare on its line).
+set(emu_tiny_cuda --model.num_layers 2 --model.hidden 32 --model.num_heads 2 --model.seq_len 32
+    --training.micro_batch 2 --training.global_batch 4 --engine.backend cuda --engine.comm mpi --bench-steps 1
+    --bench-warmup 0)
+string(JOIN " " emu_tiny_cuda ${emu_tiny_cuda})
+string(JOIN " " emu_mpirun ${MPIGPT_MPIRUN})
+set(emu_bin $<TARGET_FILE:mpigpt_emulated>)
+set(emu_expect ${PROJECT_SOURCE_DIR}/cmake/expect.sh)
+add_test(NAME emulated/cli/cuda_arch_np2 COMMAND ${emu_expect} fail
+         "GPU [01] \\(GPU of compute capability 8\\.0 \\(emulated\\)\\) is sm_80, but this mpigpt was built with CUDA code for sm_90 only; reconfigure with -DCMAKE_CUDA_ARCHITECTURES=80"
+         -- "MPIGPT_EMULATED_CC=8.0 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
+add_test(NAME emulated/cli/cuda_out_of_memory_np2 COMMAND ${emu_expect} fail
+         "out of GPU memory on device [01]: requested [0-9]+ bytes .*, but only [0-9]+ bytes .* of 64\\.0 MiB are free.*Lower training\\.micro_batch, or set engine\\.recompute"
+         -- "MPIGPT_EMULATED_MEMORY_MIB=64 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
+string(JOIN " " emu_bench_attention_str ${emu_bench_attention})
+add_test(NAME emulated/cli/wgmma_on_sm100 COMMAND ${emu_expect} fail
+         "engine\\.attention_backend = wgmma needs a GPU that runs sm_90a code \\(H100/H200 class\\), but device 0 is a GPU of compute capability 10\\.0 \\(emulated\\) \\(sm_100\\)"
+         -- "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend wgmma")
+add_test(NAME emulated/cli/attention_auto_on_sm100 COMMAND ${emu_expect} ok
+         "attention auto, backward B 2 T 96 heads 2/2 head dim 64: builtin$"
+         -- "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend auto")
+set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_out_of_memory_np2 emulated/cli/wgmma_on_sm100
+                     emulated/cli/attention_auto_on_sm100 PROPERTIES LABELS emulated TIMEOUT 120
+  ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1;MPIGPT_EMULATED_DEVICES=2")
+set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_out_of_memory_np2 PROPERTIES PROCESSORS 2)

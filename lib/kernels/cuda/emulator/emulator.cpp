@@ -457,8 +457,14 @@ std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAtt
 }  // namespace
 void set_max_dynamic_smem(const void* kernel, int bytes) { max_dynamic_smem[kernel] = bytes; }
 
+void launch_sm90a(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st* stream,
+                  std::function<void()> fn) {
+  if (image_error(true) != cudaSuccess) return;  // as a GPU other than sm_90 fails it
+  launch(kernel, grid, block, smem_bytes, stream, std::move(fn));
+}
 void launch(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st* stream,
             std::function<void()> fn) {
+  if (image_error(false) != cudaSuccess) return;  // no code this GPU can load
   begin_work(stream);  // the kernel may read what the stream's earlier operations deliver
   constexpr size_t kDefaultSmem = 48 * 1024;
   if (smem_bytes > kDefaultSmem) {
@@ -531,12 +537,51 @@ cudaError_t cudaGetDevice(int* d) {
   *d = current_device;
   return cudaSuccess;
 }
+// MPIGPT_EMULATED_CC=X.Y makes the devices compute capability X.Y (default 9.0, an H100), for the
+// checks of what runs where: the emulated program carries code for sm_90 (machine code and PTX,
+// as a build for CMake's architecture 90), which a GPU older than 9.0 cannot load, and the
+// *_sm90a kernels only as sm_90a machine code, which nothing but a 9.0 GPU runs.
+static int device_cc() {
+  static const int cc = [] {
+    const char* e = std::getenv("MPIGPT_EMULATED_CC");
+    int major = 0, minor = 0;
+    if (!e) return 90;
+    if (std::sscanf(e, "%d.%d", &major, &minor) != 2 || major < 1 || minor < 0 || minor > 9) {
+      fprintf(stderr, "cuda emulator: MPIGPT_EMULATED_CC = '%s' is not a compute capability like 9.0\n", e);
+      std::abort();
+    }
+    return 10 * major + minor;
+  }();
+  return cc;
+}
+// The device memory (MPIGPT_EMULATED_MEMORY_MIB, default 80 GiB), of which 10 GiB or an eighth,
+// whichever is less, is taken by others, so that requests beyond the rest fail as out of memory.
+static size_t device_memory() {
+  static const size_t bytes = [] {
+    const char* e = std::getenv("MPIGPT_EMULATED_MEMORY_MIB");
+    return e && std::atol(e) > 0 ? size_t(std::atol(e)) << 20 : size_t(80) << 30;
+  }();
+  return bytes;
+}
+static size_t device_memory_free_at_start() { return device_memory() - std::min(device_memory() / 8, size_t(10) << 30); }
+namespace emu {
+cudaError_t image_error(bool sm90a_only) {
+  const bool loads = sm90a_only ? device_cc() == 90 : device_cc() >= 90;
+  if (loads) return cudaSuccess;
+  last_error = cudaErrorNoKernelImageForDevice;
+  return cudaErrorNoKernelImageForDevice;
+}
+}  // namespace emu
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
   std::memset(p, 0, sizeof(*p));
-  std::strcpy(p->name, "NVIDIA H100 80GB HBM3 (emulated)");
-  p->major = 9;
-  p->minor = 0;
-  p->totalGlobalMem = size_t(80) << 30;
+  if (device_cc() == 90)
+    std::strcpy(p->name, "NVIDIA H100 80GB HBM3 (emulated)");
+  else
+    std::snprintf(p->name, sizeof p->name, "GPU of compute capability %d.%d (emulated)", device_cc() / 10,
+                  device_cc() % 10);
+  p->major = device_cc() / 10;
+  p->minor = device_cc() % 10;
+  p->totalGlobalMem = device_memory();
   p->multiProcessorCount = 4;
   return cudaSuccess;
 }
@@ -561,6 +606,8 @@ constexpr ErrorText kErrors[] = {
     {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
     {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
     {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration", "invalid configuration argument"},
+    {cudaErrorNoKernelImageForDevice, "cudaErrorNoKernelImageForDevice",
+     "no kernel image is available for execution on the device"},
 };
 const ErrorText& error_text(cudaError_t e) {
   static constexpr ErrorText other{cudaSuccess, "cudaErrorEmulated", "emulated error"};
@@ -571,10 +618,9 @@ const ErrorText& error_text(cudaError_t e) {
 }  // namespace
 const char* cudaGetErrorString(cudaError_t e) { return error_text(e).message; }
 const char* cudaGetErrorName(cudaError_t e) { return error_text(e).name; }
-// A device of 80 GiB with 70 free, so that requests beyond that fail as out of memory.
 static size_t allocated_total = 0;
 cudaError_t cudaMalloc(void** p, size_t n) {
-  if (n > (size_t(70) << 30) - allocated_total) {
+  if (n > device_memory_free_at_start() - allocated_total) {
     emu::last_error = cudaErrorMemoryAllocation;
     *p = nullptr;
     return cudaErrorMemoryAllocation;
@@ -603,8 +649,8 @@ cudaError_t cudaFreeHost(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t* f, size_t* t) {
-  *f = (size_t(70) << 30) - allocated_total;
-  *t = size_t(80) << 30;
+  *f = device_memory_free_at_start() - allocated_total;
+  *t = device_memory();
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t stream) {

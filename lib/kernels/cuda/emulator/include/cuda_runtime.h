@@ -67,6 +67,12 @@ void warp_allgather(const void* in, void* out, size_t bytes);
 // more than 48 KiB of dynamic shared memory without cudaFuncSetAttribute having allowed that much.
 void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, ::CUstream_st* stream,
             std::function<void()> body);
+// The launches and attribute queries of the *_sm90a.cu kernels (rewrite_launches.py renames them),
+// which exist only as sm_90a machine code: they fail with cudaErrorNoKernelImageForDevice unless
+// the emulated GPU is compute capability 9.0 (MPIGPT_EMULATED_CC, emulator.cpp), as every launch
+// fails on one older than 9.0.
+void launch_sm90a(const void* kernel, dim3 grid, dim3 block, size_t smem, ::CUstream_st* stream,
+                  std::function<void()> body);
 template <class F>
 const void* kernel_id(F kernel) {
   return reinterpret_cast<const void*>(kernel);
@@ -229,11 +235,24 @@ cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int v) {
   emu::set_max_dynamic_smem(emu::kernel_id(kernel), v);
   return cudaSuccess;
 }
+namespace emu {
+// Whether the emulated GPU loads code built for sm_90 (or, sm90a_only, only for sm_90a):
+// cudaSuccess, or cudaErrorNoKernelImageForDevice, which also becomes the last error.
+cudaError_t image_error(bool sm90a_only);
+}  // namespace emu
 template <class F>
 cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, F) {
   a->binaryVersion = a->ptxVersion = 90;
-  return cudaSuccess;
+  return emu::image_error(false);
 }
+namespace emu {
+template <class F>
+cudaError_t func_get_attributes_sm90a(cudaFuncAttributes* a, F) {
+  a->binaryVersion = 90;
+  a->ptxVersion = 0;
+  return image_error(true);
+}
+}  // namespace emu
 template <class F>
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, F, int, size_t) {
   *n = 2;
