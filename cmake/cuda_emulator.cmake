@@ -212,6 +212,8 @@ set_tests_properties(emulated/bench_attention_auto_training PROPERTIES LABELS em
 # architecture 90 does, and the warpgroup attention as sm_90a machine code only. On two ranks:
 #  - an sm_80 GPU cannot load that code: every rank stops, naming its GPU, what the binary carries
 #    and the CMake setting to rebuild with;
+#  - one GPU for the two ranks of the node: every rank stops, naming the counts and the launch
+#    options that fit (the real cli/cuda_device_np2 meets this only on a one-GPU machine);
 #  - a 64 MiB GPU: every rank stops at the first allocation that does not fit, naming the bytes
 #    asked for and free and the settings that need less.
 # And on one sm_100 GPU, where the sm_90 code runs (from its PTX) and the sm_90a code does not: an
@@ -227,6 +229,9 @@ set(emu_expect ${PROJECT_SOURCE_DIR}/cmake/expect.sh)
 add_test(NAME emulated/cli/cuda_arch_np2 COMMAND ${emu_expect} fail
          "GPU [01] \\(GPU of compute capability 8\\.0 \\(emulated\\)\\) is sm_80, but this mpigpt was built with CUDA code for sm_90 only; reconfigure with -DCMAKE_CUDA_ARCHITECTURES=80"
          -- "MPIGPT_EMULATED_CC=8.0 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
+add_test(NAME emulated/cli/cuda_ranks_over_devices_np2 COMMAND ${emu_expect} fail
+         "2 ranks run on host .* but it has 1 CUDA device\\(s\\): one rank per GPU; launch at most 1 ranks per node"
+         -- "MPIGPT_EMULATED_DEVICES=1 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
 add_test(NAME emulated/cli/cuda_out_of_memory_np2 COMMAND ${emu_expect} fail
          "out of GPU memory on device [01]: requested [0-9]+ bytes .*, but only [0-9]+ bytes .* of 64\\.0 MiB are free.*Lower training\\.micro_batch, or set engine\\.recompute"
          -- "MPIGPT_EMULATED_MEMORY_MIB=64 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
@@ -237,7 +242,9 @@ add_test(NAME emulated/cli/wgmma_on_sm100 COMMAND ${emu_expect} fail
 add_test(NAME emulated/cli/attention_auto_on_sm100 COMMAND ${emu_expect} ok
          "attention auto, backward B 2 T 96 heads 2/2 head dim 64: builtin$"
          -- "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend auto")
-set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_out_of_memory_np2 emulated/cli/wgmma_on_sm100
-                     emulated/cli/attention_auto_on_sm100 PROPERTIES LABELS emulated TIMEOUT 120
+set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_ranks_over_devices_np2
+                     emulated/cli/cuda_out_of_memory_np2 emulated/cli/wgmma_on_sm100 emulated/cli/attention_auto_on_sm100
+                     PROPERTIES LABELS emulated TIMEOUT 120
   ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1;MPIGPT_EMULATED_DEVICES=2")
-set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_out_of_memory_np2 PROPERTIES PROCESSORS 2)
+set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_ranks_over_devices_np2
+                     emulated/cli/cuda_out_of_memory_np2 PROPERTIES PROCESSORS 2)
