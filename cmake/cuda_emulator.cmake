@@ -248,3 +248,16 @@ set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_ranks_over_dev
   ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1;MPIGPT_EMULATED_DEVICES=2")
 set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_ranks_over_devices_np2
                      emulated/cli/cuda_out_of_memory_np2 PROPERTIES PROCESSORS 2)
+
+# Resuming a bf16 run of the CUDA backend with the distributed optimizer (fp32 masters and Adam
+# moments sharded over two ranks) is exact: the gradient norms and losses of the iterations after
+# the checkpoint equal those of the run that never stopped, to the last digit of the metrics file.
+if(DEFINED REGRESSION_DIR)
+  set(emu_resume_dir ${PROJECT_BINARY_DIR}/cli_tests/emulated_resume)
+  set(emu_resume_run "${emu_mpirun} -np 2 ${emu_bin} train --model.num_layers 2 --model.hidden 64 --model.num_heads 1 --model.seq_len 64 --training.micro_batch 2 --training.global_batch 8 --training.log_interval 1 --training.lr 1e-3 --training.warmup_iters 2 --engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true --training.precision bf16 --engine.distributed_optimizer true --data.path ${REGRESSION_DIR}/data/fortunes --training.train_iters 4")
+  set(emu_resume_after "grep -o '\"grad_norm\":[^,]*,\"iter\":[34],\"loss\":[^,]*'")
+  add_test(NAME emulated/cli/cuda_bf16_resume_np2 COMMAND ${emu_expect} ok "^resume: iterations 3 and 4 equal$" --
+           "rm -rf ${emu_resume_dir} && mkdir -p ${emu_resume_dir} && cd ${emu_resume_dir} && ${emu_resume_run} --checkpoint.save a --checkpoint.save_interval 2 --training.metrics_file a.jsonl && ${emu_resume_run} --checkpoint.load a/iter_0000002 --training.metrics_file b.jsonl && ${emu_resume_after} a.jsonl > a.txt && ${emu_resume_after} b.jsonl > b.txt && cat a.txt b.txt && test $(wc -l < a.txt) = 2 && diff a.txt b.txt && echo 'resume: iterations 3 and 4 equal'")
+  set_tests_properties(emulated/cli/cuda_bf16_resume_np2 PROPERTIES LABELS emulated TIMEOUT 120 PROCESSORS 2
+    FIXTURES_REQUIRED regression_data ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+endif()
