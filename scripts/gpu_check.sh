@@ -29,9 +29,13 @@ status=0
 step() {  # name command...: runs it, its output to OUT/name.log, and reports the exit status
   local name=$1
   shift
-  local t0=$SECONDS
-  timeout -k 10 "${STEP_TIMEOUT:-0}" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
+  local t0=$SECONDS rc
+  if declare -F "$1" >/dev/null; then  # a function of this script (its commands are timed out by it)
+    "$@" >"$OUT/$name.log" 2>&1
+  else
+    timeout -k 10 "${STEP_TIMEOUT:-0}" "$@" >"$OUT/$name.log" 2>&1
+  fi
+  rc=$?
   echo "gpu_check: $name exit $rc ($((SECONDS - t0)) s)"
   [ $rc -eq 0 ] || status=1
 }
@@ -56,6 +60,26 @@ for part in "${parts[@]}"; do
       # One head of 64 channels, so that the attention runs on the kernels of head dims 64 and 128
       # (as regression/regression.cmake's tiny_hd64.ini), with each attention setting.
       sed 's/^num_heads = 4$/num_heads = 1/' "$SRC/regression/tiny.ini" >"$OUT/tiny_hd64.ini"
+      # Resuming is exact (emulated/cli/cuda_bf16_resume_np2 on the GPU): two ranks sharing the GPU,
+      # bf16, the distributed optimizer, stopped at iteration 2 and resumed, must give iterations 3
+      # and 4 the uninterrupted run's gradient norms and losses. GEMM autotuning off: it may choose
+      # other algorithms in the second run, and with them other roundings.
+      resume_check() {
+        local dir=$OUT/resume run
+        rm -rf "$dir" && mkdir -p "$dir" || return 1
+        run=(timeout -k 10 "${STEP_TIMEOUT:-0}" "$B/run" mpirun -np 2 --oversubscribe --bind-to none mpigpt train --model.num_layers 2 --model.hidden 64
+             --model.num_heads 1 --model.seq_len 64 --training.micro_batch 2 --training.global_batch 8
+             --training.log_interval 1 --training.lr 1e-3 --training.warmup_iters 2 --training.train_iters 4
+             --training.precision bf16 --engine.distributed_optimizer true --data.path "$DATA" $shared
+             --engine.gemm_autotune false)
+        "${run[@]}" --checkpoint.save "$dir/a" --checkpoint.save_interval 2 --training.metrics_file "$dir/a.jsonl" &&
+          "${run[@]}" --checkpoint.load "$dir/a/iter_0000002" --training.metrics_file "$dir/b.jsonl" || return 1
+        local pat='"grad_norm":[^,]*,"iter":[34],"loss":[^,]*'
+        grep -o "$pat" "$dir/a.jsonl" >"$dir/a.txt"; grep -o "$pat" "$dir/b.jsonl" >"$dir/b.txt"
+        cat "$dir/a.txt" "$dir/b.txt"
+        [ "$(wc -l <"$dir/a.txt")" = 2 ] && diff "$dir/a.txt" "$dir/b.txt" && echo "resume: iterations 3 and 4 equal"
+      }
+      step resume_bf16 resume_check
       for backend in builtin wgmma auto; do
         step "regression_bf16_hd64_$backend" "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" \
           --out "$OUT/reg_bf16_hd64_$backend" --config "$OUT/tiny_hd64.ini" --layouts "^$" --families gpt2 \
