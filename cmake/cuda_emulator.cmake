@@ -225,29 +225,32 @@ set(emu_tiny_cuda --model.num_layers 2 --model.hidden 32 --model.num_heads 2 --m
 string(JOIN " " emu_tiny_cuda ${emu_tiny_cuda})
 string(JOIN " " emu_mpirun ${MPIGPT_MPIRUN})
 set(emu_bin $<TARGET_FILE:mpigpt_emulated>)
-set(emu_expect ${PROJECT_SOURCE_DIR}/cmake/expect.sh)
-add_test(NAME emulated/cli/cuda_arch_np2 COMMAND ${emu_expect} fail
-         "GPU [01] \\(GPU of compute capability 8\\.0 \\(emulated\\)\\) is sm_80, but this mpigpt was built with CUDA code for sm_90 only; reconfigure with -DCMAKE_CUDA_ARCHITECTURES=80"
-         -- "MPIGPT_EMULATED_CC=8.0 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
-add_test(NAME emulated/cli/cuda_ranks_over_devices_np2 COMMAND ${emu_expect} fail
-         "2 ranks run on host .* but it has 1 CUDA device\\(s\\): one rank per GPU; launch at most 1 ranks per node"
-         -- "MPIGPT_EMULATED_DEVICES=1 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
-add_test(NAME emulated/cli/cuda_out_of_memory_np2 COMMAND ${emu_expect} fail
-         "out of GPU memory on device [01]: requested [0-9]+ bytes .*, but only [0-9]+ bytes .* of 64\\.0 MiB are free.*Lower training\\.micro_batch, or set engine\\.recompute"
-         -- "MPIGPT_EMULATED_MEMORY_MIB=64 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
+# emu_cli_test(name ok|fail REGEX COMMAND): cmake/expect.sh on a command of the emulated program
+# (two emulated devices; a name ending in _np2 takes two processors). A regex writes a message's
+# ";" as "." (CMake splits arguments at semicolons).
+function(emu_cli_test name mode regex cmd)
+  add_test(NAME emulated/cli/${name} COMMAND ${PROJECT_SOURCE_DIR}/cmake/expect.sh ${mode} ${regex} -- ${cmd})
+  set_tests_properties(emulated/cli/${name} PROPERTIES LABELS emulated TIMEOUT 120
+    ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1;MPIGPT_EMULATED_DEVICES=2")
+  if(name MATCHES "_np2$")
+    set_tests_properties(emulated/cli/${name} PROPERTIES PROCESSORS 2)
+  endif()
+endfunction()
+emu_cli_test(cuda_arch_np2 fail
+  "GPU [01] \\(GPU of compute capability 8\\.0 \\(emulated\\)\\) is sm_80, but this mpigpt was built with CUDA code for sm_90 only. reconfigure with -DCMAKE_CUDA_ARCHITECTURES=80"
+  "MPIGPT_EMULATED_CC=8.0 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
+emu_cli_test(cuda_ranks_over_devices_np2 fail
+  "2 ranks run on host .* but it has 1 CUDA device\\(s\\): one rank per GPU. launch at most 1 ranks per node"
+  "MPIGPT_EMULATED_DEVICES=1 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
+emu_cli_test(cuda_out_of_memory_np2 fail
+  "out of GPU memory on device [01]: requested [0-9]+ bytes .*, but only [0-9]+ bytes .* of 64\\.0 MiB are free.*Lower training\\.micro_batch, or set engine\\.recompute"
+  "MPIGPT_EMULATED_MEMORY_MIB=64 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
 string(JOIN " " emu_bench_attention_str ${emu_bench_attention})
-add_test(NAME emulated/cli/wgmma_on_sm100 COMMAND ${emu_expect} fail
-         "engine\\.attention_backend = wgmma needs a GPU that runs sm_90a code \\(H100/H200 class\\), but device 0 is a GPU of compute capability 10\\.0 \\(emulated\\) \\(sm_100\\)"
-         -- "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend wgmma")
-add_test(NAME emulated/cli/attention_auto_on_sm100 COMMAND ${emu_expect} ok
-         "attention auto, backward B 2 T 96 heads 2/2 head dim 64: builtin$"
-         -- "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend auto")
-set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_ranks_over_devices_np2
-                     emulated/cli/cuda_out_of_memory_np2 emulated/cli/wgmma_on_sm100 emulated/cli/attention_auto_on_sm100
-                     PROPERTIES LABELS emulated TIMEOUT 120
-  ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1;MPIGPT_EMULATED_DEVICES=2")
-set_tests_properties(emulated/cli/cuda_arch_np2 emulated/cli/cuda_ranks_over_devices_np2
-                     emulated/cli/cuda_out_of_memory_np2 PROPERTIES PROCESSORS 2)
+emu_cli_test(wgmma_on_sm100 fail
+  "engine\\.attention_backend = wgmma needs a GPU that runs sm_90a code \\(H100/H200 class\\), but device 0 is a GPU of compute capability 10\\.0 \\(emulated\\) \\(sm_100\\)"
+  "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend wgmma")
+emu_cli_test(attention_auto_on_sm100 ok "attention auto, backward B 2 T 96 heads 2/2 head dim 64: builtin$"
+  "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend auto")
 
 # Resuming a bf16 run of the CUDA backend with the distributed optimizer (fp32 masters and Adam
 # moments sharded over two ranks) is exact: the gradient norms and losses of the iterations after
@@ -256,8 +259,7 @@ if(DEFINED REGRESSION_DIR)
   set(emu_resume_dir ${PROJECT_BINARY_DIR}/cli_tests/emulated_resume)
   set(emu_resume_run "${emu_mpirun} -np 2 ${emu_bin} train --model.num_layers 2 --model.hidden 64 --model.num_heads 1 --model.seq_len 64 --training.micro_batch 2 --training.global_batch 8 --training.log_interval 1 --training.lr 1e-3 --training.warmup_iters 2 --engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true --training.precision bf16 --engine.distributed_optimizer true --data.path ${REGRESSION_DIR}/data/fortunes --training.train_iters 4")
   set(emu_resume_after "grep -o '\"grad_norm\":[^,]*,\"iter\":[34],\"loss\":[^,]*'")
-  add_test(NAME emulated/cli/cuda_bf16_resume_np2 COMMAND ${emu_expect} ok "^resume: iterations 3 and 4 equal$" --
-           "rm -rf ${emu_resume_dir} && mkdir -p ${emu_resume_dir} && cd ${emu_resume_dir} && ${emu_resume_run} --checkpoint.save a --checkpoint.save_interval 2 --training.metrics_file a.jsonl && ${emu_resume_run} --checkpoint.load a/iter_0000002 --training.metrics_file b.jsonl && ${emu_resume_after} a.jsonl > a.txt && ${emu_resume_after} b.jsonl > b.txt && cat a.txt b.txt && test $(wc -l < a.txt) = 2 && diff a.txt b.txt && echo 'resume: iterations 3 and 4 equal'")
-  set_tests_properties(emulated/cli/cuda_bf16_resume_np2 PROPERTIES LABELS emulated TIMEOUT 120 PROCESSORS 2
-    FIXTURES_REQUIRED regression_data ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+  emu_cli_test(cuda_bf16_resume_np2 ok "^resume: iterations 3 and 4 equal$"
+    "rm -rf ${emu_resume_dir} && mkdir -p ${emu_resume_dir} && cd ${emu_resume_dir} && ${emu_resume_run} --checkpoint.save a --checkpoint.save_interval 2 --training.metrics_file a.jsonl && ${emu_resume_run} --checkpoint.load a/iter_0000002 --training.metrics_file b.jsonl && ${emu_resume_after} a.jsonl > a.txt && ${emu_resume_after} b.jsonl > b.txt && cat a.txt b.txt && test $(wc -l < a.txt) = 2 && diff a.txt b.txt && echo 'resume: iterations 3 and 4 equal'")
+  set_tests_properties(emulated/cli/cuda_bf16_resume_np2 PROPERTIES FIXTURES_REQUIRED regression_data)
 endif()
