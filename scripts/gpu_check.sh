@@ -67,8 +67,8 @@ for part in "${parts[@]}"; do
       resume_check() {
         local dir=$OUT/resume run
         rm -rf "$dir" && mkdir -p "$dir" || return 1
-        run=(timeout -k 10 "${STEP_TIMEOUT:-0}" "$B/run" mpirun -np 2 --oversubscribe --bind-to none mpigpt train --model.num_layers 2 --model.hidden 64
-             --model.num_heads 1 --model.seq_len 64 --training.micro_batch 2 --training.global_batch 8
+        run=(timeout -k 10 "${STEP_TIMEOUT:-0}" "$B/run" mpirun -np 2 --oversubscribe --bind-to none mpigpt train
+             --model.num_layers 2 --model.hidden 64 --model.num_heads 1 --model.seq_len 64 --training.micro_batch 2 --training.global_batch 8
              --training.log_interval 1 --training.lr 1e-3 --training.warmup_iters 2 --training.train_iters 4
              --training.precision bf16 --engine.distributed_optimizer true --data.path "$DATA" $shared
              --engine.gemm_autotune false)
@@ -129,7 +129,8 @@ for part in "${parts[@]}"; do
       for log in "$OUT"/kernels_*.log "$OUT"/attention_*.log; do
         [ -e "$log" ] || continue
         echo "== $(basename "$log" .log)"
-        grep -E "bench-attention: (forward|attention)|bench: (achieved|.*attention)|rror" "$log" | cut -c1-300 | head -12
+        grep -E "bench-attention: (forward|attention)|bench: (achieved|.*attention)|rror" "$log" |
+          cut -c1-300 | head -12
       done
       STEP_TIMEOUT=$saved_timeout ;;
     *) echo "gpu_check: unknown part $part (unit, regression, bench, attention)" >&2; exit 2 ;;

@@ -563,7 +563,9 @@ static size_t device_memory() {
   }();
   return bytes;
 }
-static size_t device_memory_free_at_start() { return device_memory() - std::min(device_memory() / 8, size_t(10) << 30); }
+static size_t device_memory_free_at_start() {
+  return device_memory() - std::min(device_memory() / 8, size_t(10) << 30);
+}
 namespace emu {
 cudaError_t image_error(bool sm90a_only) {
   const bool loads = sm90a_only ? device_cc() == 90 : device_cc() >= 90;
