@@ -35,7 +35,7 @@ endforeach()
 # real CUDA objects, whose symbols the emulated ones replace.
 mpigpt_cpp_sources(emu_cpu ${PROJECT_SOURCE_DIR}/lib/kernels)
 add_library(mpigpt_kernels_emulated STATIC ${emu_generated} ${emu_cpu} ${EMU_SRC}/emulator.cpp
-            ${EMU_SRC}/reference_cublaslt.cpp)
+            ${EMU_SRC}/emulator_runtime.cpp ${EMU_SRC}/reference_cublaslt.cpp)
 target_include_directories(mpigpt_kernels_emulated BEFORE PUBLIC ${EMU_GEN}/include ${EMU_SRC}/include)
 target_include_directories(mpigpt_kernels_emulated PRIVATE ${OPENBLAS_INCLUDE_DIR})
 target_compile_definitions(mpigpt_kernels_emulated PUBLIC MPIGPT_WITH_CUDA=1 MPIGPT_CUDA_ARCHS="90")

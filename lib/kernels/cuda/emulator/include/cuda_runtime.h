@@ -236,6 +236,8 @@ cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int v) {
   return cudaSuccess;
 }
 namespace emu {
+// What cudaGetLastError returns next: set by failed launches and calls (emulator_runtime.cpp).
+extern cudaError_t last_error;
 // Whether the emulated GPU loads code built for sm_90 (or, sm90a_only, only for sm_90a):
 // cudaSuccess, or cudaErrorNoKernelImageForDevice, which also becomes the last error.
 cudaError_t image_error(bool sm90a_only);
