@@ -1,25 +1,6 @@
-// cuDNN's fused attention through the graph (backend) API (see cudnn_sdpa.h).
-//
-// cuDNN 9 runs fused flash attention for a pattern of matmul, pointwise and reduction operations
-// (its single attention operations take a causal mask only from 9.21 on, and the backward one is
-// chosen by the heuristics only from 9.27): the graphs below are that pattern, built as cuDNN's
-// own frontend builds them for causal training (bf16 in and out, fp32 softmax statistics):
-//
-// forward   S = scale * Q K^T, masked to -inf above the diagonal (GEN_INDEX rows and columns,
-//           CMP_GE, BINARY_SELECT); M = rowmax S, Z = rowsum exp(S - M); lse = M + log Z (the
-//           natural-log log-sum-exp, (B,NH,T) fp32: the builtin kernels' saved state);
-//           O = bf16(exp(S - M) / Z) V.
-// backward  D = rowsum(dO * O) (into an fp32 tensor in our workspace); P = exp(masked S - lse);
-//           dV = bf16(P)^T dO; dS = scale * P * (dO V^T - D); dK = bf16(dS)^T Q; dQ = dS K,
-//           summed in fp32 (a workspace tensor) and converted to bf16. With grouped-query heads
-//           dK and dV are formed per query head and summed over each kv head's group.
-//
-// Layouts are strides: Q, K, V, dQ, dK, dV are column blocks of the (B,T,(NH+2*NKV)*HD) qkv rows,
-// O and dO (B,T,NH*HD) rows; K^T and V^T are the same memory with the last two strides swapped.
-//
-// Each graph's operations are finalized on their own (no GPU needed: the tests check them on
-// any machine with cuDNN), then planned for the handle with heuristics mode A: the first engine
-// configuration that finalizes is kept per shape.
+// cuDNN's fused attention through the graph (backend) API (see cudnn_sdpa.h): the forward and
+// backward graphs (cudnn_sdpa_graphs.cu) planned for the handle with heuristics mode A (the first
+// engine configuration that finalizes is kept per shape) and executed on its stream.
 #include "lib/kernels/cuda/cudnn_sdpa.h"
 
 #include <fmt/format.h>
@@ -31,11 +12,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <deque>
 #include <limits>
 #include <vector>
+
+#include "lib/kernels/cuda/cudnn_sdpa_graphs.h"
 #endif
 
 namespace mpigpt::cuda {
@@ -54,7 +36,6 @@ std::string cudnn_sdpa_version() {
 
 #ifndef MPIGPT_HAVE_CUDNN
 
-SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape&) { throw Error(cudnn_load_error()); }
 SdpaPlans cudnn_sdpa_plan_for_device(const SdpaShape&, const std::string&) {
   throw Error(cudnn_load_error());
 }
@@ -75,304 +56,18 @@ void CudnnSdpa::backward(const SdpaShape&, void*, const void*, const void*, cons
 
 #else
 
-namespace {
+using sdpa::build_backward;
+using sdpa::build_forward;
+using sdpa::check;
+using sdpa::Desc;
+using sdpa::Graph;
 
-void check(cudnnStatus_t rc, const std::string& what) {
-  if (rc != CUDNN_STATUS_SUCCESS) fail("cuDNN attention: {} failed: {}", what, cudnn_error_text(rc));
-}
+namespace {
 
 // Attributes deprecated in cuDNN 9 that its engines still read: the handle of an operation graph
 // and of an execution plan (named by value: the enumerators carry deprecation warnings).
 constexpr auto kGraphHandle = cudnnBackendAttributeName_t(800);  // CUDNN_ATTR_OPERATIONGRAPH_HANDLE
 constexpr auto kPlanHandle = cudnnBackendAttributeName_t(400);   // CUDNN_ATTR_EXECUTION_PLAN_HANDLE
-
-// An owned backend descriptor, named for the error messages.
-class Desc {
- public:
-  Desc(cudnnBackendDescriptorType_t type, std::string what) : what_(std::move(what)) {
-    check(cudnn().BackendCreateDescriptor(type, &d_), "creating " + what_);
-  }
-  ~Desc() {
-    if (d_) (void)cudnn().BackendDestroyDescriptor(d_);
-  }
-  Desc(const Desc&) = delete;
-  Desc& operator=(const Desc&) = delete;
-  Desc(Desc&& o) noexcept : d_(o.d_), what_(std::move(o.what_)) { o.d_ = nullptr; }
-
-  template <class T>
-  Desc& set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, const T* values, int64_t n = 1) {
-    check(cudnn().BackendSetAttribute(d_, name, type, n, values), fmt::format("setting attribute {} of {}",
-                                                                                int(name), what_));
-    return *this;
-  }
-  Desc& set(cudnnBackendAttributeName_t name, const Desc& d) {
-    return set(name, CUDNN_TYPE_BACKEND_DESCRIPTOR, &d.d_);
-  }
-  Desc& finalize() {
-    check(cudnn().BackendFinalize(d_), "finalizing " + what_);
-    return *this;
-  }
-  cudnnBackendDescriptor_t get() const { return d_; }
-
- private:
-  cudnnBackendDescriptor_t d_ = nullptr;
-  std::string what_;
-};
-
-using Dims = std::array<int64_t, 4>;
-
-// The user tensors' unique ids (the variant pack's keys); virtual tensors count from kFirstVirtual.
-enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kMaskValue,                     // forward
-  kDO, kDQ, kDK, kDV, kOne, kRowDot, kDQAccum,                        // backward
-  kFirstVirtual = 100
-};
-
-// One operation graph under construction: its tensors and operations, in creation order (which
-// is topological, as cuDNN wants them).
-class Graph {
- public:
-  explicit Graph(std::string name) : name_(std::move(name)) {}
-
-  // A tensor of the graph: user (uid given) or virtual (uid 0: the next internal one); by_value for
-  // the host scalars.
-  const Desc& tensor(const char* what, Dims dims, Dims strides, cudnnDataType_t dt, int64_t uid,
-                     bool by_value = false) {
-    const bool is_virtual = uid == 0;
-    if (is_virtual) uid = next_virtual_++;
-    Desc& t = tensors_.emplace_back(CUDNN_BACKEND_TENSOR_DESCRIPTOR, fmt::format("{} tensor {}", name_, what));
-    const int64_t alignment = 16;
-    const bool yes = true;
-    t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, &dt)
-        .set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, dims.data(), 4)
-        .set(CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, strides.data(), 4)
-        .set(CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, &uid)
-        .set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, &alignment);
-    if (is_virtual) t.set(CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, &yes);
-    if (by_value) t.set(CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, &yes);
-    return t.finalize();
-  }
-  const Desc& scalar(const char* what, int64_t uid) {
-    return tensor(what, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_FLOAT, uid, true);
-  }
-
-  // C = A B over the two last dims, batched over the first two (B's heads may divide A's).
-  void matmul(const char* what, const Desc& a, const Desc& b, const Desc& c) {
-    Desc& mm = descs_.emplace_back(CUDNN_BACKEND_MATMUL_DESCRIPTOR, label("matmul", what));
-    const cudnnDataType_t fp32 = CUDNN_DATA_FLOAT;
-    // No padding value: the frontend sets one only for padded (variable-length) sequences, and the
-    // fused engines match the attention pattern as the frontend builds it.
-    mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, &fp32).finalize();
-    Desc& op = add_op(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul", what);
-    op.set(CUDNN_ATTR_OPERATION_MATMUL_ADESC, a)
-        .set(CUDNN_ATTR_OPERATION_MATMUL_BDESC, b)
-        .set(CUDNN_ATTR_OPERATION_MATMUL_CDESC, c)
-        .set(CUDNN_ATTR_OPERATION_MATMUL_DESC, mm)
-        .finalize();
-  }
-
-  // y = mode(x[, b]) (b given for the binary modes; BINARY_SELECT: y = t ? x : b). axis: GEN_INDEX's.
-  void pointwise(const char* what, cudnnPointwiseMode_t mode, const Desc& x, const Desc* b, const Desc* t,
-                 const Desc& y, cudnnDataType_t precision = CUDNN_DATA_FLOAT, int64_t axis = -1) {
-    Desc& pw = descs_.emplace_back(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, label("pointwise", what));
-    pw.set(CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, &mode)
-        .set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, &precision);
-    if (axis >= 0) pw.set(CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, &axis);
-    pw.finalize();
-    Desc& op = add_op(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pointwise", what);
-    op.set(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw).set(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
-    if (b) op.set(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
-    if (t) op.set(CUDNN_ATTR_OPERATION_POINTWISE_TDESC, *t);
-    const float one = 1.0f;
-    op.set(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y)
-        .set(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, &one)
-        .set(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, &one)
-        .finalize();
-  }
-
-  // y = reduce(x) over the dims where y has size 1 (or fewer heads: the grouped-query fold).
-  void reduction(const char* what, cudnnReduceTensorOp_t mode, const Desc& x, const Desc& y) {
-    Desc& rd = descs_.emplace_back(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, label("reduction", what));
-    const cudnnDataType_t fp32 = CUDNN_DATA_FLOAT;
-    rd.set(CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, &fp32)
-        .set(CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, &mode)
-        .finalize();
-    Desc& op = add_op(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "reduction", what);
-    op.set(CUDNN_ATTR_OPERATION_REDUCTION_DESC, rd)
-        .set(CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x)
-        .set(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y)
-        .finalize();
-  }
-
-  // The same values seen with other strides (a transpose) or another dtype.
-  void reshape(const char* what, const Desc& x, const Desc& y) {
-    Desc& op = add_op(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, "reshape", what);
-    op.set(CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x).set(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y).finalize();
-  }
-
-  int op_count() const { return int(ops_.size()); }
-  std::vector<cudnnBackendDescriptor_t> ops() const {
-    std::vector<cudnnBackendDescriptor_t> v;
-    for (const Desc* d : ops_) v.push_back(d->get());
-    return v;
-  }
-  const std::string& name() const { return name_; }
-
- private:
-  std::string label(const char* kind, const char* what) const {
-    return fmt::format("{} {} {} (operation {})", name_, kind, what, ops_.size() + 1);
-  }
-  Desc& add_op(cudnnBackendDescriptorType_t type, const char* kind, const char* what) {
-    Desc& d = descs_.emplace_back(type, label(kind, what));
-    ops_.push_back(&d);
-    return d;
-  }
-
-  std::string name_;
-  int64_t next_virtual_ = kFirstVirtual;
-  std::deque<Desc> tensors_, descs_;  // deques: references stay valid as they grow
-  std::vector<const Desc*> ops_;
-};
-
-// The tensors both graphs share, for shape s.
-struct Layout {
-  int64_t B, T, NH, NKV, HD, W;
-  explicit Layout(const SdpaShape& s)
-      : B(s.B), T(s.T), NH(s.NH), NKV(s.NKV), HD(s.HD), W(int64_t(s.NH) + 2 * int64_t(s.NKV)) {}
-  Dims heads(int64_t h) const { return {B, h, T, HD}; }
-  Dims heads_t(int64_t h) const { return {B, h, HD, T}; }  // transposed: (HD, T) per head
-  Dims qkv_strides() const { return {T * W * HD, HD, W * HD, 1}; }
-  Dims qkv_strides_t() const { return {T * W * HD, HD, 1, W * HD}; }
-  Dims out_strides() const { return {T * NH * HD, HD, NH * HD, 1}; }
-  Dims packed(int64_t h) const { return {h * T * HD, T * HD, HD, 1}; }  // (B,h,T,HD) contiguous
-  Dims scores() const { return {B, NH, T, T}; }
-  Dims score_strides() const { return {NH * T * T, T * T, T, 1}; }
-  Dims score_strides_t() const { return {NH * T * T, T * T, 1, T}; }
-  Dims rows() const { return {B, NH, T, 1}; }
-  Dims row_strides() const { return {NH * T, T, 1, 1}; }
-};
-
-constexpr cudnnDataType_t kF32 = CUDNN_DATA_FLOAT, kBF16 = CUDNN_DATA_BFLOAT16;
-
-// The masked, scaled scores of the forward and the backward: scale * Q K^T, -inf (the by-value
-// kMaskValue) where the key follows the query. In the backward (lse given) the softmax statistics
-// are subtracted before the mask, as cuDNN's frontend does.
-const Desc& causal_scores(Graph& g, const Layout& l, const Desc& q, const Desc& kt, const Desc& scale,
-                          const Desc& mask_value, const Desc* lse) {
-  const Desc& s0 = g.tensor("Q K^T", l.scores(), l.score_strides(), kF32, 0);
-  g.matmul("Q K^T", q, kt, s0);
-  const Desc& s1 = g.tensor("scaled scores", l.scores(), l.score_strides(), kF32, 0);
-  g.pointwise("scale", CUDNN_POINTWISE_MUL, s0, &scale, nullptr, s1);
-  const Desc* s = &s1;
-  if (lse) {
-    const Desc& s2 = g.tensor("scores - lse", l.scores(), l.score_strides(), kF32, 0);
-    g.pointwise("subtract lse", CUDNN_POINTWISE_SUB, s1, lse, nullptr, s2);
-    s = &s2;
-  }
-  const Desc& row = g.tensor("row index", l.scores(), l.score_strides(), CUDNN_DATA_INT32, 0);
-  g.pointwise("row index", CUDNN_POINTWISE_GEN_INDEX, *s, nullptr, nullptr, row, kF32, 2);
-  const Desc& col = g.tensor("column index", l.scores(), l.score_strides(), CUDNN_DATA_INT32, 0);
-  g.pointwise("column index", CUDNN_POINTWISE_GEN_INDEX, *s, nullptr, nullptr, col, kF32, 3);
-  const Desc& keep = g.tensor("causal mask", l.scores(), l.score_strides(), CUDNN_DATA_BOOLEAN, 0);
-  g.pointwise("row >= column", CUDNN_POINTWISE_CMP_GE, row, &col, nullptr, keep, CUDNN_DATA_BOOLEAN);
-  const Desc& masked = g.tensor("masked scores", l.scores(), l.score_strides(), kF32, 0);
-  g.pointwise("mask", CUDNN_POINTWISE_BINARY_SELECT, *s, &mask_value, &keep, masked);
-  return masked;
-}
-
-void build_forward(Graph& g, const SdpaShape& s) {
-  const Layout l(s);
-  const Desc& q = g.tensor("Q", l.heads(l.NH), l.qkv_strides(), kBF16, kQ);
-  const Desc& kt = g.tensor("K^T", l.heads_t(l.NKV), l.qkv_strides_t(), kBF16, kK);
-  const Desc& v = g.tensor("V", l.heads(l.NKV), l.qkv_strides(), kBF16, kV);
-  const Desc& o = g.tensor("O", l.heads(l.NH), l.out_strides(), kBF16, kO);
-  const Desc& stats = g.tensor("lse", l.rows(), l.row_strides(), kF32, kStats);
-  const Desc& scale = g.scalar("scale", kScale);
-  const Desc& mask_value = g.scalar("mask value", kMaskValue);
-
-  const Desc& sc = causal_scores(g, l, q, kt, scale, mask_value, nullptr);
-  const Desc& mx = g.tensor("row max", l.rows(), l.row_strides(), kF32, 0);
-  g.reduction("row max", CUDNN_REDUCE_TENSOR_MAX, sc, mx);
-  const Desc& shifted = g.tensor("scores - max", l.scores(), l.score_strides(), kF32, 0);
-  g.pointwise("subtract max", CUDNN_POINTWISE_SUB, sc, &mx, nullptr, shifted);
-  const Desc& e = g.tensor("exp", l.scores(), l.score_strides(), kF32, 0);
-  g.pointwise("exp", CUDNN_POINTWISE_EXP, shifted, nullptr, nullptr, e);
-  const Desc& z = g.tensor("row sum", l.rows(), l.row_strides(), kF32, 0);
-  g.reduction("row sum", CUDNN_REDUCE_TENSOR_ADD, e, z);
-  const Desc& logz = g.tensor("log row sum", l.rows(), l.row_strides(), kF32, 0);
-  g.pointwise("log", CUDNN_POINTWISE_LOG, z, nullptr, nullptr, logz);
-  g.pointwise("lse = max + log sum", CUDNN_POINTWISE_ADD, mx, &logz, nullptr, stats);
-  const Desc& p = g.tensor("P", l.scores(), l.score_strides(), kBF16, 0);
-  g.pointwise("normalise", CUDNN_POINTWISE_DIV, e, &z, nullptr, p);
-  g.matmul("P V", p, v, o);
-}
-
-// A key or value gradient: grad = bf16(m)^T x for a score-shaped m (B,NH,T,T) and x (B,NH,T,HD),
-// formed per query head and, with grouped-query heads, summed over each kv head's group.
-void kv_gradient(Graph& g, const Layout& l, const char* m_name, const Desc& m, const char* x_name, const Desc& x,
-                 const char* grad_name, const Desc& grad) {
-  const std::string mt_name = fmt::format("{}^T", m_name), product = fmt::format("{}^T {}", m_name, x_name);
-  const Desc& mt = g.tensor(mt_name.c_str(), l.scores(), l.score_strides_t(), kBF16, 0);
-  g.reshape(mt_name.c_str(), m, mt);
-  if (l.NKV == l.NH) {
-    g.matmul(product.c_str(), mt, x, grad);
-    return;
-  }
-  const std::string full = fmt::format("{} per query head", grad_name), sum = fmt::format("{} group sum", grad_name);
-  const Desc& per_head = g.tensor(full.c_str(), l.heads(l.NH), l.packed(l.NH), kBF16, 0);
-  g.matmul(product.c_str(), mt, x, per_head);
-  g.reduction(sum.c_str(), CUDNN_REDUCE_TENSOR_ADD, per_head, grad);
-}
-
-void build_backward(Graph& g, const SdpaShape& s) {
-  const Layout l(s);
-  const Desc& q = g.tensor("Q", l.heads(l.NH), l.qkv_strides(), kBF16, kQ);
-  const Desc& kt = g.tensor("K^T", l.heads_t(l.NKV), l.qkv_strides_t(), kBF16, kK);
-  const Desc& vt = g.tensor("V^T", l.heads_t(l.NKV), l.qkv_strides_t(), kBF16, kV);
-  const Desc& o = g.tensor("O", l.heads(l.NH), l.out_strides(), kBF16, kO);
-  const Desc& d_o = g.tensor("dO", l.heads(l.NH), l.out_strides(), kBF16, kDO);
-  const Desc& stats = g.tensor("lse", l.rows(), l.row_strides(), kF32, kStats);
-  const Desc& dq = g.tensor("dQ", l.heads(l.NH), l.qkv_strides(), kBF16, kDQ);
-  const Desc& dk = g.tensor("dK", l.heads(l.NKV), l.qkv_strides(), kBF16, kDK);
-  const Desc& dv = g.tensor("dV", l.heads(l.NKV), l.qkv_strides(), kBF16, kDV);
-  const Desc& scale = g.scalar("scale", kScale);
-  const Desc& mask_value = g.scalar("mask value", kMaskValue);
-  const Desc& one = g.scalar("one", kOne);
-  const Desc& rowdot = g.tensor("rowsum(dO * O)", l.rows(), l.row_strides(), kF32, kRowDot);
-  const Desc& dq_accum = g.tensor("dQ (fp32)", l.heads(l.NH), l.packed(l.NH), kF32, kDQAccum);
-
-  // D = rowsum(dO * O), stored (through a multiply by one, as the frontend does).
-  const Desc& prod = g.tensor("dO * O", l.heads(l.NH), l.packed(l.NH), kF32, 0);
-  g.pointwise("dO * O", CUDNN_POINTWISE_MUL, d_o, &o, nullptr, prod);
-  const Desc& rsum = g.tensor("row sum of dO * O", l.rows(), l.row_strides(), kF32, 0);
-  g.reduction("row sum of dO * O", CUDNN_REDUCE_TENSOR_ADD, prod, rsum);
-  g.pointwise("store D", CUDNN_POINTWISE_MUL, rsum, &one, nullptr, rowdot);
-
-  // P = exp(masked scores - lse).
-  const Desc& sc = causal_scores(g, l, q, kt, scale, mask_value, &stats);
-  const Desc& p = g.tensor("P", l.scores(), l.score_strides(), kF32, 0);
-  g.pointwise("exp", CUDNN_POINTWISE_EXP, sc, nullptr, nullptr, p);
-
-  kv_gradient(g, l, "P", p, "dO", d_o, "dV", dv);  // dV = P^T dO
-
-  // dS = scale * P * (dO V^T - D).
-  const Desc& dp = g.tensor("dO V^T", l.scores(), l.score_strides(), kF32, 0);
-  g.matmul("dO V^T", d_o, vt, dp);
-  const Desc& dpd = g.tensor("dP - D", l.scores(), l.score_strides(), kF32, 0);
-  g.pointwise("dP - D", CUDNN_POINTWISE_SUB, dp, &rowdot, nullptr, dpd);
-  const Desc& pdp = g.tensor("P (dP - D)", l.scores(), l.score_strides(), kF32, 0);
-  g.pointwise("P (dP - D)", CUDNN_POINTWISE_MUL, dpd, &p, nullptr, pdp);
-  const Desc& ds = g.tensor("dS", l.scores(), l.score_strides(), kF32, 0);
-  g.pointwise("scale dS", CUDNN_POINTWISE_MUL, pdp, &scale, nullptr, ds);
-
-  kv_gradient(g, l, "dS", ds, "Q", q, "dK", dk);  // dK = dS^T Q
-
-  // dQ = dS K, in fp32, then to bf16.
-  const Desc& k = g.tensor("K", l.heads(l.NKV), l.qkv_strides(), kF32, 0);
-  g.reshape("K", kt, k);
-  g.matmul("dS K", ds, k, dq_accum);
-  g.pointwise("dQ to bf16", CUDNN_POINTWISE_IDENTITY, dq_accum, nullptr, nullptr, dq);
-}
 
 // The backward's own fp32 tensors ahead of cuDNN's workspace, each on a 256-byte boundary: dQ at
 // 0, D (B,NH,T) at rowdot, cuDNN's workspace at total.
@@ -398,13 +93,6 @@ std::string shape_unsupported(const SdpaShape& s, size_t version) {
 }
 
 }  // namespace
-
-SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape& shape) {
-  Graph fwd("forward"), bwd("backward");
-  build_forward(fwd, shape);
-  build_backward(bwd, shape);
-  return {fwd.op_count(), bwd.op_count()};
-}
 
 // A planned graph: its descriptors, the engine configuration chosen and the plan.
 struct Planned {
@@ -609,7 +297,8 @@ void CudnnSdpa::forward(const SdpaShape& shape, void* out, float* lse, const voi
   const size_t el = 2;  // bf16
   char* base = static_cast<char*>(const_cast<void*>(qkv));
   float scale = float(1.0 / std::sqrt(double(shape.HD))), masked = mask_value();
-  execute(as_handle(handle_), p.fwd, {kQ, kK, kV, kO, kStats, kScale, kMaskValue},
+  execute(as_handle(handle_), p.fwd,
+          {kSdpaQ, kSdpaK, kSdpaV, kSdpaO, kSdpaStats, kSdpaScale, kSdpaMaskValue},
           {base, base + size_t(shape.NH) * shape.HD * el, base + size_t(shape.NH + shape.NKV) * shape.HD * el, out,
            lse, &scale, &masked},
           workspace);
@@ -630,7 +319,8 @@ void CudnnSdpa::backward(const SdpaShape& shape, void* dqkv, const void* dout, c
       fail("cuDNN attention: clearing the fp32 dQ (cudaMemsetAsync of {} bytes) failed", layout.rowdot);
   float scale = float(1.0 / std::sqrt(double(shape.HD))), masked = mask_value(), one = 1.0f;
   execute(as_handle(handle_), p.bwd,
-          {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kMaskValue, kOne, kRowDot, kDQAccum},
+          {kSdpaQ, kSdpaK, kSdpaV, kSdpaO, kSdpaDO, kSdpaStats, kSdpaDQ, kSdpaDK, kSdpaDV, kSdpaScale, kSdpaMaskValue,
+           kSdpaOne, kSdpaRowDot, kSdpaDQAccum},
           {base, base + k_off, base + v_off, const_cast<void*>(out), const_cast<void*>(dout),
            const_cast<float*>(lse), dbase, dbase + k_off, dbase + v_off, &scale, &masked, &one, ws + layout.rowdot,
            ws},

@@ -6,10 +6,12 @@
 //
 // Plain C++ (no CUDA or cuDNN types): the tests include it.
 #pragma once
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -39,6 +41,40 @@ struct SdpaOpCounts {
   int forward = 0, backward = 0;
 };
 SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape& shape);
+
+// The ids of the graphs' user tensors (the keys of an execution's variant pack; virtual tensors
+// count from kSdpaFirstVirtual): Q, K, V are column blocks of qkv, dQ, dK, dV of dqkv; D =
+// rowsum(dO * O) (B,NH,T) and the fp32 dQ (B,NH,T,HD) are the backward's own workspace tensors;
+// the scale, the masked scores' value and one are host scalars.
+enum SdpaTensorId : int64_t {
+  kSdpaQ = 1, kSdpaK, kSdpaV, kSdpaO, kSdpaStats, kSdpaScale, kSdpaMaskValue,  // forward
+  kSdpaDO, kSdpaDQ, kSdpaDK, kSdpaDV, kSdpaOne, kSdpaRowDot, kSdpaDQAccum,     // backward
+  kSdpaFirstVirtual = 100
+};
+
+// The forward or backward graph of a shape, for the tests' host interpreter (cudnn_sdpa_graph_test
+// .cpp), which evaluates it against a reference, so that what the graphs compute (strides, scale,
+// mask, statistics, gradients) is checked without a GPU. The operations in order, each with the
+// settings and tensors it was made with; every tensor's id, dims, strides, data type and flags are
+// read back from cuDNN's finalized descriptor (cudnnBackendGetAttribute). (cuDNN 9 returns nothing
+// from a pointwise operation or descriptor: CUDNN_STATUS_NOT_SUPPORTED.)
+// Names are cuDNN's without their prefixes: data types "FLOAT", "BFLOAT16", "INT32", "BOOLEAN";
+// pointwise modes "MUL", "EXP", "GEN_INDEX", ...; reductions "ADD", "MAX"; others "<kind> <number>".
+struct SdpaGraphTensor {
+  int64_t uid = 0;
+  std::string dtype;
+  std::array<int64_t, 4> dims{}, strides{};
+  bool is_virtual = false, by_value = false;
+};
+struct SdpaGraphOp {
+  std::string kind;       // "matmul" (y = x b), "pointwise", "reduction" or "reshape"
+  std::string mode;       // the pointwise mode or the reduction's operator
+  std::string precision;  // the computation's data type (matmul, pointwise, reduction)
+  int64_t axis = -1;      // GEN_INDEX's
+  SdpaGraphTensor x, y;
+  std::optional<SdpaGraphTensor> b, t;  // the second operand (matmul, binary pointwise), the selector
+};
+std::vector<SdpaGraphOp> cudnn_sdpa_describe_graph(const SdpaShape& shape, bool backward);
 
 // How cuDNN planned one graph: heuristics mode A's engine configurations are tried in order and
 // the first whose execution plan finalizes is kept (CudnnSdpa::prepare).
