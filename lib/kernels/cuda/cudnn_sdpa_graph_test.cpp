@@ -90,7 +90,10 @@ float stored(const std::string& dtype, double v) {
 // storage of their own when first written. Anything the interpreter does not know fails loudly.
 class Interpreter {
  public:
-  void bind(int64_t uid, float* first) { user_[uid] = first; }
+  // A user tensor's first element is v[first]; its strides must stay within v.
+  void bind(int64_t uid, std::vector<float>& v, int64_t first = 0) {
+    user_[uid] = {v.data() + first, int64_t(v.size()) - first};
+  }
   void scalar(int64_t uid, float v) { scalars_[uid] = v; }
 
   void run(const std::vector<SdpaGraphOp>& ops) {
@@ -127,7 +130,10 @@ class Interpreter {
     if (!t.is_virtual) {
       auto it = user_.find(t.uid);
       if (it == user_.end()) fail("graph interpreter: user tensor {} is not bound", t.uid);
-      return {&t, it->second};
+      const auto [first, available] = it->second;
+      if (extent(t) > available)
+        fail("graph interpreter: user tensor {} spans {} elements, its buffer {}", t.uid, extent(t), available);
+      return {&t, first};
     }
     auto it = virtual_.find(t.uid);
     if (it == virtual_.end()) fail("graph interpreter: virtual tensor {} is read before it is written", t.uid);
@@ -253,7 +259,7 @@ class Interpreter {
     virtual_[op.y.uid] = std::move(copy);
   }
 
-  std::map<int64_t, float*> user_;
+  std::map<int64_t, std::pair<float*, int64_t>> user_;  // first element, elements from it on
   std::map<int64_t, float> scalars_;
   std::map<int64_t, std::vector<float>> virtual_;
 };
@@ -267,6 +273,15 @@ void require_cudnn() {
   std::exit(77);
 }
 
+// What both graphs read: Q, K and V (column blocks of qkv), the scale and the masked scores' value.
+void bind_common(Interpreter& run, const Geometry& g, std::vector<float>& qkv) {
+  run.bind(cuda::kSdpaQ, qkv);
+  run.bind(cuda::kSdpaK, qkv, g.NH * g.HD);
+  run.bind(cuda::kSdpaV, qkv, (g.NH + g.NKV) * g.HD);
+  run.scalar(cuda::kSdpaScale, float(1.0 / std::sqrt(double(g.HD))));
+  run.scalar(cuda::kSdpaMaskValue, -std::numeric_limits<float>::infinity());
+}
+
 // The forward graph's outputs on the interpreter.
 struct Forward {
   std::vector<float> out, lse;
@@ -275,13 +290,9 @@ Forward run_forward(const std::vector<SdpaGraphOp>& ops, const Geometry& g, std:
   Forward f{std::vector<float>(size_t(g.B * g.T * g.C()), std::numeric_limits<float>::quiet_NaN()),
             std::vector<float>(size_t(g.B * g.NH * g.T), std::numeric_limits<float>::quiet_NaN())};
   Interpreter run;
-  run.bind(cuda::kSdpaQ, qkv.data());
-  run.bind(cuda::kSdpaK, qkv.data() + g.NH * g.HD);
-  run.bind(cuda::kSdpaV, qkv.data() + (g.NH + g.NKV) * g.HD);
-  run.bind(cuda::kSdpaO, f.out.data());
-  run.bind(cuda::kSdpaStats, f.lse.data());
-  run.scalar(cuda::kSdpaScale, float(1.0 / std::sqrt(double(g.HD))));
-  run.scalar(cuda::kSdpaMaskValue, -std::numeric_limits<float>::infinity());
+  bind_common(run, g, qkv);
+  run.bind(cuda::kSdpaO, f.out);
+  run.bind(cuda::kSdpaStats, f.lse);
   run.run(ops);
   return f;
 }
@@ -329,19 +340,15 @@ TEST_CASE("cudnn attention graphs, as cuDNN holds them, compute causal attention
     std::vector<float> dqkv(qkv.size(), nan), rowdot(size_t(g.B * g.NH * g.T), nan);
     std::vector<float> dq_accum(size_t(g.B * g.NH * g.T * g.HD), nan);
     Interpreter run;
-    run.bind(cuda::kSdpaQ, qkv.data());
-    run.bind(cuda::kSdpaK, qkv.data() + g.NH * g.HD);
-    run.bind(cuda::kSdpaV, qkv.data() + (g.NH + g.NKV) * g.HD);
-    run.bind(cuda::kSdpaO, f.out.data());
-    run.bind(cuda::kSdpaDO, dout.data());
-    run.bind(cuda::kSdpaStats, f.lse.data());
-    run.bind(cuda::kSdpaDQ, dqkv.data());
-    run.bind(cuda::kSdpaDK, dqkv.data() + g.NH * g.HD);
-    run.bind(cuda::kSdpaDV, dqkv.data() + (g.NH + g.NKV) * g.HD);
-    run.bind(cuda::kSdpaRowDot, rowdot.data());
-    run.bind(cuda::kSdpaDQAccum, dq_accum.data());
-    run.scalar(cuda::kSdpaScale, float(1.0 / std::sqrt(double(g.HD))));
-    run.scalar(cuda::kSdpaMaskValue, -std::numeric_limits<float>::infinity());
+    bind_common(run, g, qkv);
+    run.bind(cuda::kSdpaO, f.out);
+    run.bind(cuda::kSdpaDO, dout);
+    run.bind(cuda::kSdpaStats, f.lse);
+    run.bind(cuda::kSdpaDQ, dqkv);
+    run.bind(cuda::kSdpaDK, dqkv, g.NH * g.HD);
+    run.bind(cuda::kSdpaDV, dqkv, (g.NH + g.NKV) * g.HD);
+    run.bind(cuda::kSdpaRowDot, rowdot);
+    run.bind(cuda::kSdpaDQAccum, dq_accum);
     run.scalar(cuda::kSdpaOne, 1.0f);
     run.run(bwd_ops);
     r = allclose(dqkv, dqkv_cpu, tol.grad, tol.grad);
