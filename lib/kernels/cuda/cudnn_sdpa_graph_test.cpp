@@ -46,9 +46,10 @@ int64_t extent(const SdpaGraphTensor& t) {
   return e;
 }
 
-// The index into operand x for index i of a result shaped like y, over y's first `dims` dims (the
-// others are taken as they are): a dim of x of size 1 broadcasts; fewer heads than y's (dim 1) is
-// grouped-query attention, consecutive heads sharing one.
+// The index into x for index i of a tensor shaped like y, over y's first `dims` dims (the others
+// are taken as they are): a dim of x of size 1 broadcasts; fewer heads than y's (dim 1) is
+// grouped-query attention, consecutive heads sharing one. Serves an operand x of a result y, and a
+// reduction's result x of its input y.
 Idx operand_index(const SdpaGraphTensor& x, const SdpaGraphTensor& y, Idx i, int dims = 4) {
   for (int d = 0; d < dims; ++d) {
     if (x.dims[d] == y.dims[d])
@@ -228,19 +229,8 @@ class Interpreter {
     std::map<int64_t, double> acc;  // by y's offset
     const View x = in(xt);
     for_each(xt.dims, [&](const Idx& i) {
-      Idx j{};
-      for (int d = 0; d < 4; ++d) {
-        if (yt.dims[d] == xt.dims[d])
-          j[d] = i[d];
-        else if (yt.dims[d] == 1)
-          j[d] = 0;
-        else if (d == 1 && xt.dims[1] % yt.dims[1] == 0)
-          j[d] = i[d] / (xt.dims[1] / yt.dims[1]);
-        else
-          fail("graph interpreter: reduction of {} into {} over dim {}", xt.uid, yt.uid, d);
-      }
       const double v = x[i];
-      auto [it, fresh] = acc.emplace(offset(yt, j), v);
+      auto [it, fresh] = acc.emplace(offset(yt, operand_index(yt, xt, i)), v);
       if (!fresh) it->second = sum ? it->second + v : std::max(it->second, v);
     });
     float* y = out(yt);
