@@ -33,15 +33,6 @@ std::string cudnn_sdpa_unavailable();
 // "cuDNN X.Y.Z" of the library loaded, or empty when it cannot be loaded.
 std::string cudnn_sdpa_version();
 
-// The forward and backward graphs' operations for shape, each finalized by cuDNN (which checks
-// every attribute, tensor shape and data type) but not planned: no GPU is needed. Returns the
-// number of operations of each graph; throws mpigpt::Error naming the failing descriptor. For the
-// tests.
-struct SdpaOpCounts {
-  int forward = 0, backward = 0;
-};
-SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape& shape);
-
 // The ids of the graphs' user tensors (the keys of an execution's variant pack; virtual tensors
 // count from kSdpaFirstVirtual): Q, K, V are column blocks of qkv, dQ, dK, dV of dqkv; D =
 // rowsum(dO * O) (B,NH,T) and the fp32 dQ (B,NH,T,HD) are the backward's own workspace tensors;
@@ -52,11 +43,13 @@ enum SdpaTensorId : int64_t {
   kSdpaFirstVirtual = 100
 };
 
-// The forward or backward graph of a shape, for the tests' host interpreter (cudnn_sdpa_graph_test
-// .cpp), which evaluates it against a reference, so that what the graphs compute (strides, scale,
-// mask, statistics, gradients) is checked without a GPU. The operations in order, each with the
-// settings and tensors it was made with; every tensor's id, dims, strides, data type and flags are
-// read back from cuDNN's finalized descriptor (cudnnBackendGetAttribute). (cuDNN 9 returns nothing
+// The forward or backward graph of a shape, for the tests: every operation built and finalized by
+// cuDNN (which checks every attribute, tensor shape and data type) but not planned, so no GPU is
+// needed; throws mpigpt::Error naming a descriptor cuDNN rejects. The tests' host interpreter
+// (cudnn_sdpa_graph_test.cpp) evaluates the result against a reference, so that what the graphs
+// compute (strides, scale, mask, statistics, gradients) is checked without a GPU. The operations in
+// order, each with the settings and tensors it was made with; every tensor's id, dims, strides,
+// data type and flags are read back from cuDNN's finalized descriptor (cudnnBackendGetAttribute). (cuDNN 9 returns nothing
 // from a pointwise operation or descriptor: CUDNN_STATUS_NOT_SUPPORTED.)
 // Names are cuDNN's without their prefixes: data types "FLOAT", "BFLOAT16", "INT32", "BOOLEAN";
 // pointwise modes "MUL", "EXP", "GEN_INDEX", ...; reductions "ADD", "MAX"; others "<kind> <number>".

@@ -28,7 +28,6 @@ namespace mpigpt::cuda {
 
 #ifndef MPIGPT_HAVE_CUDNN
 
-SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape&) { throw Error(cudnn_load_error()); }
 std::vector<SdpaGraphOp> cudnn_sdpa_describe_graph(const SdpaShape&, bool) {
   throw Error(cudnn_load_error());
 }
@@ -190,13 +189,6 @@ void build_backward(Graph& g, const SdpaShape& s) {
 using sdpa::check;
 using sdpa::Desc;
 using sdpa::Graph;
-
-SdpaOpCounts cudnn_sdpa_finalize_operations(const SdpaShape& shape) {
-  Graph fwd("forward"), bwd("backward");
-  sdpa::build_forward(fwd, shape);
-  sdpa::build_backward(bwd, shape);
-  return {fwd.op_count(), bwd.op_count()};
-}
 
 // ---- the graphs described for the tests (cudnn_sdpa_describe_graph) ---------------------
 

@@ -89,12 +89,11 @@ TEST_CASE("cudnn attention graphs: every operation of the forward and backward f
   if (!have_cudnn()) return;
   // GPT-2 124M's shape (plain heads) and a Llama-style one (grouped-query heads, HD 128): the
   // backward has two more operations (the dK and dV group sums) with grouped-query heads.
-  const auto mha = cuda::cudnn_sdpa_finalize_operations({8, 1024, 12, 12, 64});
-  CHECK(mha.forward == 14);
-  CHECK(mha.backward == 22);
-  const auto gqa = cuda::cudnn_sdpa_finalize_operations({2, 2048, 32, 8, 128});
-  CHECK(gqa.forward == 14);
-  CHECK(gqa.backward == 24);
+  const cuda::SdpaShape mha{8, 1024, 12, 12, 64}, gqa{2, 2048, 32, 8, 128};
+  CHECK(cuda::cudnn_sdpa_describe_graph(mha, false).size() == 14);
+  CHECK(cuda::cudnn_sdpa_describe_graph(mha, true).size() == 22);
+  CHECK(cuda::cudnn_sdpa_describe_graph(gqa, false).size() == 14);
+  CHECK(cuda::cudnn_sdpa_describe_graph(gqa, true).size() == 24);
 }
 
 TEST_CASE("cudnn attention graphs: cuDNN's fused attention engines take and compile them for an H100/H200") {
