@@ -266,7 +266,7 @@ const char* kind_name(cudnnBackendDescriptorType_t type) {
   }
 }
 
-SdpaGraphOp read_op(const Graph::OpSettings& set) {
+SdpaGraphOp read_op(const Graph::Op& set) {
   SdpaGraphOp r;
   r.kind = kind_name(set.type);
   if (set.type == CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR) {
@@ -292,7 +292,7 @@ std::vector<SdpaGraphOp> cudnn_sdpa_describe_graph(const SdpaShape& shape, bool 
   else
     sdpa::build_forward(g, shape);
   std::vector<SdpaGraphOp> ops;
-  for (int i = 0; i < g.op_count(); ++i) ops.push_back(read_op(g.op_settings(i)));
+  for (const Graph::Op& op : g.op_list()) ops.push_back(read_op(op));
   return ops;
 }
 

@@ -140,43 +140,42 @@ class Graph {
     op.set(CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x).set(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y).finalize();
   }
 
-  int op_count() const { return int(ops_.size()); }
-  std::vector<cudnnBackendDescriptor_t> ops() const {
-    std::vector<cudnnBackendDescriptor_t> v;
-    for (const Desc* d : ops_) v.push_back(d->get());
-    return v;
-  }
-  // What an operation was made with: its descriptor type, its tensors (x and y; b the second
-  // operand of a matmul or binary pointwise operation, t the selector; null when absent), the
-  // pointwise mode or reduction operator, the computation's data type and GEN_INDEX's axis. Kept
+  // One operation: its descriptor type, its tensors (x and y; b the second operand of a matmul or
+  // binary pointwise operation, t the selector; null when absent), the pointwise mode or reduction
+  // operator, the computation's data type, GEN_INDEX's axis and the operation's descriptor. Kept
   // for cudnn_sdpa_describe_graph, since cuDNN 9 returns none of these from a pointwise operation.
-  struct OpSettings {
+  struct Op {
     cudnnBackendDescriptorType_t type;
     const Desc *x = nullptr, *b = nullptr, *t = nullptr, *y = nullptr;
     int64_t mode = 0;
     cudnnDataType_t precision = CUDNN_DATA_FLOAT;
     int64_t axis = -1;
+    const Desc* desc = nullptr;
   };
-  // What operation i (creation order) was made with.
-  const OpSettings& op_settings(int i) const { return settings_[size_t(i)]; }
+  // The operations in creation order, and their descriptors (an operation graph's).
+  const std::vector<Op>& op_list() const { return ops_; }
+  std::vector<cudnnBackendDescriptor_t> ops() const {
+    std::vector<cudnnBackendDescriptor_t> v;
+    for (const Op& op : ops_) v.push_back(op.desc->get());
+    return v;
+  }
   const std::string& name() const { return name_; }
 
  private:
   std::string label(const char* kind, const char* what) const {
     return fmt::format("{} {} {} (operation {})", name_, kind, what, ops_.size() + 1);
   }
-  Desc& add_op(const OpSettings& settings, const char* kind, const char* what) {
-    Desc& d = descs_.emplace_back(settings.type, label(kind, what));
-    ops_.push_back(&d);
-    settings_.push_back(settings);
+  Desc& add_op(Op op, const char* kind, const char* what) {
+    Desc& d = descs_.emplace_back(op.type, label(kind, what));
+    op.desc = &d;
+    ops_.push_back(op);
     return d;
   }
 
   std::string name_;
   int64_t next_virtual_ = kSdpaFirstVirtual;
   std::deque<Desc> tensors_, descs_;  // deques: references stay valid as they grow
-  std::vector<const Desc*> ops_;
-  std::vector<OpSettings> settings_;
+  std::vector<Op> ops_;
 };
 
 // The forward and backward graphs of shape s (cudnn_sdpa_graphs.cu says what they compute).
