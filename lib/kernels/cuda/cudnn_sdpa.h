@@ -49,8 +49,8 @@ enum SdpaTensorId : int64_t {
 // (cudnn_sdpa_graph_test.cpp) evaluates the result against a reference, so that what the graphs
 // compute (strides, scale, mask, statistics, gradients) is checked without a GPU. The operations in
 // order, each with the settings and tensors it was made with; every tensor's id, dims, strides,
-// data type and flags are read back from cuDNN's finalized descriptor (cudnnBackendGetAttribute). (cuDNN 9 returns nothing
-// from a pointwise operation or descriptor: CUDNN_STATUS_NOT_SUPPORTED.)
+// data type and flags are read back from cuDNN's finalized descriptor (cudnnBackendGetAttribute).
+// (cuDNN 9 returns nothing from a pointwise operation or descriptor: CUDNN_STATUS_NOT_SUPPORTED.)
 // Names are cuDNN's without their prefixes: data types "FLOAT", "BFLOAT16", "INT32", "BOOLEAN";
 // pointwise modes "MUL", "EXP", "GEN_INDEX", ...; reductions "ADD", "MAX"; others "<kind> <number>".
 struct SdpaGraphTensor {
