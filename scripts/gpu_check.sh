@@ -68,7 +68,8 @@ for part in "${parts[@]}"; do
         local dir=$OUT/resume run
         rm -rf "$dir" && mkdir -p "$dir" || return 1
         run=(timeout -k 10 "${STEP_TIMEOUT:-0}" "$B/run" mpirun -np 2 --oversubscribe --bind-to none mpigpt train
-             --model.num_layers 2 --model.hidden 64 --model.num_heads 1 --model.seq_len 64 --training.micro_batch 2 --training.global_batch 8
+             --model.num_layers 2 --model.hidden 64 --model.num_heads 1 --model.seq_len 64
+             --training.micro_batch 2 --training.global_batch 8
              --training.log_interval 1 --training.lr 1e-3 --training.warmup_iters 2 --training.train_iters 4
              --training.precision bf16 --engine.distributed_optimizer true --data.path "$DATA" $shared
              --engine.gemm_autotune false)
