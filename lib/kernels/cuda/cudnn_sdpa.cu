@@ -49,6 +49,7 @@ bool CudnnSdpa::prepare(const SdpaShape&, std::string* why) {
 }
 SdpaPlans CudnnSdpa::plans(const SdpaShape&) const { return {}; }
 size_t CudnnSdpa::workspace_bytes(const SdpaShape&) const { return 0; }
+std::vector<SdpaBinding> cudnn_sdpa_bindings(const SdpaShape&, bool) { throw Error(cudnn_load_error()); }
 void CudnnSdpa::forward(const SdpaShape&, void*, float*, const void*, void*) { throw Error(cudnn_load_error()); }
 void CudnnSdpa::backward(const SdpaShape&, void*, const void*, const void*, const void*, const float*, void*) {
   throw Error(cudnn_load_error());
@@ -208,9 +209,33 @@ void make_plan(Planned& p, Target target) {
   fail("no cuDNN engine runs the {} graph{}", p.graph.name(), tried);
 }
 
-// Queues plan p with the (uid, pointer) pairs and the workspace.
-void execute(cudnnHandle_t handle, const Planned& p, const std::vector<int64_t>& uids, std::vector<void*> ptrs,
+// The buffers of one call, by SdpaBuffer (bf16 ones as bytes).
+struct Buffers {
+  char *qkv = nullptr, *out = nullptr, *dout = nullptr, *dqkv = nullptr;
+  float *lse = nullptr, *rowdot = nullptr, *dq_accum = nullptr;
+};
+
+// Queues plan p with the variant pack of the bindings over buffers b, and the workspace.
+void execute(cudnnHandle_t handle, const Planned& p, const std::vector<SdpaBinding>& bindings, const Buffers& b,
              void* workspace) {
+  constexpr int64_t bf16 = 2;
+  std::vector<int64_t> uids;
+  std::vector<void*> ptrs;
+  for (const SdpaBinding& e : bindings) {
+    void* ptr = nullptr;
+    switch (e.buffer) {
+      case SdpaBuffer::Qkv: ptr = b.qkv + e.first * bf16; break;
+      case SdpaBuffer::Out: ptr = b.out + e.first * bf16; break;
+      case SdpaBuffer::DOut: ptr = b.dout + e.first * bf16; break;
+      case SdpaBuffer::DQkv: ptr = b.dqkv + e.first * bf16; break;
+      case SdpaBuffer::Lse: ptr = b.lse + e.first; break;
+      case SdpaBuffer::RowDot: ptr = b.rowdot + e.first; break;
+      case SdpaBuffer::DQAccum: ptr = b.dq_accum + e.first; break;
+      case SdpaBuffer::Scalar: ptr = const_cast<float*>(&e.value); break;  // read when the call is queued
+    }
+    uids.push_back(e.uid);
+    ptrs.push_back(ptr);
+  }
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, p.graph.name() + " variant pack");
   pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, &workspace)
       .set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, ptrs.data(), int64_t(ptrs.size()))
@@ -292,39 +317,50 @@ size_t CudnnSdpa::workspace_bytes(const SdpaShape& shape) const {
   return std::max(size_t(p.fwd.info.workspace), backward_workspace(shape).total + size_t(p.bwd.info.workspace));
 }
 
+std::vector<SdpaBinding> cudnn_sdpa_bindings(const SdpaShape& s, bool backward) {
+  using B = SdpaBuffer;
+  const int64_t k = int64_t(s.NH) * s.HD, v = int64_t(s.NH + s.NKV) * s.HD;  // K's and V's columns in a row
+  const float scale = float(1.0 / std::sqrt(double(s.HD)));
+  std::vector<SdpaBinding> b = {{kSdpaQ, B::Qkv, 0},         {kSdpaK, B::Qkv, k},
+                                {kSdpaV, B::Qkv, v},         {kSdpaO, B::Out, 0},
+                                {kSdpaStats, B::Lse, 0},     {kSdpaScale, B::Scalar, 0, scale},
+                                {kSdpaMaskValue, B::Scalar, 0, mask_value()}};
+  if (backward)
+    b.insert(b.end(), {{kSdpaDO, B::DOut, 0},
+                       {kSdpaDQ, B::DQkv, 0},
+                       {kSdpaDK, B::DQkv, k},
+                       {kSdpaDV, B::DQkv, v},
+                       {kSdpaOne, B::Scalar, 0, 1.0f},
+                       {kSdpaRowDot, B::RowDot, 0},
+                       {kSdpaDQAccum, B::DQAccum, 0}});
+  return b;
+}
+
 void CudnnSdpa::forward(const SdpaShape& shape, void* out, float* lse, const void* qkv, void* workspace) {
-  const Plans& p = *plans_.at(shape);
-  const size_t el = 2;  // bf16
-  char* base = static_cast<char*>(const_cast<void*>(qkv));
-  float scale = float(1.0 / std::sqrt(double(shape.HD))), masked = mask_value();
-  execute(as_handle(handle_), p.fwd,
-          {kSdpaQ, kSdpaK, kSdpaV, kSdpaO, kSdpaStats, kSdpaScale, kSdpaMaskValue},
-          {base, base + size_t(shape.NH) * shape.HD * el, base + size_t(shape.NH + shape.NKV) * shape.HD * el, out,
-           lse, &scale, &masked},
-          workspace);
+  Buffers b;
+  b.qkv = static_cast<char*>(const_cast<void*>(qkv));
+  b.out = static_cast<char*>(out);
+  b.lse = lse;
+  execute(as_handle(handle_), plans_.at(shape)->fwd, cudnn_sdpa_bindings(shape, false), b, workspace);
 }
 
 void CudnnSdpa::backward(const SdpaShape& shape, void* dqkv, const void* dout, const void* qkv, const void* out,
                          const float* lse, void* workspace) {
-  const Plans& p = *plans_.at(shape);
-  const size_t el = 2;  // bf16
-  const size_t k_off = size_t(shape.NH) * shape.HD * el, v_off = size_t(shape.NH + shape.NKV) * shape.HD * el;
-  char* base = static_cast<char*>(const_cast<void*>(qkv));
-  char* dbase = static_cast<char*>(dqkv);
   char* ws = static_cast<char*>(workspace);
   const BackwardWorkspace layout = backward_workspace(shape);
   // Before cuDNN 9.6 the engines accumulate into dQ's fp32 tensor without clearing it first.
   if (cudnn().GetVersion() < 90600)
     if (cudaMemsetAsync(ws, 0, layout.rowdot, static_cast<cudaStream_t>(stream_)) != cudaSuccess)
       fail("cuDNN attention: clearing the fp32 dQ (cudaMemsetAsync of {} bytes) failed", layout.rowdot);
-  float scale = float(1.0 / std::sqrt(double(shape.HD))), masked = mask_value(), one = 1.0f;
-  execute(as_handle(handle_), p.bwd,
-          {kSdpaQ, kSdpaK, kSdpaV, kSdpaO, kSdpaDO, kSdpaStats, kSdpaDQ, kSdpaDK, kSdpaDV, kSdpaScale, kSdpaMaskValue,
-           kSdpaOne, kSdpaRowDot, kSdpaDQAccum},
-          {base, base + k_off, base + v_off, const_cast<void*>(out), const_cast<void*>(dout),
-           const_cast<float*>(lse), dbase, dbase + k_off, dbase + v_off, &scale, &masked, &one, ws + layout.rowdot,
-           ws},
-          ws + layout.total);
+  Buffers b;
+  b.qkv = static_cast<char*>(const_cast<void*>(qkv));
+  b.out = static_cast<char*>(const_cast<void*>(out));
+  b.dout = static_cast<char*>(const_cast<void*>(dout));
+  b.dqkv = static_cast<char*>(dqkv);
+  b.lse = const_cast<float*>(lse);
+  b.dq_accum = reinterpret_cast<float*>(ws);
+  b.rowdot = reinterpret_cast<float*>(ws + layout.rowdot);
+  execute(as_handle(handle_), plans_.at(shape)->bwd, cudnn_sdpa_bindings(shape, true), b, ws + layout.total);
 }
 
 #endif

@@ -43,6 +43,23 @@ enum SdpaTensorId : int64_t {
   kSdpaFirstVirtual = 100
 };
 
+// Where an execution finds each user tensor of a graph: one entry of its variant pack. A tensor
+// lies in one of the call's buffers from element `first` of it on (elements of that buffer's type:
+// bf16 for qkv, out, dout and dqkv; fp32 for lse and the backward's fp32 workspace tensors), or is
+// a host scalar of value `value`. CudnnSdpa makes its variant packs from this list, and the tests'
+// host interpreter binds its buffers from it, so that the layout the interpreter checks is the one
+// the GPU is given.
+enum class SdpaBuffer { Qkv, Out, Lse, DOut, DQkv, RowDot, DQAccum, Scalar };
+struct SdpaBinding {
+  SdpaTensorId uid;
+  SdpaBuffer buffer;
+  int64_t first = 0;  // the tensor's first element in the buffer
+  float value = 0;    // a scalar's
+};
+// The forward's or the backward's bindings; the masked scores' value is the loaded cuDNN's (-inf
+// from 9.10 on, the lowest float before). Throws when cuDNN cannot be loaded.
+std::vector<SdpaBinding> cudnn_sdpa_bindings(const SdpaShape& shape, bool backward);
+
 // The forward or backward graph of a shape, for the tests: every operation built and finalized by
 // cuDNN (which checks every attribute, tensor shape and data type) but not planned, so no GPU is
 // needed; throws mpigpt::Error naming a descriptor cuDNN rejects. The tests' host interpreter

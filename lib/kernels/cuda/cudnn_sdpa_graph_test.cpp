@@ -4,17 +4,20 @@
 // a tensor is bf16; the forward's output and log-sum-exp and the backward's gradients must match
 // the CPU backend and the log-sum-exp reference. So a wrong stride, scale, mask, statistic or
 // gradient formula in the graphs fails here on any machine with cuDNN's library (a test below shows
-// the interpreter tells a wrong mask apart). The interpreter's reading of cuDNN's operations:
-// matmuls batch over the first two dims, and an operand with fewer heads serves consecutive groups
-// of them (grouped-query attention as cuDNN and the builtin kernels define it); a reshape is the
-// same storage seen through other strides and held in another dtype (cuDNN's transposes). Whether
-// cuDNN's fused engines run exactly what the graphs say is for the GPU (cudnn_sdpa_test.cpp).
+// the interpreter tells a wrong mask apart). The tensors are bound where the GPU execution binds
+// them (cudnn_sdpa_bindings, the variant packs' source), so a wrong offset there fails too. The
+// interpreter's reading of cuDNN's operations: matmuls batch over the first two dims, and an
+// operand with fewer heads serves consecutive groups of them (grouped-query attention as cuDNN and
+// the builtin kernels define it); a reshape is the same storage seen through other strides and held
+// in another dtype (cuDNN's transposes). Whether cuDNN's fused engines run exactly what the graphs
+// say is for the GPU (cudnn_sdpa_test.cpp).
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -263,13 +266,51 @@ void require_cudnn() {
   std::exit(77);
 }
 
-// What both graphs read: Q, K and V (column blocks of qkv), the scale and the masked scores' value.
-void bind_common(Interpreter& run, const Geometry& g, std::vector<float>& qkv) {
-  run.bind(cuda::kSdpaQ, qkv);
-  run.bind(cuda::kSdpaK, qkv, g.NH * g.HD);
-  run.bind(cuda::kSdpaV, qkv, (g.NH + g.NKV) * g.HD);
-  run.scalar(cuda::kSdpaScale, float(1.0 / std::sqrt(double(g.HD))));
-  run.scalar(cuda::kSdpaMaskValue, -std::numeric_limits<float>::infinity());
+// The host arrays of one call, by cuda::SdpaBuffer (bf16 ones hold bf16 values).
+struct Buffers {
+  using Array = std::vector<float>*;
+  Array qkv = nullptr, out = nullptr, lse = nullptr, dout = nullptr, dqkv = nullptr, rowdot = nullptr,
+        dq_accum = nullptr;
+};
+
+// The user tensors of a described graph (its variant pack's keys), by-value scalars included.
+std::set<int64_t> user_tensors(const std::vector<SdpaGraphOp>& ops) {
+  std::set<int64_t> uids;
+  auto add = [&](const SdpaGraphTensor& t) {
+    if (!t.is_virtual) uids.insert(t.uid);
+  };
+  for (const SdpaGraphOp& op : ops) {
+    add(op.x);
+    add(op.y);
+    if (op.b) add(*op.b);
+    if (op.t) add(*op.t);
+  }
+  return uids;
+}
+
+// Binds the graph's user tensors where the GPU execution finds them (cudnn_sdpa_bindings, from
+// which CudnnSdpa makes its variant packs), after checking that they are exactly the graph's.
+void bind(Interpreter& run, const std::vector<SdpaGraphOp>& ops, const cuda::SdpaShape& shape, bool backward,
+          const Buffers& b) {
+  std::set<int64_t> bound;
+  for (const cuda::SdpaBinding& e : cuda::cudnn_sdpa_bindings(shape, backward)) {
+    REQUIRE_MESSAGE(bound.insert(e.uid).second, "tensor ", e.uid, " bound twice");
+    std::vector<float>* v = nullptr;
+    switch (e.buffer) {
+      case cuda::SdpaBuffer::Qkv: v = b.qkv; break;
+      case cuda::SdpaBuffer::Out: v = b.out; break;
+      case cuda::SdpaBuffer::Lse: v = b.lse; break;
+      case cuda::SdpaBuffer::DOut: v = b.dout; break;
+      case cuda::SdpaBuffer::DQkv: v = b.dqkv; break;
+      case cuda::SdpaBuffer::RowDot: v = b.rowdot; break;
+      case cuda::SdpaBuffer::DQAccum: v = b.dq_accum; break;
+      case cuda::SdpaBuffer::Scalar: run.scalar(e.uid, e.value); continue;
+    }
+    REQUIRE_MESSAGE(v, "tensor ", e.uid, " is bound to a buffer the ", backward ? "backward" : "forward",
+                    " does not have");
+    run.bind(e.uid, *v, e.first);
+  }
+  CHECK(bound == user_tensors(ops));
 }
 
 // The forward graph's outputs on the interpreter.
@@ -280,9 +321,11 @@ Forward run_forward(const std::vector<SdpaGraphOp>& ops, const Geometry& g, std:
   Forward f{std::vector<float>(size_t(g.B * g.T * g.C()), std::numeric_limits<float>::quiet_NaN()),
             std::vector<float>(size_t(g.B * g.NH * g.T), std::numeric_limits<float>::quiet_NaN())};
   Interpreter run;
-  bind_common(run, g, qkv);
-  run.bind(cuda::kSdpaO, f.out);
-  run.bind(cuda::kSdpaStats, f.lse);
+  Buffers b;
+  b.qkv = &qkv;
+  b.out = &f.out;
+  b.lse = &f.lse;
+  bind(run, ops, {g.B, g.T, g.NH, g.NKV, g.HD}, false, b);
   run.run(ops);
   return f;
 }
@@ -330,16 +373,7 @@ TEST_CASE("cudnn attention graphs, as cuDNN holds them, compute causal attention
     std::vector<float> dqkv(qkv.size(), nan), rowdot(size_t(g.B * g.NH * g.T), nan);
     std::vector<float> dq_accum(size_t(g.B * g.NH * g.T * g.HD), nan);
     Interpreter run;
-    bind_common(run, g, qkv);
-    run.bind(cuda::kSdpaO, f.out);
-    run.bind(cuda::kSdpaDO, dout);
-    run.bind(cuda::kSdpaStats, f.lse);
-    run.bind(cuda::kSdpaDQ, dqkv);
-    run.bind(cuda::kSdpaDK, dqkv, g.NH * g.HD);
-    run.bind(cuda::kSdpaDV, dqkv, (g.NH + g.NKV) * g.HD);
-    run.bind(cuda::kSdpaRowDot, rowdot);
-    run.bind(cuda::kSdpaDQAccum, dq_accum);
-    run.scalar(cuda::kSdpaOne, 1.0f);
+    bind(run, bwd_ops, shape, true, {&qkv, &f.out, &f.lse, &dout, &dqkv, &rowdot, &dq_accum});
     run.run(bwd_ops);
     r = allclose(dqkv, dqkv_cpu, tol.grad, tol.grad);
     CHECK_MESSAGE(r.ok, "dqkv: ", r.str());
