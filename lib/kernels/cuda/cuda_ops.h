@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "lib/kernels/agreement.h"
 #include "lib/kernels/caching_allocator.h"
 #include "lib/kernels/cuda/cudnn_sdpa.h"
 #include "lib/kernels/ops.h"
@@ -204,7 +205,7 @@ class CudaOps final : public Ops {
   // One of auto's candidates for a call: which kernels, and a function that queues them on the
   // stream (false: they do not run this call, nothing queued). The call's outputs, which every
   // candidate overwrites: a device region of n elements of dt in rows of `cols` (named by row and
-  // column where a candidate disagrees), judged with agreement() at tol.
+  // column where a candidate disagrees), judged with agreement() within bounds.
   struct AttentionCandidate {
     AttentionKernels kernels;
     std::function<bool()> run;
@@ -214,8 +215,13 @@ class CudaOps final : public Ops {
     size_t n, cols;
     DType dt;
     const char* name;
-    double tol;
+    AgreementBounds bounds;
   };
+  // The bounds within which auto holds each candidate's output, gradients and log-sum-exp to the
+  // builtin kernels' (lib/kernels/agreement.h; cuda_attention_causal.cu says how they were measured).
+  static AgreementBounds attention_out_bounds(int HD);
+  static AgreementBounds attention_grad_bounds(int HD);
+  static AgreementBounds attention_lse_bounds();
   // Auto's measurement (public for its tests): runs candidates[0], the reference, and each other
   // candidate once, drops those that do not run or whose outputs disagree with the reference's, times
   // the rest (best of 3 interleaved rounds after a warm-up) and returns the index of the fastest (0
