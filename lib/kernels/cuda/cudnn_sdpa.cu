@@ -209,32 +209,34 @@ void make_plan(Planned& p, Target target) {
   fail("no cuDNN engine runs the {} graph{}", p.graph.name(), tried);
 }
 
-// The buffers of one call, by SdpaBuffer (bf16 ones as bytes).
+// The buffers of one call, by SdpaBuffer.
 struct Buffers {
-  char *qkv = nullptr, *out = nullptr, *dout = nullptr, *dqkv = nullptr;
+  void *qkv = nullptr, *out = nullptr, *dout = nullptr, *dqkv = nullptr;
   float *lse = nullptr, *rowdot = nullptr, *dq_accum = nullptr;
 };
 
 // Queues plan p with the variant pack of the bindings over buffers b, and the workspace.
 void execute(cudnnHandle_t handle, const Planned& p, const std::vector<SdpaBinding>& bindings, const Buffers& b,
              void* workspace) {
-  constexpr int64_t bf16 = 2;
   std::vector<int64_t> uids;
   std::vector<void*> ptrs;
   for (const SdpaBinding& e : bindings) {
-    void* ptr = nullptr;
+    void* base = nullptr;
+    int64_t size = 2;  // bf16
     switch (e.buffer) {
-      case SdpaBuffer::Qkv: ptr = b.qkv + e.first * bf16; break;
-      case SdpaBuffer::Out: ptr = b.out + e.first * bf16; break;
-      case SdpaBuffer::DOut: ptr = b.dout + e.first * bf16; break;
-      case SdpaBuffer::DQkv: ptr = b.dqkv + e.first * bf16; break;
-      case SdpaBuffer::Lse: ptr = b.lse + e.first; break;
-      case SdpaBuffer::RowDot: ptr = b.rowdot + e.first; break;
-      case SdpaBuffer::DQAccum: ptr = b.dq_accum + e.first; break;
-      case SdpaBuffer::Scalar: ptr = const_cast<float*>(&e.value); break;  // read when the call is queued
+      case SdpaBuffer::Qkv: base = b.qkv; break;
+      case SdpaBuffer::Out: base = b.out; break;
+      case SdpaBuffer::DOut: base = b.dout; break;
+      case SdpaBuffer::DQkv: base = b.dqkv; break;
+      case SdpaBuffer::Lse: base = b.lse, size = 4; break;
+      case SdpaBuffer::RowDot: base = b.rowdot, size = 4; break;
+      case SdpaBuffer::DQAccum: base = b.dq_accum, size = 4; break;
+      case SdpaBuffer::Scalar: base = const_cast<float*>(&e.value), size = 0; break;  // read when the call is queued
     }
+    if (base == nullptr || e.first < 0)
+      fail("cuDNN attention: the {}'s tensor {} has no buffer in this call", p.graph.name(), int64_t(e.uid));
+    ptrs.push_back(static_cast<char*>(base) + e.first * size);
     uids.push_back(e.uid);
-    ptrs.push_back(ptr);
   }
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, p.graph.name() + " variant pack");
   pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, &workspace)
@@ -338,8 +340,8 @@ std::vector<SdpaBinding> cudnn_sdpa_bindings(const SdpaShape& s, bool backward) 
 
 void CudnnSdpa::forward(const SdpaShape& shape, void* out, float* lse, const void* qkv, void* workspace) {
   Buffers b;
-  b.qkv = static_cast<char*>(const_cast<void*>(qkv));
-  b.out = static_cast<char*>(out);
+  b.qkv = const_cast<void*>(qkv);
+  b.out = out;
   b.lse = lse;
   execute(as_handle(handle_), plans_.at(shape)->fwd, cudnn_sdpa_bindings(shape, false), b, workspace);
 }
@@ -353,10 +355,10 @@ void CudnnSdpa::backward(const SdpaShape& shape, void* dqkv, const void* dout, c
     if (cudaMemsetAsync(ws, 0, layout.rowdot, static_cast<cudaStream_t>(stream_)) != cudaSuccess)
       fail("cuDNN attention: clearing the fp32 dQ (cudaMemsetAsync of {} bytes) failed", layout.rowdot);
   Buffers b;
-  b.qkv = static_cast<char*>(const_cast<void*>(qkv));
-  b.out = static_cast<char*>(const_cast<void*>(out));
-  b.dout = static_cast<char*>(const_cast<void*>(dout));
-  b.dqkv = static_cast<char*>(dqkv);
+  b.qkv = const_cast<void*>(qkv);
+  b.out = const_cast<void*>(out);
+  b.dout = const_cast<void*>(dout);
+  b.dqkv = dqkv;
   b.lse = const_cast<float*>(lse);
   b.dq_accum = reinterpret_cast<float*>(ws);
   b.rowdot = reinterpret_cast<float*>(ws + layout.rowdot);
