@@ -331,6 +331,19 @@ Forward run_forward(const std::vector<SdpaGraphOp>& ops, const Geometry& g, std:
   return f;
 }
 
+// The backward graph's dqkv on the interpreter, from the forward's out and lse; every element
+// must be written (NaN-filled before).
+std::vector<float> run_backward(const std::vector<SdpaGraphOp>& ops, const Geometry& g, std::vector<float>& qkv,
+                                Forward& f, std::vector<float>& dout) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> dqkv(qkv.size(), nan), rowdot(size_t(g.B * g.NH * g.T), nan);
+  std::vector<float> dq_accum(size_t(g.B * g.NH * g.T * g.HD), nan);
+  Interpreter run;
+  bind(run, ops, {g.B, g.T, g.NH, g.NKV, g.HD}, true, {&qkv, &f.out, &f.lse, &dout, &dqkv, &rowdot, &dq_accum});
+  run.run(ops);
+  return dqkv;
+}
+
 const std::vector<Geometry> kShapes = {
     {2, 48, 4, 4, 32}, {1, 40, 6, 2, 64}, {2, 33, 4, 1, 16}, {1, 24, 2, 2, 128}};
 
@@ -410,13 +423,8 @@ TEST_CASE("cudnn attention graphs, as cuDNN holds them, compute causal attention
     r = allclose(f.lse, reference_lse(qkv, g), 1e-4, 1e-5);
     CHECK_MESSAGE(r.ok, "lse: ", r.str());
 
-    // The backward from the forward's out and lse; every element of dqkv must be written.
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    std::vector<float> dqkv(qkv.size(), nan), rowdot(size_t(g.B * g.NH * g.T), nan);
-    std::vector<float> dq_accum(size_t(g.B * g.NH * g.T * g.HD), nan);
-    Interpreter run;
-    bind(run, bwd_ops, shape, true, {&qkv, &f.out, &f.lse, &dout, &dqkv, &rowdot, &dq_accum});
-    run.run(bwd_ops);
+    // The backward from the forward's out and lse.
+    const std::vector<float> dqkv = run_backward(bwd_ops, g, qkv, f, dout);
     r = allclose(dqkv, dqkv_cpu, tol.grad, tol.grad);
     CHECK_MESSAGE(r.ok, "dqkv: ", r.str());
   }
@@ -444,12 +452,7 @@ TEST_CASE("cudnn attention graphs at T = 1024 stay within engine.attention_backe
                          as_tensor(qkv, {g.B, g.T, g.R()}), g.NH, g.NKV, g.HD);
   const auto lse_ref = reference_lse(qkv, g);
   const std::vector<float> lse_want(lse_ref.begin(), lse_ref.end());
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> dqkv(qkv.size(), nan), rowdot(size_t(g.B * g.NH * g.T), nan);
-  std::vector<float> dq_accum(size_t(g.B * g.NH * g.T * g.HD), nan);
-  Interpreter run;
-  bind(run, bwd_ops, shape, true, {&qkv, &f.out, &f.lse, &dout, &dqkv, &rowdot, &dq_accum});
-  run.run(bwd_ops);
+  const std::vector<float> dqkv = run_backward(bwd_ops, g, qkv, f, dout);
   const auto dqkv_want = reference_backward(g, qkv, f.out, dout);
   using cuda::CudaOps;
   const struct {
