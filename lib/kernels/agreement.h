@@ -12,8 +12,9 @@
 //    exactly zero in exact arithmetic is rounding noise in both implementations);
 //  - the whole: ||got - want||_2 <= norm * ||want||_2, which catches an error spread thinly over
 //    many elements (a scale a few per cent off) that each stay within their element bound.
-// rms and norms are taken over the elements finite in both; a non-finite element agrees only with
-// the same non-finite value (NaN with NaN, inf with inf of the same sign).
+// The rms are taken over want's finite elements, the norms over the elements finite in both; a
+// non-finite element agrees only with the same non-finite value (NaN with NaN, inf with inf of the
+// same sign).
 #pragma once
 #include <cstddef>
 #include <string>

@@ -258,8 +258,8 @@ class Interpreter {
   std::map<int64_t, std::vector<float>> virtual_;
 };
 
-// Both test cases need cuDNN's library (not a GPU): without it (the host emulator has none) they
-// report skipped.
+// Every test case here needs cuDNN's library (not a GPU): without it (the host emulator has none)
+// they report skipped.
 void require_cudnn() {
   const std::string why = cuda::cudnn_sdpa_unavailable();
   if (why.empty()) return;
