@@ -425,12 +425,13 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_FAILS(parsed({"--attention_backend=wgmma"}).validate(1),
                 "engine.attention_backend = wgmma needs engine.backend = cuda (it is cpu)");
     CHECK_FAILS(parsed({"--attention_backend=flash"}).validate(1), "builtin | wgmma | cudnn | auto");
+    CHECK_FAILS(parsed({"--attention_backend=wgmma,cudnn", "--backend=cuda"}).validate(1), "without builtin");
     CHECK_FAILS(parsed({"--nccl_init=shared"}).validate(1), "init_rank | split");
     CHECK(parsed({"--nccl_init=split"}).engine.nccl_init == "split");
     CHECK_NOTHROW(parsed({"--attention_backend=cudnn", "--backend=cuda"}).validate(1));
     CHECK_NOTHROW(parsed({"--attention_backend=wgmma", "--backend=cuda"}).validate(1));
     for (const char* backend : {"cpu", "cuda"})
-      for (const char* ab : {"auto", "builtin"})
+      for (const char* ab : {"auto", "builtin", "builtin,cudnn", "wgmma,builtin"})
         CHECK_NOTHROW(parsed({"--backend", backend, "--attention_backend", ab}).validate(1));
   }
   SUBCASE("batch sizes") {

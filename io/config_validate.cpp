@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "io/config.h"
+#include "lib/kernels/attention_backend.h"
 #include "parallel/rank_grid.h"
 #include "lib/core/error.h"
 
@@ -60,7 +61,7 @@ void check_ranges(const Config& c) {
   one_of("engine.backend", e.backend, {"cpu", "cuda"});
   one_of("engine.comm", e.comm, {"auto", "nccl", "mpi"});
   one_of("engine.nccl_init", e.nccl_init, {"init_rank", "split"});
-  one_of("engine.attention_backend", e.attention_backend, {"builtin", "wgmma", "cudnn", "auto"});
+  (void)parse_attention_backend(e.attention_backend);
   one_of("parallel.cp_comm_type", p.cp_comm_type, {"p2p", "all_gather"});
   one_of("data.tokenizer", c.data.tokenizer, {"byte", "gpt2"});
   parse_order(p.order);  // the rank grid's own check
@@ -165,7 +166,7 @@ void check_layout(const Config& c, int world_size) {
   if (e.comm == "nccl" && e.backend != "cuda")
     fail("engine.comm = nccl needs engine.backend = cuda (it is {}): NCCL moves GPU memory, host tensors always go "
          "through MPI; set engine.comm = auto (or mpi), or engine.backend = cuda", e.backend);
-  if ((e.attention_backend == "cudnn" || e.attention_backend == "wgmma") && e.backend != "cuda")
+  if (parse_attention_backend(e.attention_backend).gpu_only() && e.backend != "cuda")
     fail("engine.attention_backend = {} needs engine.backend = cuda (it is {}): {} runs on the GPU; set "
          "engine.attention_backend = builtin (or auto), or engine.backend = cuda", e.attention_backend, e.backend,
          e.attention_backend == "cudnn" ? "cuDNN" : "the warpgroup kernels");

@@ -259,8 +259,10 @@ struct CudaOptions {
   bool gemm_autotune = false;
   // The causal attention ops (engine.attention_backend): "builtin" (the backend's own fused
   // kernels), "wgmma" (the builtin kernels on Hopper's warpgroup products, bf16 on sm_90a GPUs),
-  // "cudnn" (cuDNN's fused SDPA for bf16; an error when cuDNN is missing or cannot run a shape) or
-  // "auto" (the fastest of those that run a call and agree with the builtin kernels on its data).
+  // "cudnn" (cuDNN's fused SDPA for bf16; an error when cuDNN is missing or cannot run a shape),
+  // "auto" (the fastest of those that run a call and agree with the builtin kernels on its data) or
+  // a comma-separated list holding builtin, auto among those only ("builtin,cudnn";
+  // lib/kernels/attention_backend.h).
   std::string attention_backend = "builtin";
 };
 std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions& options = {});

@@ -202,7 +202,7 @@ void CudaOps::run_causal_attention(bool backward, const SdpaShape& shape, DType 
                                    const std::function<bool(AttentionKernels)>& run,
                                    const std::vector<AttentionOutput>& outputs) {
   using K = AttentionKernels;
-  switch (attention_backend_) {
+  switch (attention_.kind) {
     case AttentionBackend::Builtin:
       run(K::Builtin);
       return;
@@ -239,8 +239,9 @@ void CudaOps::run_causal_attention(bool backward, const SdpaShape& shape, DType 
     return;
   }
   std::vector<AttentionCandidate> candidates = {{K::Builtin, [&] { return run(K::Builtin); }}};
-  if (attention_wgmma_available()) candidates.push_back({K::Wgmma, [&] { return run(K::Wgmma); }});
-  if (cudnn_attention(shape, dt, op, false)) candidates.push_back({K::Cudnn, [&] { return run(K::Cudnn); }});
+  if (attention_.wgmma && attention_wgmma_available()) candidates.push_back({K::Wgmma, [&] { return run(K::Wgmma); }});
+  if (attention_.cudnn && cudnn_attention(shape, dt, op, false))
+    candidates.push_back({K::Cudnn, [&] { return run(K::Cudnn); }});
   const std::string what = fmt::format("{} {}", backward ? "backward" : "forward", shape_str(shape));
   attention_choices_[key] = candidates[fastest_agreeing_attention(what, candidates, outputs)].kernels;
 }

@@ -298,6 +298,40 @@ TEST_CASE("cuda attention auto: each pass and shape is measured once, and the ca
   CHECK(notes.empty());
 }
 
+TEST_CASE("cuda attention auto among a list (engine.attention_backend = builtin,cudnn): only those listed run") {
+  auto ops = cuda_ops_or_skip();
+  auto& cuda_ops = dynamic_cast<cuda::CudaOps&>(*ops);
+  auto cpu = make_cpu_ops();
+  const Geometry g{1, 70, 2, 1, 64};
+  const cuda::SdpaShape shape{g.B, g.T, g.NH, g.NKV, g.HD};
+  const bool wgmma_runs = cuda::attention_wgmma_available();
+  for (const char* value : {"builtin,wgmma", "builtin,cudnn", "auto"}) {
+    CAPTURE(value);
+    const AttentionBackendSpec spec = parse_attention_backend(value);
+    cuda_ops.set_attention_backend(spec);
+    (void)cuda_ops.take_notes();
+    compare(g, DType::BF16, *ops, *cpu, {}, false);
+    std::string all;
+    for (const auto& n : cuda_ops.take_notes()) all += n + "\n";
+    CAPTURE(all);
+    CHECK(has(all, "attention auto, forward B 1 T 70 heads 2/1 head dim 64: "));
+    CHECK(has(all, "attention auto, backward B 1 T 70 heads 2/1 head dim 64: "));
+    CHECK(has(all, "wgmma") == (spec.wgmma && wgmma_runs));
+    if (!spec.cudnn) CHECK_FALSE(has(all, "cudnn"));
+    for (bool backward : {false, true}) {
+      const auto choice = cuda_ops.attention_choice(backward, shape);
+      REQUIRE(choice.has_value());
+      CHECK((*choice == Kernels::Builtin || (*choice == Kernels::Wgmma && spec.wgmma) ||
+             (*choice == Kernels::Cudnn && spec.cudnn)));
+    }
+  }
+  // make_cuda_ops takes the list, and the backend's description names it.
+  CHECK(has(make_cuda_ops(0, CudaOptions{false, "cudnn,builtin"})->name(), "; builtin,cudnn attention, "));
+  CHECK(has(make_cuda_ops(0, CudaOptions{false, "builtin,wgmma"})->name(), "; builtin,wgmma attention)"));
+  CHECK_THROWS_WITH_AS(make_cuda_ops(0, CudaOptions{false, "cudnn,wgmma"}), doctest::Contains("without builtin"),
+                       Error);
+}
+
 TEST_CASE("cuda attention: engine.attention_backend = wgmma refuses what its kernels do not run") {
   auto ops = cuda_ops_or_skip();
   auto& cuda_ops = dynamic_cast<cuda::CudaOps&>(*ops);

@@ -28,16 +28,7 @@ static constexpr const char* kBuiltArchs = "unknown";
 namespace mpigpt {
 
 std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions& options) {
-  using Backend = cuda::CudaOps::AttentionBackend;
-  Backend attention = Backend::Builtin;
-  if (options.attention_backend == "cudnn")
-    attention = Backend::Cudnn;
-  else if (options.attention_backend == "wgmma")
-    attention = Backend::Wgmma;
-  else if (options.attention_backend == "auto")
-    attention = Backend::Auto;
-  else if (options.attention_backend != "builtin")
-    fail("engine.attention_backend = '{}' is not one of builtin | wgmma | cudnn | auto", options.attention_backend);
+  const AttentionBackendSpec attention = parse_attention_backend(options.attention_backend);
   auto ops = std::make_unique<cuda::CudaOps>(device);
   ops->set_gemm_autotune(options.gemm_autotune);
   ops->set_attention_backend(attention);
@@ -254,11 +245,10 @@ CudaOps::~CudaOps() {
 std::string CudaOps::name() const {
   cudaDeviceProp prop{};
   MPIGPT_CUDA(cudaGetDeviceProperties(&prop, device_));
-  std::string attention = attention_backend_ == AttentionBackend::Wgmma ? "wgmma attention" : "builtin attention";
-  if (attention_backend_ == AttentionBackend::Cudnn || attention_backend_ == AttentionBackend::Auto) {
+  std::string attention = attention_backend_str(attention_) + " attention";
+  if (attention_.kind == AttentionBackend::Cudnn || attention_.cudnn) {
     const std::string version = cudnn_sdpa_version();
-    attention = fmt::format("{} attention, {}", attention_backend_ == AttentionBackend::Cudnn ? "cudnn" : "auto",
-                            version.empty() ? "cuDNN not loadable" : version);
+    attention += fmt::format(", {}", version.empty() ? "cuDNN not loadable" : version);
   }
   return fmt::format("cuda (device {}: {}, sm_{}{}, {:.1f} GiB; {})", device_, prop.name, prop.major, prop.minor,
                      double(prop.totalGlobalMem) / double(1ull << 30), attention);

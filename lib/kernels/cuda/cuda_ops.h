@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "lib/kernels/agreement.h"
+#include "lib/kernels/attention_backend.h"
 #include "lib/kernels/caching_allocator.h"
 #include "lib/kernels/cuda/cudnn_sdpa.h"
 #include "lib/kernels/ops.h"
@@ -187,14 +188,21 @@ class CudaOps final : public Ops {
   //    runs the call runs it on its own data; those whose results disagree with the builtin kernels'
   //    are dropped and the fastest of the rest runs that pass and shape from then on (the builtin
   //    kernels stay unless another is at least 3% faster). Other calls (f32 data) run the builtin ones.
+  //    The spec's candidate flags say which of wgmma and cuDNN it may try (engine.attention_backend
+  //    = builtin,cudnn: only cuDNN).
   // The blockwise ops (ring attention, packed documents) always run the builtin kernels.
-  enum class AttentionBackend { Builtin, Wgmma, Cudnn, Auto };
+  using AttentionBackend = AttentionBackendSpec::Kind;
   enum class AttentionKernels { Builtin, Wgmma, Cudnn };
-  void set_attention_backend(AttentionBackend b) {
-    attention_backend_ = b;
+  void set_attention_backend(const AttentionBackendSpec& spec) {
+    attention_ = spec;
     attention_choices_.clear();
   }
-  AttentionBackend attention_backend() const { return attention_backend_; }
+  // One implementation, or auto among all three.
+  void set_attention_backend(AttentionBackend b) {
+    const bool all = b == AttentionBackend::Auto;
+    set_attention_backend(AttentionBackendSpec{b, all, all});
+  }
+  AttentionBackend attention_backend() const { return attention_.kind; }
   // What auto chose for a pass and shape; empty before its first call (or when it ran f32 data).
   std::optional<AttentionKernels> attention_choice(bool backward, const SdpaShape& shape) const;
   // The one-time measurements since the last call (attention auto's, one line per pass and shape;
@@ -245,7 +253,7 @@ class CudaOps final : public Ops {
   void* workspace_ = nullptr;
   double* host_result_ = nullptr;
   bool tune_ = false, tune_paused_ = false;
-  AttentionBackend attention_backend_ = AttentionBackend::Builtin;
+  AttentionBackendSpec attention_;
   std::map<std::pair<bool, SdpaShape>, AttentionKernels> attention_choices_;  // auto's, by (backward, shape)
   std::vector<std::string> notes_;
   std::map<BiasGradKey, bool> bias_grad_fused_;
