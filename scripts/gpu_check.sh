@@ -14,7 +14,8 @@
 #   ROUNDS=N      attention: rounds of the alternated variants (default 1)
 #   KERNELS=...   attention: the settings timed alone (default "builtin cudnn wgmma wgmma_wg2 auto"; a
 #                 name ending in _wg2 runs the warpgroup backward's two-buffer variant at head dim 64)
-#   TRAIN=...     attention: the settings of the training steps (default "builtin cudnn wgmma auto")
+#   TRAIN=...     attention: the settings of the training steps (default "builtin cudnn wgmma auto"; a
+#                 setting is any engine.attention_backend value, e.g. builtin,cudnn: auto among those)
 #   STEP_TIMEOUT=S  seconds each command may run before it is killed and reported failed (exit 124):
 #                 a kernel that hangs costs one step, not the session (default none; attention 150)
 set -uo pipefail
