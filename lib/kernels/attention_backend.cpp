@@ -32,7 +32,7 @@ AttentionBackendSpec parse_attention_backend(const std::string& value) {
     if (i == kNames.size())
       fail("engine.attention_backend = '{}' is not one of builtin | wgmma | cudnn | auto, nor a comma-separated "
            "list of builtin, wgmma and cudnn for auto to choose among{}; set it to one of these (e.g. auto, or "
-           "builtin,cudnn)", value, count == 0 && in.eof() ? "" : fmt::format(" ('{}' is none)", name));
+           "builtin,cudnn)", value, value.find(',') == std::string::npos ? "" : fmt::format(" ('{}' is none)", name));
     if (listed[i])
       fail("engine.attention_backend = '{}' names {} twice; name each of auto's candidates once (e.g. "
            "builtin,cudnn)", value, kNames[i]);
