@@ -68,3 +68,5 @@ for cfg in "${configs[@]}"; do
     grep -E "bench: op " <<<"$out" | sed 's/^/  /'
   fi
 done
+# Every run ran or did not fit (a failure otherwise exits above); the status is not the last grep's.
+exit 0

@@ -18,8 +18,17 @@
 #                 setting is any engine.attention_backend value, e.g. builtin,cudnn: auto among those)
 #   STEP_TIMEOUT=S  seconds each command may run before it is killed and reported failed (exit 124):
 #                 a kernel that hangs costs one step, not the session (default none; attention 150)
+#   PROBE_TIMEOUT=S seconds for each command of the warpgroup probe (default 60)
+#
+# The warpgroup (wgmma) attention kernels are probed once, before the first step that would run
+# them (unit, a wgmma/auto setting, ARGS of the bench): the primitives against exact products
+# (cuda_mma), then the kernels once at the 124M and 1.3B shapes. A probe that fails or hangs is
+# reported failed, and the rest runs without them: their unit tests are not run, wgmma and
+# wgmma_wg2 settings are left out, auto becomes builtin,cudnn and lists lose wgmma. A faulting
+# kernel takes its process's CUDA context, and a hanging one its step's timeout, in every step
+# that runs it; the probe pays that once.
 set -uo pipefail
-[ $# -ge 2 ] || { echo "usage: $0 BUNDLE_DIR OUT_DIR [unit] [regression] [bench]" >&2; exit 2; }
+[ $# -ge 2 ] || { echo "usage: $0 BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention]" >&2; exit 2; }
 mkdir -p "$2"
 B=$(cd "$1" && pwd) OUT=$(cd "$2" && pwd)
 shift 2
@@ -39,13 +48,63 @@ step() {  # name command...: runs it, its output to OUT/name.log, and reports th
   rc=$?
   echo "gpu_check: $name exit $rc ($((SECONDS - t0)) s)"
   [ $rc -eq 0 ] || status=1
+  return $rc
+}
+# The warpgroup probe (above); wgmma is empty until it has run, then ok or failed.
+wgmma=
+wgmma_probe() {
+  local t=${PROBE_TIMEOUT:-60} model
+  timeout -k 10 "$t" "$B/run" mpigpt_tests "--source-file=*/cuda/cuda_mma_test.cpp" --no-version=true || return
+  for model in gpt2_124m gpt2_1p3b; do
+    timeout -k 10 "$t" "$B/run" mpigpt bench-attention --config "$SRC/inputs/${model}_gpu.ini" \
+      --training.micro_batch 2 --bench-steps 1 --bench-warmup 1 --engine.attention_backend wgmma || return
+  done
+}
+uses_wgmma() {  # setting...: whether any of the attention settings runs the warpgroup kernels
+  local s
+  for s in "$@"; do
+    case ,$s, in *,auto,* | *,wgmma,* | *,wgmma_wg2,*) return 0 ;; esac
+  done
+  return 1
+}
+# settings VAR setting...: VAR = the attention settings as they may run: unchanged where none uses
+# wgmma or the probe (run here if it has not yet) passes, otherwise without the warpgroup kernels
+# (wgmma and wgmma_wg2 left out, auto -> builtin,cudnn, lists lose wgmma), duplicates dropped.
+settings() {
+  local -n into=$1
+  shift
+  into="$*"
+  uses_wgmma "$@" || return 0
+  [ -n "$wgmma" ] || { step wgmma_probe wgmma_probe && wgmma=ok || wgmma=failed; }
+  [ "$wgmma" = ok ] && return 0
+  local s kept=" "
+  for s in "$@"; do
+    case $s in
+      wgmma | wgmma_wg2) continue ;;
+      auto) s=builtin,wgmma,cudnn ;;
+    esac
+    s=$(tr , '\n' <<<"$s" | grep -vx wgmma | paste -sd,)
+    [[ $kept == *" $s "* ]] || kept+="$s "
+  done
+  kept=${kept# }
+  into=${kept% }
+  echo "gpu_check: without the warpgroup kernels (the probe failed): '$*' runs as '$into'"
 }
 "$B/run" nvidia-smi >"$OUT/nvidia-smi.log" 2>&1 || true
 for part in "${parts[@]}"; do
   case $part in
     unit)
+      # The cases that may run the warpgroup kernels (wgmma, auto) in a step of their own, after the probe.
+      wg_cases="*wgmma*,*attention auto*,*auto falls back*"
       step unit "$B/run" mpigpt_tests "--source-file=*/cuda/*_test.cpp" "--source-file-exclude=*_np2_test.cpp" \
-        --no-version=true
+        "--test-case-exclude=$wg_cases" --no-version=true
+      settings wg wgmma
+      if [ "$wg" = wgmma ]; then
+        step unit_wgmma "$B/run" mpigpt_tests "--source-file=*/cuda/*_test.cpp" \
+          "--source-file-exclude=*_np2_test.cpp" "--test-case=$wg_cases" --no-version=true
+      else
+        echo "gpu_check: unit_wgmma not run (the warpgroup probe failed)"
+      fi
       step unit_np2 "$B/run" mpirun -np 2 --oversubscribe --bind-to none mpigpt_tests \
         "--source-file=*/cuda/*_np2_test.cpp" --no-version=true ;;
     regression)
@@ -82,15 +141,27 @@ for part in "${parts[@]}"; do
         [ "$(wc -l <"$dir/a.txt")" = 2 ] && diff "$dir/a.txt" "$dir/b.txt" && echo "resume: iterations 3 and 4 equal"
       }
       step resume_bf16 resume_check
-      for backend in builtin wgmma auto; do
+      settings backends builtin wgmma auto
+      for backend in $backends; do
         step "regression_bf16_hd64_$backend" "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" \
           --out "$OUT/reg_bf16_hd64_$backend" --config "$OUT/tiny_hd64.ini" --layouts "^$" --families gpt2 \
           --steps 50 --skip-reference --tol 2e-2 \
           --layout-args "$shared --training.precision bf16 --engine.attention_backend $backend"
       done ;;
     bench)
-      step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" "$SRC/scripts/bench_gpu.sh" \
-        "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;
+      # ARGS (bench_gpu.sh's options for every run) with its attention setting as it may run (settings).
+      read -ra bench_args <<<"${ARGS:-}"
+      for i in "${!bench_args[@]}"; do
+        case ${bench_args[i]} in
+          --engine.attention_backend=*) settings a "${bench_args[i]#*=}"
+                                        bench_args[i]=--engine.attention_backend=$a ;;
+          --engine.attention_backend) [ $((i + 1)) -lt ${#bench_args[@]} ] || continue
+                                      settings a "${bench_args[i + 1]}"
+                                      bench_args[i + 1]=$a ;;
+        esac
+      done
+      step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" ARGS="${bench_args[*]}" \
+        "$SRC/scripts/bench_gpu.sh" "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;
     attention)
       saved_timeout=${STEP_TIMEOUT-}
       STEP_TIMEOUT=${STEP_TIMEOUT:-150}
@@ -108,19 +179,23 @@ for part in "${parts[@]}"; do
           *) echo "MPIGPT_ATTENTION_WG_TWO_BUFFERS= --engine.attention_backend $1" ;;
         esac
       }
+      # shellcheck disable=SC2086 # (the settings are words)
+      settings kernel_settings ${KERNELS:-builtin cudnn wgmma wgmma_wg2 auto}
+      # shellcheck disable=SC2086
+      settings train_settings ${TRAIN:-builtin cudnn wgmma auto}
       for model in ${MODELS:-gpt2_124m gpt2_1p3b llama_1b}; do
         mb=64
         [ "$model" = llama_1b ] && mb=32
         kargs=(mpigpt bench-attention --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
                --bench-steps 20 --bench-warmup 5)
-        for name in ${KERNELS:-builtin cudnn wgmma wgmma_wg2 auto}; do
+        for name in $kernel_settings; do
           read -r env_var opt value <<<"$(setting "$name")"
           step "kernels_${model}_$name" env "$env_var" "$B/run" "${kargs[@]}" "$opt" "$value"
         done
         args=(mpigpt bench --config "$SRC/inputs/${model}_gpu.ini" --training.micro_batch $mb
               --training.global_batch $mb --engine.recompute none --bench-steps 10 --bench-warmup 3)
         for ((round = 1; round <= ${ROUNDS:-1}; ++round)); do
-          for name in ${TRAIN:-builtin cudnn wgmma auto}; do
+          for name in $train_settings; do
             read -r env_var opt value <<<"$(setting "$name")"
             step "attention_${model}_${name}_$round" env "$env_var" "$B/run" "${args[@]}" "$opt" "$value"
           done
