@@ -26,7 +26,8 @@
 # reported failed, and the rest runs without them: their unit tests are not run, wgmma and
 # wgmma_wg2 settings are left out, auto becomes builtin,cudnn and lists lose wgmma. A faulting
 # kernel takes its process's CUDA context, and a hanging one its step's timeout, in every step
-# that runs it; the probe pays that once.
+# that runs it; the probe pays that once. On a GPU of another compute capability than 9.0 there
+# is nothing to probe: only the explicit wgmma settings are left out.
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention]" >&2; exit 2; }
 mkdir -p "$2"
@@ -50,7 +51,9 @@ step() {  # name command...: runs it, its output to OUT/name.log, and reports th
   [ $rc -eq 0 ] || status=1
   return $rc
 }
-# The warpgroup probe (above); wgmma is empty until it has run, then ok or failed.
+# The warpgroup probe (above); wgmma is empty until it has run, then ok, failed, or absent on a GPU
+# that runs no sm_90a code (compute capability other than 9.0): auto and lists skip the kernels
+# there by themselves, and an explicit wgmma setting is an error, so only those are left out.
 wgmma=
 wgmma_probe() {
   local t=${PROBE_TIMEOUT:-60} model
@@ -60,6 +63,17 @@ wgmma_probe() {
       --training.micro_batch 2 --bench-steps 1 --bench-warmup 1 --engine.attention_backend wgmma || return
   done
 }
+probe_wgmma() {
+  [ -z "$wgmma" ] || return 0
+  local cc
+  cc=$("$B/run" nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)
+  if [[ $cc =~ ^[0-9]+\.[0-9]+$ ]] && [ "$cc" != 9.0 ]; then  # (not known: probe)
+    wgmma=absent
+    echo "gpu_check: the GPU's compute capability is $cc, not 9.0: no warpgroup (sm_90a) kernels to probe"
+  else
+    step wgmma_probe wgmma_probe && wgmma=ok || wgmma=failed
+  fi
+}
 uses_wgmma() {  # setting...: whether any of the attention settings runs the warpgroup kernels
   local s
   for s in "$@"; do
@@ -68,27 +82,28 @@ uses_wgmma() {  # setting...: whether any of the attention settings runs the war
   return 1
 }
 # settings VAR setting...: VAR = the attention settings as they may run: unchanged where none uses
-# wgmma or the probe (run here if it has not yet) passes, otherwise without the warpgroup kernels
-# (wgmma and wgmma_wg2 left out, auto -> builtin,cudnn, lists lose wgmma), duplicates dropped.
+# wgmma or the probe (run here if it has not yet) passes; wgmma and wgmma_wg2 left out where the
+# GPU has no sm_90a; and where the probe failed also auto -> builtin,cudnn and lists without wgmma.
+# Duplicates are dropped.
 settings() {
   local -n into=$1
   shift
   into="$*"
   uses_wgmma "$@" || return 0
-  [ -n "$wgmma" ] || { step wgmma_probe wgmma_probe && wgmma=ok || wgmma=failed; }
+  probe_wgmma
   [ "$wgmma" = ok ] && return 0
   local s kept=" "
   for s in "$@"; do
     case $s in
       wgmma | wgmma_wg2) continue ;;
-      auto) s=builtin,wgmma,cudnn ;;
+      auto) [ "$wgmma" = failed ] && s=builtin,wgmma,cudnn ;;
     esac
-    s=$(tr , '\n' <<<"$s" | grep -vx wgmma | paste -sd,)
+    [ "$wgmma" = failed ] && s=$(tr , '\n' <<<"$s" | grep -vx wgmma | paste -sd,)
     [[ $kept == *" $s "* ]] || kept+="$s "
   done
   kept=${kept# }
   into=${kept% }
-  echo "gpu_check: without the warpgroup kernels (the probe failed): '$*' runs as '$into'"
+  echo "gpu_check: without the warpgroup kernels (probe: $wgmma): '$*' runs as '$into'"
 }
 "$B/run" nvidia-smi >"$OUT/nvidia-smi.log" 2>&1 || true
 for part in "${parts[@]}"; do
@@ -98,8 +113,8 @@ for part in "${parts[@]}"; do
       wg_cases="*wgmma*,*attention auto*,*auto falls back*"
       step unit "$B/run" mpigpt_tests "--source-file=*/cuda/*_test.cpp" "--source-file-exclude=*_np2_test.cpp" \
         "--test-case-exclude=$wg_cases" --no-version=true
-      settings wg wgmma
-      if [ "$wg" = wgmma ]; then
+      probe_wgmma
+      if [ "$wgmma" != failed ]; then
         step unit_wgmma "$B/run" mpigpt_tests "--source-file=*/cuda/*_test.cpp" \
           "--source-file-exclude=*_np2_test.cpp" "--test-case=$wg_cases" --no-version=true
       else

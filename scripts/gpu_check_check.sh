@@ -7,6 +7,8 @@
 # 124 after PROBE_TIMEOUT), the script exits non-zero, and no later command runs the warpgroup
 # kernels: wgmma and wgmma_wg2 are left out, auto becomes builtin,cudnn, lists lose wgmma (in
 # KERNELS, TRAIN and the bench's ARGS), and the unit cases of the warpgroup kernels are not run.
+# On a GPU of compute capability 8.0 (CC) there is no probe and no failure: only the explicit
+# wgmma settings, an error there, are left out.
 set -euo pipefail
 SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 T=$(mktemp -d)
@@ -18,7 +20,14 @@ cat >"$T/bundle/run" <<'FAKE'
 #!/usr/bin/env bash
 # bundle/run stand-in: one line per command in $CALLS, then the command's part.
 echo "$*" >>"$CALLS"
-if [[ " $* " =~ cuda_mma_test|--test-case=[*]wgmma|attention_backend[\ =](auto|([a-z]+,)*wgmma)[\ ,] ]]; then
+cc=${CC:-9.0}
+case "$*" in "nvidia-smi --query-gpu=compute_cap"*) echo "$cc"; exit 0 ;; esac
+if [ "$cc" != 9.0 ]; then
+  if [[ " $* " =~ attention_backend[\ =]wgmma\  ]]; then
+    echo "mpigpt: error: engine.attention_backend = wgmma needs a GPU that runs sm_90a code"
+    exit 1
+  fi
+elif [[ " $* " =~ cuda_mma_test|--test-case=[*]wgmma|attention_backend[\ =](auto|([a-z]+,)*wgmma)[\ ,] ]]; then
   case $WG in
     fault) echo "mpigpt: error: CUDA error: an illegal instruction was encountered"; exit 1 ;;
     hang) exec sleep 60 ;;
@@ -87,4 +96,16 @@ for wg in fault hang; do
   [ "$(count "$T/$wg.calls" "bench-attention .*--engine.attention_backend builtin,cudnn$")" = 1 ] ||
     fail "WG=$wg: auto's kernels did not run as builtin,cudnn"
 done
+
+# No sm_90a (compute capability 8.0): nothing to probe, nothing failed; auto and lists run as given.
+out=$(run absent hang CC=8.0 ARGS="--engine.attention_backend auto" TRAIN="builtin,wgmma,cudnn builtin auto wgmma" \
+      -- unit attention bench)
+[ "$(cat "$T/absent.rc")" = 0 ] || { echo "$out" >&2; fail "gpu_check.sh failed on a GPU without sm_90a"; }
+expect "$out" "compute capability is 8.0, not 9.0: no warpgroup"
+[ "$(count "$T/absent.calls" "cuda_mma_test")" = 0 ] || fail "the probe ran on a GPU without sm_90a"
+expect "$out" "gpu_check: unit_wgmma exit 0"
+expect "$out" "'builtin,wgmma,cudnn builtin auto wgmma' runs as 'builtin,wgmma,cudnn builtin auto'"
+expect "$out" "'builtin cudnn wgmma wgmma_wg2 auto' runs as 'builtin cudnn auto'"
+[ "$(count "$T/absent.calls" "bench .*--engine.attention_backend auto$")" -ge 1 ] ||
+  fail "the bench's ARGS changed on a GPU without sm_90a"
 echo "gpu_check check: ok"
