@@ -162,7 +162,7 @@ endif()
 
 # scripts/bench_gpu.sh's search for the largest micro-batch that fits, with a stand-in for mpigpt.
 cli_test(bench_gpu_search ok "bench_gpu check: ok" "${PROJECT_SOURCE_DIR}/scripts/bench_gpu_check.sh")
-cli_test(gpu_check_wgmma_probe ok "gpu_check check: ok" "${PROJECT_SOURCE_DIR}/scripts/gpu_check_check.sh")
+cli_test(gpu_check_kernel_probes ok "gpu_check check: ok" "${PROJECT_SOURCE_DIR}/scripts/gpu_check_check.sh")
 
 # `mpigpt bench --profile-ops`: the per-op breakdown of the last step, and the MFU line.
 cli_test(bench_profile_ops ok "bench: op linear_forward .* calls"

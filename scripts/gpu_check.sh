@@ -18,16 +18,19 @@
 #                 setting is any engine.attention_backend value, e.g. builtin,cudnn: auto among those)
 #   STEP_TIMEOUT=S  seconds each command may run before it is killed and reported failed (exit 124):
 #                 a kernel that hangs costs one step, not the session (default none; attention 150)
-#   PROBE_TIMEOUT=S seconds for each command of the warpgroup probe (default 60)
+#   PROBE_TIMEOUT=S seconds for each command of a probe (below; default 60)
 #
-# The warpgroup (wgmma) attention kernels are probed once, before the first step that would run
-# them (unit, a wgmma/auto setting, ARGS of the bench): the primitives against exact products
-# (cuda_mma), then the kernels once at the 124M and 1.3B shapes. A probe that fails or hangs is
-# reported failed, and the rest runs without them: their unit tests are not run, wgmma and
-# wgmma_wg2 settings are left out, auto becomes builtin,cudnn and lists lose wgmma. A faulting
-# kernel takes its process's CUDA context, and a hanging one its step's timeout, in every step
-# that runs it; the probe pays that once. On a GPU of another compute capability than 9.0 there
-# is nothing to probe: only the explicit wgmma settings are left out.
+# The optional attention kernels, Hopper's warpgroup ones (wgmma) and cuDNN's fused attention, are
+# each probed once, before the first step that would run them (unit, a setting naming them or
+# auto, ARGS of the bench): their unit test (wgmma: the primitives against exact products; cuDNN:
+# its attention against the CPU's), then the kernels once at the 124M and 1.3B shapes. A kernel
+# that faults takes its process's CUDA context with it, and one that hangs its step's timeout, in
+# every step that runs it: the probe pays that once. A probe that fails or hangs is reported
+# failed, and the rest runs without those kernels: their unit cases are not run, settings naming
+# them alone are left out, lists (and auto, builtin,wgmma,cudnn) lose them, and the auto unit
+# cases are not run. On a GPU whose compute capability is not 9.0 there are no warpgroup kernels
+# to probe, and where cuDNN does not load none of its: only the settings naming them alone, an
+# error there, are left out.
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention]" >&2; exit 2; }
 mkdir -p "$2"
@@ -51,74 +54,103 @@ step() {  # name command...: runs it, its output to OUT/name.log, and reports th
   [ $rc -eq 0 ] || status=1
   return $rc
 }
-# The warpgroup probe (above); wgmma is empty until it has run, then ok, failed, or absent on a GPU
-# that runs no sm_90a code (compute capability other than 9.0): auto and lists skip the kernels
-# there by themselves, and an explicit wgmma setting is an error, so only those are left out.
-wgmma=
-wgmma_probe() {
-  local t=${PROBE_TIMEOUT:-60} model
-  timeout -k 10 "$t" "$B/run" mpigpt_tests "--source-file=*/cuda/cuda_mma_test.cpp" --no-version=true || return
+# The probes (above): probed[k] is empty until k's has run, then ok, failed, or absent (wgmma on a
+# GPU that runs no sm_90a code, cuDNN where its library does not load: auto and lists skip the
+# kernels there by themselves, and a setting naming them alone is an error).
+declare -A probed=([wgmma]= [cudnn]=)
+probe_commands() {  # kernels: the probe's commands, each within PROBE_TIMEOUT
+  local t=${PROBE_TIMEOUT:-60} test=cuda_mma model log rc
+  [ "$1" = cudnn ] && test=cudnn_sdpa
+  # (auto's cases would run the other kernels too)
+  timeout -k 10 "$t" "$B/run" mpigpt_tests "--source-file=*/cuda/${test}_test.cpp" "--test-case-exclude=*auto*" \
+    --no-version=true || return
   for model in gpt2_124m gpt2_1p3b; do
+    log=$OUT/${1}_probe_$model.log
     timeout -k 10 "$t" "$B/run" mpigpt bench-attention --config "$SRC/inputs/${model}_gpu.ini" \
-      --training.micro_batch 2 --bench-steps 1 --bench-warmup 1 --engine.attention_backend wgmma || return
+      --training.micro_batch 2 --bench-steps 1 --bench-warmup 1 --engine.attention_backend "$1" >"$log" 2>&1
+    rc=$?
+    cat "$log"
+    # No cuDNN to load (or a build without it): absent, not failed; its unit cases pass without it.
+    if [ $rc -ne 0 ] && [ "$1" = cudnn ] && grep -qE "cannot load the cuDNN library|built without cuDNN" "$log"; then
+      echo absent >"$OUT/cudnn_probe.state"
+      return 0
+    fi
+    [ $rc -eq 0 ] || return $rc
   done
 }
-probe_wgmma() {
-  [ -z "$wgmma" ] || return 0
+probe() {  # kernels (wgmma or cudnn): probes them unless done
+  [ -z "${probed[$1]}" ] || return 0
   local cc
-  cc=$("$B/run" nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)
-  if [[ $cc =~ ^[0-9]+\.[0-9]+$ ]] && [ "$cc" != 9.0 ]; then  # (not known: probe)
-    wgmma=absent
-    echo "gpu_check: the GPU's compute capability is $cc, not 9.0: no warpgroup (sm_90a) kernels to probe"
-  else
-    step wgmma_probe wgmma_probe && wgmma=ok || wgmma=failed
+  if [ "$1" = wgmma ]; then
+    cc=$("$B/run" nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)
+    if [[ $cc =~ ^[0-9]+\.[0-9]+$ ]] && [ "$cc" != 9.0 ]; then  # (not known: probe)
+      probed[wgmma]=absent
+      echo "gpu_check: the GPU's compute capability is $cc, not 9.0: no warpgroup (sm_90a) kernels to probe"
+      return 0
+    fi
+  fi
+  rm -f "$OUT/${1}_probe.state"
+  step "${1}_probe" probe_commands "$1" && probed[$1]=ok || probed[$1]=failed
+  if [ -e "$OUT/${1}_probe.state" ]; then
+    probed[$1]=$(cat "$OUT/${1}_probe.state")
+    echo "gpu_check: $1 is ${probed[$1]} here (${1}_probe.log says why): settings naming it alone are left out"
   fi
 }
-uses_wgmma() {  # setting...: whether any of the attention settings runs the warpgroup kernels
-  local s
-  for s in "$@"; do
-    case ,$s, in *,auto,* | *,wgmma,* | *,wgmma_wg2,*) return 0 ;; esac
-  done
-  return 1
-}
-# settings VAR setting...: VAR = the attention settings as they may run: unchanged where none uses
-# wgmma or the probe (run here if it has not yet) passes; wgmma and wgmma_wg2 left out where the
-# GPU has no sm_90a; and where the probe failed also auto -> builtin,cudnn and lists without wgmma.
-# Duplicates are dropped.
+# settings VAR setting...: VAR = the attention settings as they may run. For each optional kernel
+# a setting runs (by name, in a list, or through auto), its probe (run here if not yet): where it
+# passed, nothing changes; where it failed, settings naming it alone are left out and it leaves
+# the lists (auto as builtin,wgmma,cudnn); where it is absent, only the settings naming it alone
+# are left out. Duplicates are dropped.
 settings() {
   local -n into=$1
   shift
-  into="$*"
-  uses_wgmma "$@" || return 0
-  probe_wgmma
-  [ "$wgmma" = ok ] && return 0
-  local s kept=" "
-  for s in "$@"; do
-    case $s in
-      wgmma | wgmma_wg2) continue ;;
-      auto) [ "$wgmma" = failed ] && s=builtin,wgmma,cudnn ;;
-    esac
-    [ "$wgmma" = failed ] && s=$(tr , '\n' <<<"$s" | grep -vx wgmma | paste -sd,)
-    [[ $kept == *" $s "* ]] || kept+="$s "
+  local k s kept list=("$@")
+  for k in wgmma cudnn; do
+    kept=" "
+    for s in "${list[@]}"; do
+      case ,$s, in
+        *,auto,* | *,$k,* | *,${k}_wg2,*)
+          probe "$k"
+          case ${probed[$k]}:$s in
+            ok:*) ;;
+            *:"$k" | *:"${k}_wg2") continue ;;
+            failed:*) [ "$s" = auto ] && s=builtin,wgmma,cudnn
+                      s=$(tr , '\n' <<<"$s" | grep -vx "$k" | paste -sd,) ;;
+          esac ;;
+      esac
+      [[ $kept == *" $s "* ]] || kept+="$s "
+    done
+    read -ra list <<<"$kept"
   done
-  kept=${kept# }
-  into=${kept% }
-  echo "gpu_check: without the warpgroup kernels (probe: $wgmma): '$*' runs as '$into'"
+  into="${list[*]}"
+  [ "$into" = "$*" ] ||
+    echo "gpu_check: '$*' runs as '$into' (probes: wgmma ${probed[wgmma]:-not run}, cudnn ${probed[cudnn]:-not run})"
 }
 "$B/run" nvidia-smi >"$OUT/nvidia-smi.log" 2>&1 || true
 for part in "${parts[@]}"; do
   case $part in
     unit)
-      # The cases that may run the warpgroup kernels (wgmma, auto) in a step of their own, after the probe.
-      wg_cases="*wgmma*,*attention auto*,*auto falls back*"
+      # The cases of the optional kernels (wgmma, cuDNN, auto over them) in a step of their own, after
+      # the probes, without those of kernels whose probe failed (and then without auto's).
+      optional="*wgmma*,cudnn attention*,*attention auto*"
       step unit "$B/run" mpigpt_tests "--source-file=*/cuda/*_test.cpp" "--source-file-exclude=*_np2_test.cpp" \
-        "--test-case-exclude=$wg_cases" --no-version=true
-      probe_wgmma
-      if [ "$wgmma" != failed ]; then
-        step unit_wgmma "$B/run" mpigpt_tests "--source-file=*/cuda/*_test.cpp" \
-          "--source-file-exclude=*_np2_test.cpp" "--test-case=$wg_cases" --no-version=true
+        "--test-case-exclude=$optional" --no-version=true
+      probe wgmma
+      probe cudnn
+      cases=() filters=()
+      [ "${probed[wgmma]}" = failed ] || cases+=("*wgmma*")
+      [ "${probed[cudnn]}" = failed ] || cases+=("cudnn attention*")
+      if [ ${#cases[@]} = 2 ]; then
+        cases+=("*attention auto*")
       else
-        echo "gpu_check: unit_wgmma not run (the warpgroup probe failed)"
+        filters+=("--test-case-exclude=*auto*")
+      fi
+      filters+=("--test-case=$(IFS=,; echo "${cases[*]}")")
+      if [ ${#cases[@]} -gt 0 ]; then
+        step unit_optional "$B/run" mpigpt_tests "--source-file=*/cuda/*_test.cpp" \
+          "--source-file-exclude=*_np2_test.cpp" "${filters[@]}" --no-version=true
+      else
+        echo "gpu_check: unit_optional not run (both probes failed)"
       fi
       step unit_np2 "$B/run" mpirun -np 2 --oversubscribe --bind-to none mpigpt_tests \
         "--source-file=*/cuda/*_np2_test.cpp" --no-version=true ;;
