@@ -71,8 +71,9 @@ probe_commands() {  # kernels: the probe's commands, each within PROBE_TIMEOUT
     rc=$?
     cat "$log"
     # No cuDNN to load (or a build without it): absent, not failed; its unit cases pass without it.
+    # (step runs this function in the script's shell, so the state it sets stays.)
     if [ $rc -ne 0 ] && [ "$1" = cudnn ] && grep -qE "cannot load the cuDNN library|built without cuDNN" "$log"; then
-      echo absent >"$OUT/cudnn_probe.state"
+      probed[cudnn]=absent
       return 0
     fi
     [ $rc -eq 0 ] || return $rc
@@ -89,19 +90,20 @@ probe() {  # kernels (wgmma or cudnn): probes them unless done
       return 0
     fi
   fi
-  rm -f "$OUT/${1}_probe.state"
-  step "${1}_probe" probe_commands "$1" && probed[$1]=ok || probed[$1]=failed
-  if [ -e "$OUT/${1}_probe.state" ]; then
-    probed[$1]=$(cat "$OUT/${1}_probe.state")
-    echo "gpu_check: $1 is ${probed[$1]} here (${1}_probe.log says why): settings naming it alone are left out"
+  if ! step "${1}_probe" probe_commands "$1"; then
+    probed[$1]=failed
+  elif [ "${probed[$1]}" = absent ]; then
+    echo "gpu_check: $1 is absent here (${1}_probe.log says why): settings naming it alone are left out"
+  else
+    probed[$1]=ok
   fi
 }
-# settings VAR setting...: VAR = the attention settings as they may run. For each optional kernel
+# as_probed VAR setting...: VAR = the attention settings as they may run. For each optional kernel
 # a setting runs (by name, in a list, or through auto), its probe (run here if not yet): where it
 # passed, nothing changes; where it failed, settings naming it alone are left out and it leaves
 # the lists (auto as builtin,wgmma,cudnn); where it is absent, only the settings naming it alone
 # are left out. Duplicates are dropped.
-settings() {
+as_probed() {
   local -n into=$1
   shift
   local k s kept list=("$@")
@@ -188,7 +190,7 @@ for part in "${parts[@]}"; do
         [ "$(wc -l <"$dir/a.txt")" = 2 ] && diff "$dir/a.txt" "$dir/b.txt" && echo "resume: iterations 3 and 4 equal"
       }
       step resume_bf16 resume_check
-      settings backends builtin wgmma auto
+      as_probed backends builtin wgmma auto
       for backend in $backends; do
         step "regression_bf16_hd64_$backend" "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" \
           --out "$OUT/reg_bf16_hd64_$backend" --config "$OUT/tiny_hd64.ini" --layouts "^$" --families gpt2 \
@@ -196,14 +198,14 @@ for part in "${parts[@]}"; do
           --layout-args "$shared --training.precision bf16 --engine.attention_backend $backend"
       done ;;
     bench)
-      # ARGS (bench_gpu.sh's options for every run) with its attention setting as it may run (settings).
+      # ARGS (bench_gpu.sh's options for every run) with its attention setting as it may run (as_probed).
       read -ra bench_args <<<"${ARGS:-}"
       for i in "${!bench_args[@]}"; do
         case ${bench_args[i]} in
-          --engine.attention_backend=*) settings a "${bench_args[i]#*=}"
+          --engine.attention_backend=*) as_probed a "${bench_args[i]#*=}"
                                         bench_args[i]=--engine.attention_backend=$a ;;
           --engine.attention_backend) [ $((i + 1)) -lt ${#bench_args[@]} ] || continue
-                                      settings a "${bench_args[i + 1]}"
+                                      as_probed a "${bench_args[i + 1]}"
                                       bench_args[i + 1]=$a ;;
         esac
       done
@@ -227,9 +229,9 @@ for part in "${parts[@]}"; do
         esac
       }
       # shellcheck disable=SC2086 # (the settings are words)
-      settings kernel_settings ${KERNELS:-builtin cudnn wgmma wgmma_wg2 auto}
+      as_probed kernel_settings ${KERNELS:-builtin cudnn wgmma wgmma_wg2 auto}
       # shellcheck disable=SC2086
-      settings train_settings ${TRAIN:-builtin cudnn wgmma auto}
+      as_probed train_settings ${TRAIN:-builtin cudnn wgmma auto}
       for model in ${MODELS:-gpt2_124m gpt2_1p3b llama_1b}; do
         mb=64
         [ "$model" = llama_1b ] && mb=32
