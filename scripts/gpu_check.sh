@@ -10,7 +10,8 @@
 #                                          (default: unit, regression and bench)
 #   DATA=PREFIX   the regression's dataset (PREFIX.bin/.idx, e.g. a copy of build/regression/data/
 #                 fortunes: the node has no fortune files to prepare it from)
-#   MODELS=...    attention: the inputs/*_gpu.ini models (default gpt2_124m gpt2_1p3b llama_1b)
+#   MODELS=...    attention and bench: the inputs/*_gpu.ini models (default: attention gpt2_124m
+#                 gpt2_1p3b llama_1b; bench those and gpt2_350m), e.g. to split the bench over calls
 #   ROUNDS=N      attention: rounds of the alternated variants (default 1)
 #   KERNELS=...   attention: the settings timed alone (default "builtin cudnn wgmma wgmma_wg2 auto"; a
 #                 name ending in _wg2 runs the warpgroup backward's two-buffer variant at head dim 64)
@@ -209,8 +210,12 @@ for part in "${parts[@]}"; do
                                       bench_args[i + 1]=$a ;;
         esac
       done
+      bench_configs=()
+      for model in ${MODELS:-gpt2_124m gpt2_350m gpt2_1p3b llama_1b}; do
+        bench_configs+=("$SRC/inputs/${model}_gpu.ini")
+      done
       step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" ARGS="${bench_args[*]}" \
-        "$SRC/scripts/bench_gpu.sh" "$SRC"/inputs/{gpt2_124m,gpt2_350m,gpt2_1p3b,llama_1b}_gpu.ini ;;
+        "$SRC/scripts/bench_gpu.sh" "${bench_configs[@]}" ;;
     attention)
       saved_timeout=${STEP_TIMEOUT-}
       STEP_TIMEOUT=${STEP_TIMEOUT:-150}

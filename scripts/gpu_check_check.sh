@@ -100,6 +100,10 @@ for s in "attention_backend wgmma$" "attention_backend cudnn$" "attention_backen
   [ "$(count "$T/ok.calls" "$s")" -ge 1 ] || fail "no command matching '$s' with passing probes"
 done
 if grep -q "runs as" <<<"$out"; then fail "a setting changed with passing probes: $out"; fi
+# MODELS (gpt2_124m in every run here) picks the bench's configs too, so that it can be split.
+[ "$(count "$T/ok.calls" "^mpigpt bench --config [^ ]*/inputs/gpt2_124m_gpu.ini ")" -ge 1 ] &&
+  [ "$(count "$T/ok.calls" "^mpigpt bench --config [^ ]*/inputs/(gpt2_350m|gpt2_1p3b|llama_1b)_gpu")" = 0 ] ||
+  fail "the bench did not run MODELS' configs alone"
 
 # A probe fails or hangs: the rest runs without those kernels. Cases: WG DNN, what TRAIN, the
 # default KERNELS and ARGS run as, and the unit cases left.
