@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The one-GPU benchmark (`make bench-gpu`): for each model config and recompute setting, the
 # largest micro-batch that fits (start at the config's, double while it fits, halve while it does
-# not: only mpigpt's "out of GPU memory" error counts as not fitting, any other failure stops the
-# script; scripts/bench_gpu_check.sh tests the search), then its tokens/s, TFLOP/s, MFU and peak
-# memory, and one profiled step per model (time per op, largest first).
+# not: only mpigpt's "out of GPU memory" error counts as not fitting; scripts/bench_gpu_check.sh
+# tests the search), then its tokens/s, TFLOP/s, MFU and peak memory, and one profiled step per
+# model (time per op, largest first). Any other failure ends that search: it is reported on stderr
+# with the figures of the largest micro-batch that ran before it, marked as such, the script goes
+# on with the next setting and config (so that one crash does not cost the rest of a time-limited
+# run), and exits 1 at the end.
 #
 #   scripts/bench_gpu.sh [CONFIG.ini ...]      (default: inputs/*_gpu.ini)
 #   MPIGPT=path/to/mpigpt  STEPS=10  WARMUP=3  RECOMPUTE="none full"  MAX_MB=1024  LOG=bench_gpu.log
@@ -24,7 +27,9 @@ configs=("$@")
                                      inputs/llama_1b_gpu.ini)
 : >"$LOG"
 
-# One bench run; its output goes to $out. Returns 0 (ran), 1 (out of GPU memory), exits otherwise.
+failed=0
+# One bench run; its output goes to $out. Returns 0 (ran), 1 (out of GPU memory), 2 (another failure:
+# reported, and the script's exit status becomes 1).
 run_bench() {  # config micro_batch recompute [extra args]
   local cfg=$1 mb=$2 rc=$3
   shift 3
@@ -35,40 +40,56 @@ run_bench() {  # config micro_batch recompute [extra args]
   { echo "== $cfg micro_batch $mb recompute $rc $*"; echo "$out"; } >>"$LOG"
   [ $status -eq 0 ] && return 0
   if grep -q "out of GPU memory" <<<"$out"; then return 1; fi
-  echo "bench_gpu: $cfg micro_batch $mb recompute $rc failed (not for memory):" >&2
+  echo "bench_gpu: $cfg micro_batch $mb recompute $rc $* failed (not for memory):" >&2
   tail -5 <<<"$out" >&2
-  exit 1
+  failed=1
+  return 2
 }
 
 for cfg in "${configs[@]}"; do
   start=$(sed -n 's/^micro_batch *= *\([0-9]*\).*/\1/p' "$cfg" | head -1)
   best_none=""
   for rc in $RECOMPUTE; do
-    mb=${start:-1} best="" best_out=""
-    if run_bench "$cfg" "$mb" "$rc"; then
-      best=$mb best_out=$out
-      while [ $((mb * 2)) -le "$MAX_MB" ] && run_bench "$cfg" $((mb * 2)) "$rc"; do
-        mb=$((mb * 2)) best=$mb best_out=$out
-      done
-    else
-      while [ "$mb" -gt 1 ]; do
-        mb=$((mb / 2))
-        if run_bench "$cfg" "$mb" "$rc"; then best=$mb best_out=$out; break; fi
-      done
-    fi
-    if [ -z "$best" ]; then
+    mb=${start:-1} best="" best_out="" crashed=""
+    run_bench "$cfg" "$mb" "$rc"
+    case $? in
+      0) best=$mb best_out=$out
+         while [ $((mb * 2)) -le "$MAX_MB" ]; do
+           run_bench "$cfg" $((mb * 2)) "$rc"
+           case $? in
+             0) mb=$((mb * 2)) best=$mb best_out=$out ;;
+             1) break ;;
+             *) crashed=$((mb * 2)); break ;;
+           esac
+         done ;;
+      1) while [ "$mb" -gt 1 ]; do
+           mb=$((mb / 2))
+           run_bench "$cfg" "$mb" "$rc"
+           case $? in
+             0) best=$mb best_out=$out; break ;;
+             2) crashed=$mb; break ;;
+           esac
+         done ;;
+      *) crashed=$mb ;;
+    esac
+    if [ -n "$crashed" ]; then
+      echo "$cfg recompute $rc: search stopped by a failure (not for memory) at micro-batch $crashed"
+      [ -n "$best" ] || continue
+      echo "$cfg recompute $rc: largest micro-batch that ran before the failure $best"
+    elif [ -z "$best" ]; then
       echo "$cfg recompute $rc: even micro-batch 1 does not fit"
       continue
+    else
+      echo "$cfg recompute $rc: largest micro-batch $best"
     fi
     [ "$rc" = none ] && best_none=$best
-    echo "$cfg recompute $rc: largest micro-batch $best"
     grep -E "^.*bench: " <<<"$best_out" | sed 's/^/  /'
   done
-  if [ -n "$best_none" ]; then  # the per-op breakdown of one step at the largest micro-batch without recompute
-    run_bench "$cfg" "$best_none" none --profile-ops || true
+  if [ -n "$best_none" ] && run_bench "$cfg" "$best_none" none --profile-ops; then
+    # the per-op breakdown of one step at the largest micro-batch without recompute
     echo "$cfg per-op time of one profiled step (micro-batch $best_none):"
     grep -E "bench: op " <<<"$out" | sed 's/^/  /'
   fi
 done
-# Every run ran or did not fit (a failure otherwise exits above); the status is not the last grep's.
-exit 0
+[ $failed = 0 ] || echo "bench_gpu: some runs failed (not for memory): stderr above, every run's output in $LOG" >&2
+exit $failed
