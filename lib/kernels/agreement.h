@@ -14,7 +14,8 @@
 //    many elements (a scale a few per cent off) that each stay within their element bound.
 // The rms are taken over want's finite elements, the norms over the elements finite in both; a
 // non-finite element agrees only with the same non-finite value (NaN with NaN, inf with inf of the
-// same sign).
+// same sign). The work is shared by the OpenMP threads in fixed chunks, added in order: the result
+// does not depend on their number.
 #pragma once
 #include <cstddef>
 #include <string>

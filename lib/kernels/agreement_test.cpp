@@ -3,7 +3,9 @@
 #include "lib/kernels/agreement.h"
 
 #include <doctest/doctest.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -117,4 +119,95 @@ TEST_CASE("agreement: bf16 data is read as stored") {
   CHECK(a.got == -2.5);
   CHECK(a.want == -2.0);
   CHECK_THROWS_AS(agreement(want.data(), got.data(), 3, DType::I32, b), Error);
+}
+
+namespace {
+// The definition (agreement.h) as one pass in order: what the chunked, threaded one must give.
+Agreement in_order(const std::vector<float>& want, const std::vector<float>& got, AgreementBounds b) {
+  const size_t n = want.size(), group = b.group > 0 ? b.group : n;
+  auto rms = [&](size_t begin, size_t end) {
+    double sum_sq = 0;
+    for (size_t i = begin; i < end; ++i) sum_sq += double(want[i]) * want[i];
+    return std::sqrt(sum_sq / double(end - begin));
+  };
+  Agreement a;
+  a.rms = rms(0, n);
+  double diff_sq = 0, want_sq = 0;
+  for (size_t begin = 0; begin < n; begin += group) {
+    const size_t end = std::min(n, begin + group);
+    const double scale = std::max(rms(begin, end), a.rms);
+    for (size_t i = begin; i < end; ++i) {
+      const double err = std::abs(double(got[i]) - want[i]), ratio = err / (b.element * (std::abs(want[i]) + scale));
+      diff_sq += err * err;
+      want_sq += double(want[i]) * want[i];
+      a.disagreeing += ratio > 1.0;
+      if (i == 0 || ratio > a.ratio) {
+        a.ratio = ratio;
+        a.worst = i;
+      }
+    }
+  }
+  a.norm_ratio = std::sqrt(diff_sq / want_sq);
+  return a;
+}
+}  // namespace
+
+TEST_CASE("agreement: a large output is judged in chunks and threads as a pass in order judges it") {
+  // Over a megabyte of elements (several of the fixed chunks, the last one partial), magnitudes
+  // that change every 96 elements (so that each group's rms matters, and a chunk that cut a group
+  // would change it), errors of about 1% of each value, and some elements over their bound, the
+  // largest twice in different chunks (the first is the worst).
+  const size_t n = 3 * (size_t(1) << 18) + 1000;
+  std::vector<float> want(n), got(n);
+  uint64_t state = 12345;
+  auto uniform = [&state] {  // in [-1, 1)
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return float(int64_t(state >> 40) - (int64_t(1) << 23)) / float(1 << 23);
+  };
+  for (size_t i = 0; i < n; ++i) {
+    want[i] = std::ldexp(uniform(), int(i / 96 % 11) - 5);
+    got[i] = want[i] * (1.0f + 0.01f * uniform());
+  }
+  for (size_t i : {size_t(5), size_t(262143), size_t(262144), size_t(500000), size_t(786431)})
+    got[i] = want[i] + 0.05f * std::ldexp(1.0f, int(i / 96 % 11) - 5);
+  // The tie: a block of 96000 elements (a multiple of every group size below) copied into another
+  // chunk, each with the same outlier, so that both see the same values around them.
+  const size_t block = 96000, from = 3 * block, to = 7 * block, first = from + 12001, second = to + 12001;
+  got[first] = want[first] + 64.0f;
+  std::copy(want.begin() + from, want.begin() + from + block, want.begin() + to);
+  std::copy(got.begin() + from, got.begin() + from + block, got.begin() + to);
+  const int threads = omp_get_max_threads();
+  for (size_t group : {size_t(0), size_t(64), size_t(96), size_t(1000)}) {  // 96 and 1000 do not divide a chunk
+    CAPTURE(group);
+    const AgreementBounds b{2e-2, 1.0, group};
+    const Agreement want_a = in_order(want, got, b);
+    omp_set_num_threads(1);
+    const Agreement one = agree(want, got, b);
+    omp_set_num_threads(4);
+    const Agreement four = agree(want, got, b);
+    omp_set_num_threads(threads);
+    CHECK(want_a.worst == first);
+    CHECK(want_a.disagreeing >= 2);
+    {  // a tie: without the first outlier, the second is the worst, by the same ratio
+      std::vector<float> untied = got;
+      untied[first] = want[first];
+      const Agreement u = in_order(want, untied, b);
+      CHECK(u.worst == second);
+      CHECK(u.ratio == doctest::Approx(want_a.ratio).epsilon(1e-12));
+    }
+    for (const Agreement& a : {one, four}) {
+      CHECK(a.n == n);
+      CHECK(a.disagreeing == want_a.disagreeing);
+      CHECK(a.worst == first);
+      CHECK(a.ratio == doctest::Approx(want_a.ratio).epsilon(1e-12));
+      CHECK(a.want == double(want[first]));
+      CHECK(a.got == double(got[first]));
+      CHECK(a.rms == doctest::Approx(want_a.rms).epsilon(1e-12));
+      CHECK(a.norm_ratio == doctest::Approx(want_a.norm_ratio).epsilon(1e-12));
+    }
+    // The same sums in the same order, whatever the threads: bitwise equal.
+    CHECK(one.rms == four.rms);
+    CHECK(one.norm_ratio == four.norm_ratio);
+    CHECK(one.str() == four.str());
+  }
 }

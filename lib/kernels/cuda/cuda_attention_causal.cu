@@ -9,7 +9,8 @@
 // its outputs are copied and compared with agreement() (lib/kernels/agreement.h), and one that
 // disagrees is dropped with a note saying where. The rest are timed in interleaved rounds. A
 // one-time cost per pass and shape (tens of milliseconds for GPT-2's shapes, plus copying the
-// outputs: about 0.8 GB of gradients per candidate at 1.3B), then a map lookup per call.
+// outputs, about 0.8 GB of gradients per candidate at 1.3B, and comparing them on the host's
+// cores), then a map lookup per call.
 #include <fmt/format.h>
 
 #include <algorithm>
