@@ -37,10 +37,10 @@ run_bench() {  # config micro_batch recompute [extra args]
         --engine.recompute "$rc" --bench-steps "$STEPS" --bench-warmup "$WARMUP" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} \
         "$@" 2>&1)
   local status=$?
-  { echo "== $cfg micro_batch $mb recompute $rc $*"; echo "$out"; } >>"$LOG"
+  { echo "== $cfg micro_batch $mb recompute $rc${*:+ $*}"; echo "$out"; } >>"$LOG"
   [ $status -eq 0 ] && return 0
   if grep -q "out of GPU memory" <<<"$out"; then return 1; fi
-  echo "bench_gpu: $cfg micro_batch $mb recompute $rc $* failed (not for memory):" >&2
+  echo "bench_gpu: $cfg micro_batch $mb recompute $rc${*:+ $*} failed (not for memory):" >&2
   tail -5 <<<"$out" >&2
   failed=1
   return 2
