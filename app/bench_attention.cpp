@@ -1,21 +1,19 @@
 // `mpigpt bench-attention`: the causal attention of a configuration alone, forward and backward on
 // random data of its shape (training.micro_batch sequences of model.seq_len tokens, the model's
 // query and key/value heads and head dim), on the configured backend, precision and
-// engine.attention_backend: median time per call and TFLOP/s. One process; the kernels are what
-// is measured, not a training step (that is `mpigpt bench`).
+// engine.attention_backend: median time per call and TFLOP/s, one process.
 #include <fmt/format.h>
 #include <mpi.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <vector>
 
+#include "app/backend.h"
 #include "app/commands.h"
 #include "io/config.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
 #include "lib/kernels/buffer.h"
-#include "lib/kernels/device_select.h"
 #include "lib/kernels/ops.h"
 #include "lib/train/trainer.h"
 #include "parallel/mpi_env.h"
@@ -93,18 +91,9 @@ int cmd_bench_attention(const std::vector<std::string>& args, const MpiEnv& mpi)
   const int64_t B = cfg.training.micro_batch, T = d.T;
   const int NH = d.NH, NKV = d.NKV, HD = d.HD();
 
-  std::unique_ptr<Ops> ops;
-  DType dt = DType::F32;
-  if (cfg.engine.backend == "cuda") {
-    const int dev = choose_device(0, 1, visible_cuda_devices(), false, node_ranks().host);
-    ops = make_cuda_ops(dev, CudaOptions{cfg.engine.gemm_autotune, cfg.engine.attention_backend});
-    if (cfg.training.precision == "bf16") dt = DType::BF16;
-  } else {
-    if (cfg.training.precision != "fp32")
-      fail("training.precision = '{}' needs the CUDA backend; use training.precision = fp32 on the CPU",
-           cfg.training.precision);
-    ops = make_cpu_ops();
-  }
+  const std::unique_ptr<Ops> ops = make_backend(cfg, node_ranks());
+  const DType dt = cfg.training.precision == "bf16" ? DType::BF16 : DType::F32;
+  const std::string kernels = describe_attention(cfg, *ops);
 
   const Shape sqkv{B, T, int64_t(NH + 2 * NKV) * HD}, sout{B, T, int64_t(NH) * HD};
   const int64_t nsaved = ops->attention_saved_numel(B, T, NH);
@@ -124,11 +113,9 @@ int cmd_bench_attention(const std::vector<std::string>& args, const MpiEnv& mpi)
   // Causal FLOPs: the two products of the forward over half the T x T scores; the backward's five
   // (FlashAttention's count: 2.5 times the forward's, whatever an implementation recomputes).
   const double flops = 4.0 * double(B) * NH * double(T) * double(T) * HD / 2.0;
-  const char* two = std::getenv("MPIGPT_ATTENTION_WG_TWO_BUFFERS");
-  log_line("bench-attention: {} {}, attention_backend {}{}; B {} T {} heads {}/{} head dim {}", ops->name(),
-           dtype_name(dt), cfg.engine.attention_backend,
-           two && two[0] != '\0' ? fmt::format(" (MPIGPT_ATTENTION_WG_TWO_BUFFERS={})", two) : "", B, T, NH, NKV, HD);
-  for (const std::string& note : ops->take_notes()) log_line("bench-attention: {}", note);
+  log_line("bench-attention: {} {}; B {} T {} heads {}/{} head dim {}", ops->name(), dtype_name(dt), B, T, NH, NKV,
+           HD);
+  log_line("bench-attention: attention: {}", kernels);
   log_line("bench-attention: forward {:.3f} ms ({:.4g} TFLOP/s), backward {:.3f} ms ({:.4g} TFLOP/s); median of {}",
            fwd * 1e3, flops / fwd / 1e12, bwd * 1e3, 2.5 * flops / bwd / 1e12, steps);
   return 0;

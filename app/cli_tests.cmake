@@ -20,7 +20,12 @@ cli_test(help ok "prepare-data" "${BIN} help")
 cli_test(unknown_command fail "unknown command 'trian'" "${BIN} trian")
 cli_test(bench_attention ok "bench-attention: forward [0-9.]+ ms .*backward [0-9.]+ ms"
   "${BIN} bench-attention ${TINY} --bench-steps 2 --bench-warmup 1")
+cli_test(bench_attention_kernels ok "^bench-attention: attention: the CPU backend's \\(fp32"
+  "${BIN} bench-attention ${TINY} --bench-steps 1 --bench-warmup 0")
 cli_test(bench_attention_np2 fail "runs on one rank" "${MPIRUN_STR} -np 2 ${BIN} bench-attention ${TINY}")
+# The start-up line says which kernels run the attention: the blockwise ones under context parallelism.
+cli_test(attention_line_np2 ok "attention: the blockwise kernels \\(parallel.cp = 2: ring attention\\)"
+  "${MPIRUN_STR} -np 2 ${BIN} bench ${TINY} --parallel.cp 2 --bench-steps 1 --bench-warmup 0")
 cli_test(train_help ok "\\[training\\]|training options|training\\.lr" "${BIN} train --help")
 cli_test(unknown_key fail "did you mean .--training.lr." "${BIN} train --training.learning_rate 1e-3")
 cli_test(bad_type fail "model.num_layers.*four" "${BIN} train --model.num_layers four")
@@ -163,7 +168,7 @@ endif()
 
 # scripts/bench_gpu.sh's search for the largest micro-batch that fits, with a stand-in for mpigpt.
 cli_test(bench_gpu_search ok "bench_gpu check: ok" "${PROJECT_SOURCE_DIR}/scripts/bench_gpu_check.sh")
-cli_test(gpu_check_kernel_probes ok "gpu_check check: ok" "${PROJECT_SOURCE_DIR}/scripts/gpu_check_check.sh")
+cli_test(gpu_check_steps ok "gpu_check check: ok" "${PROJECT_SOURCE_DIR}/scripts/gpu_check_check.sh")
 
 # `mpigpt bench --profile-ops`: the per-op breakdown of the last step, and the MFU line.
 cli_test(bench_profile_ops ok "bench: op linear_forward .* calls"

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "app/backend.h"
 #include "app/commands.h"
 #include "io/config.h"
 #include "io/hf_format.h"
@@ -80,7 +81,11 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
   // From here on the ranks wait for each other: a wait longer than engine.comm_timeout stops the job.
   const std::unique_ptr<Watchdog> watchdog = start_watchdog(cfg.engine.comm_timeout, "engine.comm_timeout");
   Mesh mesh(MPI_COMM_WORLD, mesh_sizes(cfg.parallel));
-  TrainResult r = train(cfg, mesh, opts);
+  const std::unique_ptr<Ops> ops = make_backend(cfg, node_ranks());
+  bind_device_comm(cfg, mesh, *ops, opts.quiet);
+  const std::string attention = describe_attention(cfg, *ops);  // every rank: a cudnn it cannot honour stops it
+  if (mpi.rank() == 0) log_line("{}attention: {}", bench ? "bench: " : "", attention);
+  TrainResult r = train(cfg, mesh, *ops, opts);
   if (bench) {
     // Memory and traffic differ per rank (pipeline stages, slices): report the largest.
     std::vector<int64_t> v = {r.memory.params, r.memory.grads, r.memory.optimizer, r.activation_bytes, r.device_peak_bytes};

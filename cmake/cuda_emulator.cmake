@@ -50,26 +50,6 @@ set_source_files_properties(${emu_generated} PROPERTIES COMPILE_OPTIONS
   "-include;cuda_runtime.h;-Wno-unknown-pragmas;-Wno-subobject-linkage;-fsanitize=alignment;-fno-sanitize-recover=alignment")
 target_link_options(mpigpt_kernels_emulated INTERFACE -fsanitize=alignment)
 
-# The emulator's own checks of its model of the asynchronous warpgroup products (wgmma): one block
-# uses cuda_wgmma.cuh correctly (`ok`), then with one ordering mistake per mode, each of which the
-# emulator must stop with its message (emulator/emulator_checks.cpp). The output decides.
-add_executable(mpigpt_emulator_checks ${EMU_SRC}/emulator_checks.cpp)
-target_link_libraries(mpigpt_emulator_checks PRIVATE mpigpt_kernels_emulated)
-target_include_directories(mpigpt_emulator_checks PRIVATE ${PROJECT_SOURCE_DIR})
-target_compile_options(mpigpt_emulator_checks PRIVATE -include cuda_runtime.h -Wno-unknown-pragmas)
-foreach(check "ok|emulator wgmma checks: ok"
-              "no_fence|with no wgmma.fence before it"
-              "no_proxy_fence|no fence.proxy.async after them"
-              "overwritten|changed between the product's issue and the wgmma.wait_group"
-              "not_retired|ended with warpgroup products")
-  string(REPLACE "|" ";" parts "${check}")
-  list(GET parts 0 mode)
-  list(GET parts 1 expected)
-  add_test(NAME emulated/emulator_wgmma_${mode} COMMAND mpigpt_emulator_checks ${mode})
-  set_tests_properties(emulated/emulator_wgmma_${mode} PROPERTIES LABELS emulated
-                       PASS_REGULAR_EXPRESSION "${expected}")
-endforeach()
-
 # The whole program on the emulated kernels: mpigpt_emulated is `mpigpt` built again with the
 # layers above the kernels (parallel, model, optim, io, train, app) compiled against the
 # emulator's headers, so that training with engine.backend = cuda runs on any machine. The
@@ -135,8 +115,6 @@ add_dependencies(mpigpt_emulated_tests mpigpt_emulated_nccl)
 #  - emulated/regression/loss_curve_cuda_bf16: GPT-2 in bf16 mixed precision against the fp32 CPU
 #    curve within 2e-2 (10 steps), with one head of 64 channels, so that the bf16 tensor-core
 #    attention runs in training too (the regression model's heads have 16);
-#  - emulated/regression/loss_curve_cuda_bf16_wgmma: the same with engine.attention_backend = wgmma,
-#    so that training runs the attention on the (emulated) Hopper warpgroup kernels (4 steps);
 #  - emulated/regression/loss_curves_cuda_bf16_moe: both MoE families in bf16 (f32 router), one
 #    rank, ep2, and ep2 x expert_tp2 x tp2 with the allgather dispatcher and the distributed
 #    optimizer, against the fp32 CPU curve within 2e-2 (4 steps);
@@ -154,10 +132,6 @@ if(DEFINED REGRESSION_DIR)  # tiny_hd64.ini: regression/regression.cmake
   add_test(NAME emulated/regression/loss_curve_cuda_bf16 COMMAND ${emu_run} --out ${REGRESSION_DIR}/emulated_bf16
            --config ${REGRESSION_DIR}/tiny_hd64.ini --steps 10 --layouts "^$" --families gpt2 --skip-reference
            --tol 2e-2 --layout-args "--engine.backend cuda --engine.comm mpi --training.precision bf16")
-  add_test(NAME emulated/regression/loss_curve_cuda_bf16_wgmma COMMAND ${emu_run}
-           --out ${REGRESSION_DIR}/emulated_bf16_wgmma --config ${REGRESSION_DIR}/tiny_hd64.ini --steps 4 --layouts "^$"
-           --families gpt2 --skip-reference --tol 2e-2
-           --layout-args "--engine.backend cuda --engine.comm mpi --training.precision bf16 --engine.attention_backend wgmma")
   add_test(NAME emulated/regression/loss_curves_cuda_bf16_moe COMMAND ${emu_run}
            --out ${REGRESSION_DIR}/emulated_bf16_moe --steps 4 --layouts "^(moe-ep2|moe-ep2-etp2-tp2-sp-allgather-distopt)$" --families gpt2-moe,llama-moe
            --skip-reference --tol 2e-2 --layout-args "${REGRESSION_CUDA_ARGS} --training.precision bf16")
@@ -172,7 +146,7 @@ if(DEFINED REGRESSION_DIR)  # tiny_hd64.ini: regression/regression.cmake
            --steps 2 --layouts "^(pp2-vpp2|cp2|tp2-pp2-dp2-distopt-overlap|moe-ep2|moe-cp2-tp2-sp-distopt)$"
            --families gpt2,gpt2-moe --layout-args "--engine.backend cuda --engine.comm nccl --engine.nccl_init split")
   set_tests_properties(emulated/regression/loss_curves_cuda emulated/regression/loss_curve_cuda_bf16
-                       emulated/regression/loss_curve_cuda_bf16_wgmma emulated/regression/loss_curves_cuda_bf16_moe
+                       emulated/regression/loss_curves_cuda_bf16_moe
                        emulated/regression/loss_curves_nccl emulated/regression/loss_curves_nccl_split PROPERTIES
     FIXTURES_REQUIRED regression_data LABELS "emulated;regression" TIMEOUT 900 PROCESSORS 2
     ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
@@ -181,47 +155,24 @@ if(DEFINED REGRESSION_DIR)  # tiny_hd64.ini: regression/regression.cmake
                PROPERTY ENVIRONMENT "LD_LIBRARY_PATH=${EMU_GEN}/nccl" "MPIGPT_EMULATED_DEVICES=8")
 endif()
 
-# `mpigpt bench-attention` on the emulated CUDA backend, bf16 with head dim 64: the builtin
-# tensor-core kernels, the Hopper warpgroup ones (engine.attention_backend = wgmma), and auto, which
-# measures both on the first call of each pass and says which it chose.
-set(emu_bench_attention $<TARGET_FILE:mpigpt_emulated> bench-attention --model.num_layers 1 --model.hidden 128
-    --model.num_heads 2 --model.seq_len 96 --training.micro_batch 2 --training.global_batch 2 --engine.backend cuda
-    --training.precision bf16 --bench-steps 1 --bench-warmup 0)
-set(emu_bench_attention_result "bench-attention: forward [0-9.]+ ms .*backward [0-9.]+ ms")
-add_test(NAME emulated/bench_attention COMMAND ${emu_bench_attention})
-add_test(NAME emulated/bench_attention_wgmma COMMAND ${emu_bench_attention} --engine.attention_backend wgmma)
-add_test(NAME emulated/bench_attention_auto COMMAND ${emu_bench_attention} --engine.attention_backend auto)
-set_tests_properties(emulated/bench_attention emulated/bench_attention_wgmma emulated/bench_attention_auto PROPERTIES
-  LABELS emulated ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
-set_tests_properties(emulated/bench_attention PROPERTIES PASS_REGULAR_EXPRESSION "${emu_bench_attention_result}")
-set_tests_properties(emulated/bench_attention_wgmma PROPERTIES
-  PASS_REGULAR_EXPRESSION "wgmma attention.*${emu_bench_attention_result}")
-# Both passes measured (builtin and wgmma: the emulator has no cuDNN), then timed.
-set_tests_properties(emulated/bench_attention_auto PROPERTIES PASS_REGULAR_EXPRESSION
-  "attention auto, forward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) \\(builtin [0-9.]+ ms, wgmma [0-9.]+ ms\\).*attention auto, backward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) \\(builtin [0-9.]+ ms, wgmma [0-9.]+ ms\\).*${emu_bench_attention_result}")
-
-# A training step under engine.attention_backend = auto: `mpigpt bench` must report auto's choice
-# for both passes (the trainer collects the backend's notes; rank 0 prints them).
-add_test(NAME emulated/bench_attention_auto_training COMMAND $<TARGET_FILE:mpigpt_emulated> bench --model.num_layers 1
-         --model.hidden 128 --model.num_heads 2 --model.seq_len 96 --model.vocab_size 256 --training.micro_batch 2
-         --training.global_batch 2 --engine.backend cuda --engine.comm mpi --training.precision bf16 --bench-steps 1
-         --bench-warmup 0 --engine.attention_backend auto)
-set_tests_properties(emulated/bench_attention_auto_training PROPERTIES LABELS emulated
-  ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1"
-  PASS_REGULAR_EXPRESSION "bench: attention auto, forward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) .*bench: attention auto, backward B 2 T 96 heads 2/2 head dim 64: (builtin|wgmma) .*bench: achieved")
+# `mpigpt bench-attention` on the emulated CUDA backend, bf16 with head dim 64: the default runs the
+# builtin tensor-core kernels (the emulator has no cuDNN) and says why.
+add_test(NAME emulated/bench_attention COMMAND $<TARGET_FILE:mpigpt_emulated> bench-attention --model.num_layers 1
+         --model.hidden 128 --model.num_heads 2 --model.seq_len 96 --training.micro_batch 2 --training.global_batch 2
+         --engine.backend cuda --training.precision bf16 --bench-steps 1 --bench-warmup 0)
+set_tests_properties(emulated/bench_attention PROPERTIES
+  LABELS emulated ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1"
+  PASS_REGULAR_EXPRESSION "attention: the builtin kernels \\(bf16 on tensor cores.*: this mpigpt was built without cuDNN.*bench-attention: forward [0-9.]+ ms .*backward [0-9.]+ ms")
 
 # Which GPU runs what, and a GPU too small, on emulated devices (emulator.cpp: MPIGPT_EMULATED_CC,
 # MPIGPT_EMULATED_MEMORY_MIB). The emulated program carries code for sm_90, as a build for CMake's
-# architecture 90 does, and the warpgroup attention as sm_90a machine code only. On two ranks:
+# architecture 90 does. On two ranks:
 #  - an sm_80 GPU cannot load that code: every rank stops, naming its GPU, what the binary carries
 #    and the CMake setting to rebuild with;
 #  - one GPU for the two ranks of the node: every rank stops, naming the counts and the launch
 #    options that fit (the real cli/cuda_device_np2 meets this only on a one-GPU machine);
 #  - a 64 MiB GPU: every rank stops at the first allocation that does not fit, naming the bytes
 #    asked for and free and the settings that need less.
-# And on one sm_100 GPU, where the sm_90 code runs (from its PTX) and the sm_90a code does not: an
-# explicit engine.attention_backend = wgmma is an error naming the GPU, auto runs the builtin kernels
-# (the only candidate: no times to compare on its line).
 set(emu_tiny_cuda --model.num_layers 2 --model.hidden 32 --model.num_heads 2 --model.seq_len 32
     --training.micro_batch 2 --training.global_batch 4 --engine.backend cuda --engine.comm mpi --bench-steps 1
     --bench-warmup 0)
@@ -248,13 +199,6 @@ emu_cli_test(cuda_ranks_over_devices_np2 fail
 emu_cli_test(cuda_out_of_memory_np2 fail
   "out of GPU memory on device [01]: requested [0-9]+ bytes .*, but only [0-9]+ bytes .* of 64\\.0 MiB are free.*Lower training\\.micro_batch, or set engine\\.recompute"
   "MPIGPT_EMULATED_MEMORY_MIB=64 ${emu_mpirun} -np 2 ${emu_bin} bench ${emu_tiny_cuda}")
-string(JOIN " " emu_bench_attention_str ${emu_bench_attention})
-emu_cli_test(wgmma_on_sm100 fail
-  "engine\\.attention_backend = wgmma needs a GPU that runs sm_90a code \\(H100/H200 class\\), but device 0 is a GPU of compute capability 10\\.0 \\(emulated\\) \\(sm_100\\)"
-  "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend wgmma")
-emu_cli_test(attention_auto_on_sm100 ok "attention auto, backward B 2 T 96 heads 2/2 head dim 64: builtin$"
-  "MPIGPT_EMULATED_CC=10.0 ${emu_bench_attention_str} --engine.attention_backend auto")
-
 # Resuming a bf16 run of the CUDA backend with the distributed optimizer (fp32 masters and Adam
 # moments sharded over two ranks) is exact: the gradient norms and losses of the iterations after
 # the checkpoint equal those of the run that never stopped, to the last digit of the metrics file.

@@ -84,7 +84,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(engine, backend, "compute backend: cpu | cuda", {"device"}),
       MPIGPT_OPTION(engine, allow_device_sharing, "cuda: more ranks per node than GPUs (tests; GPUs shared round robin)"),
       MPIGPT_OPTION(engine, gemm_autotune, "cuda: time cuBLASLt's candidate algorithms per GEMM shape, keep the fastest"),
-      MPIGPT_OPTION(engine, attention_backend, "cuda causal attention: builtin (own kernels) | wgmma (own, Hopper) | cudnn (fused SDPA) | auto (fastest; or auto among a list: builtin,cudnn)"),
+      MPIGPT_OPTION(engine, attention_backend, "cuda causal attention: cudnn (cuDNN fused) | builtin (own kernels); unset: cudnn where it runs, else builtin"),
       MPIGPT_OPTION(engine, comm, "communication of device tensors: auto (nccl for cuda) | nccl | mpi (staged through host)", {"distributed_backend"}),
       MPIGPT_OPTION(engine, nccl_init, "cuda + nccl: how each group's NCCL communicator is made: init_rank (its own bootstrap) | split (ncclCommSplit of the world's)"),
       MPIGPT_OPTION(engine, comm_timeout, "seconds a rank may wait for its peers (a collective, a message) before the job is stopped (0: forever)", {"distributed_timeout_minutes"}),

@@ -29,7 +29,7 @@ struct EngineConfig {
   std::string backend = "cpu";          // compute backend: cpu | cuda
   bool allow_device_sharing = false;    // cuda: more ranks per node than GPUs (tests; GPUs shared round robin)
   bool gemm_autotune = true;            // cuda: time cuBLASLt's candidate algorithms per GEMM shape, keep the fastest
-  std::string attention_backend = "builtin"; // cuda causal attention: builtin (own kernels) | wgmma (own, Hopper) | cudnn (fused SDPA) | auto (fastest; or auto among a list: builtin,cudnn)
+  std::string attention_backend;       // cuda causal attention: cudnn (cuDNN fused) | builtin (own kernels); unset: cudnn where it runs, else builtin
   std::string comm = "auto";            // communication of device tensors: auto (nccl for cuda) | nccl | mpi (staged through host)
   std::string nccl_init = "init_rank";  // cuda + nccl: how each group's NCCL communicator is made: init_rank (its own bootstrap) | split (ncclCommSplit of the world's)
   double comm_timeout = 600;            // seconds a rank may wait for its peers (a collective, a message) before the job is stopped (0: forever)

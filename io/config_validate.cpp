@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "io/config.h"
-#include "lib/kernels/attention_backend.h"
 #include "parallel/rank_grid.h"
 #include "lib/core/error.h"
 
@@ -47,6 +46,25 @@ void check_no_decay(const std::string& list) {
            "norms,biases,embeddings (or nothing to decay every parameter)", list, kind);
 }
 
+// engine.attention_backend = cudnn asks for cuDNN's fused attention in the causal ops: bf16 data on
+// the GPU, and whole sequences (context parallelism and packed documents run the blockwise kernels).
+void check_cudnn_attention(const Config& c) {
+  const EngineConfig& e = c.engine;
+  auto refuse = [&](const std::string& why) {
+    fail("engine.attention_backend = cudnn, but {}; set engine.attention_backend = builtin, or leave it unset "
+         "(cuDNN where it runs, the builtin kernels elsewhere)", why);
+  };
+  if (e.backend != "cuda") refuse(fmt::format("engine.backend = {}: cuDNN runs on the GPU", e.backend));
+  if (c.training.precision != "bf16")
+    refuse(fmt::format("training.precision = {}: cuDNN's fused attention takes bf16 data", c.training.precision));
+  if (c.parallel.cp > 1)
+    refuse(fmt::format("parallel.cp = {}: context parallelism runs the blockwise (ring) attention kernels, which "
+                       "are builtin", c.parallel.cp));
+  if (e.sequence_packing)
+    refuse("engine.sequence_packing = true: packed documents run the blockwise (masked) attention kernels, which "
+           "are builtin");
+}
+
 void check_ranges(const Config& c) {
   const ParallelConfig& p = c.parallel;
   const EngineConfig& e = c.engine;
@@ -61,7 +79,7 @@ void check_ranges(const Config& c) {
   one_of("engine.backend", e.backend, {"cpu", "cuda"});
   one_of("engine.comm", e.comm, {"auto", "nccl", "mpi"});
   one_of("engine.nccl_init", e.nccl_init, {"init_rank", "split"});
-  (void)parse_attention_backend(e.attention_backend);
+  if (!e.attention_backend.empty()) one_of("engine.attention_backend", e.attention_backend, {"cudnn", "builtin"});
   one_of("parallel.cp_comm_type", p.cp_comm_type, {"p2p", "all_gather"});
   one_of("data.tokenizer", c.data.tokenizer, {"byte", "gpt2"});
   parse_order(p.order);  // the rank grid's own check
@@ -166,10 +184,7 @@ void check_layout(const Config& c, int world_size) {
   if (e.comm == "nccl" && e.backend != "cuda")
     fail("engine.comm = nccl needs engine.backend = cuda (it is {}): NCCL moves GPU memory, host tensors always go "
          "through MPI; set engine.comm = auto (or mpi), or engine.backend = cuda", e.backend);
-  if (parse_attention_backend(e.attention_backend).gpu_only() && e.backend != "cuda")
-    fail("engine.attention_backend = {} needs engine.backend = cuda (it is {}): {} runs on the GPU; set "
-         "engine.attention_backend = builtin (or auto), or engine.backend = cuda", e.attention_backend, e.backend,
-         e.attention_backend == "cudnn" ? "cuDNN" : "the warpgroup kernels");
+  if (e.attention_backend == "cudnn") check_cudnn_attention(c);
   if (e.overlap_param_gather && !(e.distributed_optimizer && e.overlap_grad_reduce))
     fail("engine.overlap_param_gather = true needs engine.distributed_optimizer = true and "
          "engine.overlap_grad_reduce = true (they are {} and {}); turn both on or overlap_param_gather off",

@@ -322,7 +322,7 @@ DeviceComm& Comm::device() const { return *device_; }
 
 bool Comm::uses_nccl() const { return device_->group != nullptr; }
 
-void Comm::use_staging(void* compute_stream) const {
+void Comm::use_staging(void* compute_stream) {
   DeviceComm& d = device();
   d.compute_stream = compute_stream;
   d.group.reset();
@@ -364,7 +364,7 @@ std::string shared_gpu_error(MPI_Comm comm, int size, const std::string& bus) {
 
 }  // namespace
 
-void Comm::use_nccl(void* compute_stream, bool p2p_links) const {
+void Comm::use_nccl(void* compute_stream, bool p2p_links) {
   if (size_ == 0) return;  // not a member
   const auto w = watch(call("the set-up of NCCL (error agreement, unique id, ncclCommInitRank, links)", 0, nullptr));
   DeviceComm& d = device();
@@ -392,7 +392,7 @@ void Comm::use_nccl(void* compute_stream, bool p2p_links) const {
   if (p2p_links && d.to.empty() && d.from.empty()) nccl_links(d, comm_, rank_, size_, false);
 }
 
-void Comm::use_nccl_split(void* compute_stream, bool p2p_links, const Comm& parent) const {
+void Comm::use_nccl_split(void* compute_stream, bool p2p_links, const Comm& parent) {
   if (parent.size_ == 0) return;  // not in the call at all
   MPIGPT_CHECK(parent.device_->group, "use_nccl_split: the parent group {} has no NCCL communicator yet (use_nccl)",
                parent.label().str());

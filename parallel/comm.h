@@ -130,20 +130,18 @@ class Comm {
   void reset_stats() const { stats_ = {}; }
 
   // ---- how device tensors move (see the top of this file) ---------------------------------
-  // const: they change how memory moves, not the group; a Mesh hands out const Comms and the
-  // compute stream exists only once the trainer has made its CUDA ops. Calling again rebinds the
-  // compute stream (and keeps NCCL communicators already made).
+  // Calling again rebinds the compute stream (and keeps NCCL communicators already made).
   // Staged path ordered against `compute_stream` (nullptr: synchronise the whole device).
-  void use_staging(void* compute_stream) const;
+  void use_staging(void* compute_stream);
   // NCCL from now on; collective over the group (the NCCL communicator's unique id comes from
   // group rank 0 over MPI, ncclCommInitRank makes it). p2p_links: also the directed links for
   // isend/irecv to ring neighbours (a group that only runs collectives needs none).
-  void use_nccl(void* compute_stream, bool p2p_links) const;
+  void use_nccl(void* compute_stream, bool p2p_links);
   // The same with the communicator (and links) split from `parent`'s (ncclCommSplit), which
   // use_nccl must have set up: collective over parent's members, the ranks outside this group
   // included (each group of the same kind gets its communicator from the one call, so those
   // ranks call this on their own group's Comm, or on a Comm of size 0 where they have none).
-  void use_nccl_split(void* compute_stream, bool p2p_links, const Comm& parent) const;
+  void use_nccl_split(void* compute_stream, bool p2p_links, const Comm& parent);
   bool uses_nccl() const;
 
   // In-place sums / maxima over the group (no-ops when the group has one rank).

@@ -79,12 +79,12 @@ std::vector<int> Mesh::ep_of_member() const {
 
 std::string Mesh::describe() const { return describe_rank(sizes_, world_size_, rank_); }
 
-void Mesh::enable_device_comm(CommBackend backend, void* compute_stream) const {
+void Mesh::enable_device_comm(CommBackend backend, void* compute_stream) {
   // Member order: the same on every rank, which is what keeps the NCCL bootstraps (each
   // blocking until its whole group joins) from waiting on each other.
-  const Comm* all[] = {&world_, &tp_,    &cp_,  &dp_, &dp_cp_, &pp_, &mp_,
-                       &tp_dp_cp_, &tp_cp_, &embd_, &etp_, &ep_, &edp_, &etp_ep_};
-  for (const Comm* c : all) {
+  Comm* all[] = {&world_, &tp_,    &cp_,  &dp_, &dp_cp_, &pp_, &mp_,
+                 &tp_dp_cp_, &tp_cp_, &embd_, &etp_, &ep_, &edp_, &etp_ep_};
+  for (Comm* c : all) {
     const bool p2p = c == &pp_ || c == &cp_;  // the groups that send point to point
     if (backend == CommBackend::Mpi)
       c->use_staging(compute_stream);

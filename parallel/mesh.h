@@ -68,9 +68,8 @@ class Mesh {
   // every rank (collective over the world), plus point-to-point links in the pipeline and
   // context-parallel groups; NcclSplit bootstraps the world's alone and splits every other group's
   // (and the links) from it, in the same order; Mpi stages through pinned host memory. Calling
-  // again rebinds the stream. const for the reason Comm::use_nccl is (the trainer receives the
-  // mesh const).
-  void enable_device_comm(CommBackend backend, void* compute_stream) const;
+  // again rebinds the stream.
+  void enable_device_comm(CommBackend backend, void* compute_stream);
 
  private:
   MPI_Comm split(const RankGrid& g, const std::string& group);

@@ -51,10 +51,9 @@ set_tests_properties(regression/loss_curves PROPERTIES
 #    weights) in bf16 mixed precision on one GPU against the fp32 CPU curve of the same run, within
 #    2e-2 per step (bf16 rounds activations and the compute weights to 8 bits of mantissa, ~4e-3
 #    relative; the curve may drift a few times that);
-#  - regression/loss_curve_cuda_bf16_hd64 and _hd64_auto: 50 steps of GPT-2 with one head of 64
+#  - regression/loss_curve_cuda_bf16_hd64 and _hd64_cudnn: 50 steps of GPT-2 with one head of 64
 #    channels, one rank, bf16, with engine.attention_backend = builtin (the mma.sync tensor-core
-#    kernels) and auto (whichever of those, the warpgroup kernels and cuDNN agrees and is fastest),
-#    against the fp32 CPU curve within 2e-2.
+#    kernels) and cudnn (cuDNN's fused attention), against the fp32 CPU curve within 2e-2.
 set(REGRESSION_CUDA_ARGS "--engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true")
 add_test(NAME regression/loss_curves_cuda COMMAND ${REGRESSION_RUN} --mpirun "${REGRESSION_MPIRUN}"
          --out ${REGRESSION_DIR}/cuda --require-gpu --with-one-rank --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$"
@@ -63,7 +62,7 @@ add_test(NAME regression/loss_curve_cuda_bf16 COMMAND ${REGRESSION_RUN} --mpirun
          --out ${REGRESSION_DIR}/cuda_bf16 --require-gpu --with-one-rank --layouts "^(moe-ep2|tp2-dp2-distopt)$"
          --families gpt2,gpt2-moe,llama-moe --steps 50 --skip-reference --tol 2e-2
          --layout-args "${REGRESSION_CUDA_ARGS} --training.precision bf16")
-foreach(backend builtin auto)
+foreach(backend builtin cudnn)
   set(name regression/loss_curve_cuda_bf16_hd64)
   if(NOT backend STREQUAL builtin)
     string(APPEND name _${backend})

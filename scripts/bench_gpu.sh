@@ -12,7 +12,7 @@
 #   MPIGPT=path/to/mpigpt  STEPS=10  WARMUP=3  RECOMPUTE="none full"  MAX_MB=1024  LOG=bench_gpu.log
 #   (MAX_MB caps the doubling: the default lets memory decide, as the benchmark asks; a smaller
 #   cap shortens the search, e.g. MAX_MB=64 where each command's time is limited)
-#   ARGS="--engine.attention_backend auto"   (more options for every run)
+#   ARGS="--engine.attention_backend builtin"   (more options for every run)
 set -uo pipefail
 MPIGPT=${MPIGPT:-build/mpigpt}  # may be a command line, e.g. "bundle/run mpigpt"
 read -ra MPIGPT_CMD <<<"$MPIGPT"

@@ -406,7 +406,7 @@ find_lib() {  # SONAME GIVEN_DIR HOME_DIR WHY MODULE...
 find_lib libnccl.so.2 "${MPIGPT_NCCL_LIB_DIR:-}" "${NCCL_HOME:-}" \
   "set MPIGPT_NCCL_LIB_DIR; multi-GPU runs need it" nccl cu13
 find_lib libcudnn.so.9 "${MPIGPT_CUDNN_LIB_DIR:-}" "${CUDNN_HOME:-}" \
-  "set MPIGPT_CUDNN_LIB_DIR; engine.attention_backend = cudnn needs it" cudnn cu13
+  "set MPIGPT_CUDNN_LIB_DIR; without it the attention runs the builtin kernels" cudnn cu13
 lp=$(IFS=:; echo "${paths[*]}")
 export LD_LIBRARY_PATH="$lp${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 [ "$U" = "$B" ] || PATH="$U/bin:$PATH"
@@ -463,7 +463,7 @@ What the node needs
   - NCCL for multi-GPU runs: libnccl.so.2 in MPIGPT_NCCL_LIB_DIR, the toolkit's or the system's
     library folder, or from PyTorch's pip packages (nvidia/nccl/lib in python3's site-packages;
     ./run asks python3 where that is).
-  - cuDNN 9 for engine.attention_backend = cudnn (or auto): libcudnn.so.9 in MPIGPT_CUDNN_LIB_DIR,
+  - cuDNN 9 for its fused attention (the default where it loads): libcudnn.so.9 in MPIGPT_CUDNN_LIB_DIR,
     the toolkit's or the system's library folder, or PyTorch's pip package (nvidia/cudnn/lib).
   - xz or python3, to unpack the files stored compressed (*.xz) on the first ./run.
 

@@ -39,10 +39,13 @@ class Ops {
   // High-water mark of the bytes this backend's allocator has handed out (0: not tracked; the
   // CPU's memory is reported by the process's peak resident size instead).
   virtual size_t peak_allocated() const { return 0; }
-  // Lines the backend asks to be logged, each given once: the choices it made by measuring (the
-  // CUDA backend's engine.attention_backend = auto, and with engine.gemm_autotune the way to a linear
-  // layer's bias gradient). Ranks choose for themselves.
+  // Lines the backend asks to be logged, each given once: the choices it made by measuring (with
+  // engine.gemm_autotune, the way to a linear layer's bias gradient). Ranks choose for themselves.
   virtual std::vector<std::string> take_notes() { return {}; }
+  // Which kernels run the causal attention ops at this call shape (B,T,NH,NKV,HD) and data dtype,
+  // and why, for the start-up log; fails, naming the reason, where the configured choice cannot run
+  // it (CudaOptions::Attention::Cudnn).
+  virtual std::string attention_kernels(int64_t B, int64_t T, int NH, int NKV, int HD, DType dt) = 0;
 
   // ---- memory ---------------------------------------------------------------------------
   virtual void* allocate(size_t bytes) = 0;  // zero-filled, 64-byte aligned
@@ -257,13 +260,11 @@ struct CudaOptions {
   // Time cuBLASLt's candidate algorithms on each large GEMM shape's first product and keep the
   // fastest (engine.gemm_autotune; off, the heuristic's first choice, bitwise reproducible).
   bool gemm_autotune = false;
-  // The causal attention ops (engine.attention_backend): "builtin" (the backend's own fused
-  // kernels), "wgmma" (the builtin kernels on Hopper's warpgroup products, bf16 on sm_90a GPUs),
-  // "cudnn" (cuDNN's fused SDPA for bf16; an error when cuDNN is missing or cannot run a shape),
-  // "auto" (the fastest of those that run a call and agree with the builtin kernels on its data) or
-  // a comma-separated list holding builtin, auto among those only ("builtin,cudnn";
-  // lib/kernels/attention_backend.h).
-  std::string attention_backend = "builtin";
+  // Who runs the causal attention ops (engine.attention_backend): cuDNN's fused attention where it
+  // loads and runs the call (bf16 data) and the builtin kernels elsewhere (Default); cuDNN or an
+  // error naming why not (Cudnn); the builtin kernels always (Builtin).
+  enum class Attention { Default, Cudnn, Builtin };
+  Attention attention = Attention::Default;
 };
 std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions& options = {});
 

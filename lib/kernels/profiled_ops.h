@@ -42,6 +42,9 @@ class ProfiledOps final : public Ops {
   Device device() const override { return inner_->device(); }
   std::string name() const override { return inner_->name(); }
   std::vector<std::string> take_notes() override { return inner_->take_notes(); }
+  std::string attention_kernels(int64_t B, int64_t T, int NH, int NKV, int HD, DType dt) override {
+    return inner_->attention_kernels(B, T, NH, NKV, HD, dt);
+  }
   void* allocate(size_t bytes) override { return inner_->allocate(bytes); }
   void release(void* p) override { inner_->release(p); }
   void copy(Tensor dst, Tensor src) override {

@@ -47,7 +47,8 @@ TrainResult run(Config cfg, MPI_Comm comm) {
   TrainOptions opts;
   opts.synthetic_data = true;
   opts.quiet = true;
-  return train(cfg, Mesh(comm, mesh_sizes(cfg.parallel)), opts);
+  const auto ops = make_cpu_ops();
+  return train(cfg, Mesh(comm, mesh_sizes(cfg.parallel)), *ops, opts);
 }
 
 }  // namespace

@@ -14,7 +14,6 @@
 #include "io/tokenizer.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
-#include "lib/kernels/device_select.h"
 #include "lib/optim/adamw.h"
 #include "lib/optim/lr_schedule.h"
 #include "lib/train/checkpointing.h"
@@ -113,7 +112,7 @@ struct Batches {
 
 }  // namespace
 
-TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts) {
+TrainResult train(const Config& cfg, const Mesh& mesh, Ops& backend, const TrainOptions& opts) {
   // Losses are summed over the data- and context-parallel ranks (each cp rank holds a share of its
   // rows' tokens); token counts over the data-parallel ranks alone (every cp rank of a data-parallel
   // rank reads the same rows).
@@ -124,34 +123,9 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   // The loss lives on the last pipeline stage; one rank there logs.
   const Coords& co = mesh.coords();
   const bool last_rank = co.pp == pc.pp - 1 && co.tp == 0 && co.cp == 0 && co.dp == 0;
-  std::unique_ptr<Ops> backend;
-  if (cfg.engine.backend == "cuda") {
-    // One rank per GPU, chosen by the rank's place on its node (errors: no GPU, too few); then
-    // every group's device communication (NCCL, or staged through MPI) on the compute stream.
-    const NodeRanks node = node_ranks();
-    const int dev = choose_device(node.local_rank, node.local_size, visible_cuda_devices(),
-                                  cfg.engine.allow_device_sharing, node.host);
-    backend = make_cuda_ops(dev, CudaOptions{cfg.engine.gemm_autotune, cfg.engine.attention_backend});
-    const CommBackend comm = cfg.engine.comm == "mpi"              ? CommBackend::Mpi
-                             : cfg.engine.nccl_init == "split" ? CommBackend::NcclSplit
-                                                               : CommBackend::Nccl;
-    const auto t0 = std::chrono::steady_clock::now();
-    mesh.enable_device_comm(comm, backend->stream());
-    if (comm != CommBackend::Mpi && mesh.rank() == 0 && !opts.quiet)
-      log_line("comm: NCCL communicators of every group made in {:.3f} s ({})",
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-               comm == CommBackend::NcclSplit ? "engine.nccl_init = split: ncclCommSplit of the world's"
-                                              : "engine.nccl_init = init_rank: one ncclCommInitRank per group");
-  } else if (cfg.engine.backend == "cpu") {
-    if (tc.precision != "fp32")
-      fail("training.precision = '{}' needs the CUDA backend; use training.precision = fp32 on the CPU", tc.precision);
-    backend = make_cpu_ops();
-  } else {
-    fail("engine.backend = '{}' is not available in this build; use engine.backend = cpu", cfg.engine.backend);
-  }
   // The per-op profiler wraps the backend; everything below sees one Ops.
-  std::unique_ptr<ProfiledOps> profiler = opts.profile_ops ? std::make_unique<ProfiledOps>(*backend) : nullptr;
-  Ops* const ops = profiler ? profiler.get() : backend.get();
+  std::unique_ptr<ProfiledOps> profiler = opts.profile_ops ? std::make_unique<ProfiledOps>(backend) : nullptr;
+  Ops* const ops = profiler ? profiler.get() : &backend;
   if (cfg.engine.threads > 0) omp_set_num_threads(cfg.engine.threads);
 
   // ---- data -------------------------------------------------------------------------------
@@ -191,7 +165,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
   LrSchedule sched{tc.lr, tc.min_lr, tc.warmup_iters,
                    tc.decay_iters > 0 ? tc.decay_iters : std::max<int64_t>(tc.train_iters - tc.warmup_iters, 0),
                    parse_decay_style(tc.lr_schedule)};
-  const double peak = tc.peak_tflops > 0 ? tc.peak_tflops * 1e12 : measured_peak_flops(*backend);
+  const double peak = tc.peak_tflops > 0 ? tc.peak_tflops * 1e12 : measured_peak_flops(backend);
   const double flops_per_step = d.train_flops_per_token() * double(GB) * d.T / mesh.world_size();  // per rank
   if (mesh.rank() == 0 && !opts.quiet) {
     log_line("mesh: {}", mesh.describe());
@@ -294,8 +268,8 @@ TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts)
       log_line("checkpoint: saved iteration {} to {}/{} ({:.1f} MiB in {:.2f} s, {:.0f} MB/s)", it, ck.save,
                checkpoint_dir_name(it), st.bytes / 1048576.0, st.seconds, st.bytes / 1e6 / st.seconds);
   };
-  // What the backend chose by measuring (the CUDA backend's attention auto and bias-gradient way),
-  // logged by rank 0; each rank measures and chooses for itself.
+  // What the backend chose by measuring (with engine.gemm_autotune, the bias-gradient way), logged
+  // by rank 0; each rank measures and chooses for itself.
   auto backend_notes = [&] {
     for (std::string& note : ops->take_notes()) {
       if (mesh.rank() == 0 && !opts.quiet) log_line("{}", note);

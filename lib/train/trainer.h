@@ -1,5 +1,5 @@
-// The training loop: builds backend, data, model and optimizer from a validated Config, runs
-// micro-batches with gradient accumulation, the optimizer step, logging, and evaluation.
+// The training loop: builds data, model and optimizer from a validated Config, runs micro-batches
+// with gradient accumulation, the optimizer step, logging, and evaluation.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -46,7 +46,8 @@ struct TrainResult {
 // Resolve the network's sizes from the model config and the tokenizer's vocabulary.
 GptDims make_dims(const Config& cfg, int vocab_size);
 
-// Train as configured on the ranks of `mesh` (built from cfg.parallel).
-TrainResult train(const Config& cfg, const Mesh& mesh, const TrainOptions& opts = {});
+// Train as configured on the ranks of `mesh` (built from cfg.parallel) with the compute backend `ops`
+// (cfg.engine's, its device communication bound to the mesh).
+TrainResult train(const Config& cfg, const Mesh& mesh, Ops& ops, const TrainOptions& opts = {});
 
 }  // namespace mpigpt

@@ -40,9 +40,10 @@ TEST_CASE("dp=2 reproduces the single-rank loss curve (both families)") {
     opts.synthetic_data = true;
     opts.quiet = true;
     cfg.validate(1);
-    const TrainResult single = train(cfg, Mesh(MPI_COMM_SELF, MeshSizes{}), opts);
+    const auto ops = make_cpu_ops();
+    const TrainResult single = train(cfg, Mesh(MPI_COMM_SELF, MeshSizes{}), *ops, opts);
     cfg.validate(2);
-    const TrainResult dp2 = train(cfg, Mesh(MPI_COMM_WORLD, MeshSizes{}), opts);
+    const TrainResult dp2 = train(cfg, Mesh(MPI_COMM_WORLD, MeshSizes{}), *ops, opts);
     REQUIRE(single.losses.size() == dp2.losses.size());
     // Random tokens cannot be learned; the curves are compared, so they must not be trivial.
     CHECK(single.losses.front() != single.losses.back());

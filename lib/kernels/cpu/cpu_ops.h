@@ -61,6 +61,9 @@ class CpuOps final : public Ops {
   void rope_forward(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) override;
   void rope_backward(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) override;
   int64_t attention_saved_numel(int64_t B, int64_t T, int64_t NH) const override { return B * NH * T * T; }
+  std::string attention_kernels(int64_t, int64_t, int, int, int, DType) override {
+    return "the CPU backend's (fp32, the T x T probabilities saved)";
+  }
   void attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) override;
   void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
                           int HD) override;

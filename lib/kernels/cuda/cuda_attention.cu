@@ -28,16 +28,14 @@
 // the next larger one with zero-padded columns (the padding adds nothing to the dot products and
 // its output columns are not stored).
 //
-// Who runs the causal ops (these kernels, the warpgroup ones or cuDNN's fused attention, which all
-// save the same log-sum-exp) is engine.attention_backend's choice: cuda_attention_causal.cu.
+// Who runs the causal ops, these kernels or cuDNN's fused attention (both save the same
+// log-sum-exp), is engine.attention_backend's choice: cuda_attention_causal.cu.
 //
 // Files: cuda_attention_fma.cuh (the kernels' shared tiles and products), cuda_attention_fwd.cu and
 // cuda_attention_bwd.cu (the fp32-FMA kernels), cuda_attention_tc.cu and cuda_attention_tc_bwd.cu
-// (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh), cuda_attention_wg_fwd_sm90a.cu
-// and cuda_attention_wg_bwd_sm90a.cu (the causal bf16 forward and backward on Hopper's warpgroup
-// products; engine.attention_backend = wgmma, or auto's choice). This file holds the entry points
-// (cuda_attention.cuh) that the causal ops and cuda_attention_block.cu's blockwise ops call after
-// checking their arguments.
+// (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh). This file holds the entry
+// points (cuda_attention.cuh) that the causal ops and cuda_attention_block.cu's blockwise ops call
+// after checking their arguments.
 #include <cmath>
 #include <cstdint>
 
@@ -54,37 +52,25 @@ using fma_attn::Problem;
 
 namespace {
 
-// The bf16 forward and backward for HD 64 and 128 run on tensor cores (cuda_attention_tc*.cu) unless
-// the environment variable MPIGPT_ATTENTION_FMA is set to a value other than "0" or "": then they
-// use the scalar fp32-FMA kernels (cuda_attention_fwd.cu, cuda_attention_bwd.cu; read on every
-// call, so tests can compare the two).
-bool fma_forced() { return attention_switch("MPIGPT_ATTENTION_FMA"); }
-
-// The builtin kernels: on warpgroup products (wg: the causal bf16 ops at HD 64 and 128 on an sm_90a
-// GPU, otherwise nothing is launched and false returned), or on mma.sync tensor cores where they
-// apply and the fp32-FMA kernels elsewhere (always true).
-bool run_forward(const Problem& p, DType dt, bool causal, cudaStream_t stream, bool wg) {
+// The bf16 forward and backward run on tensor cores where they apply (HD 64 and 128, 16-byte
+// aligned rows), the fp32-FMA kernels elsewhere.
+void run_forward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
+  if (p.B == 0 || p.Tq == 0) return;
   const AttentionTcForward tc{p.q,    p.k,    p.v,    p.out,  p.lse,  p.qpos, p.qseg, p.kpos, p.kseg,
                               p.q_stride, p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2};
-  if (wg) return attention_forward_wg(tc, dt, causal, stream);
-  if (p.B == 0 || p.Tq == 0) return true;
-  if (dt == DType::BF16 && !fma_forced() && attention_forward_tc(tc, dt, causal, stream)) return true;
+  if (dt == DType::BF16 && attention_forward_tc(tc, dt, causal, stream)) return;
   fma_attn::forward(p, dt, causal, stream);
-  return true;
 }
 
 // p.D must hold B*NH*Tq floats of scratch.
-bool run_backward(const Problem& p, DType dt, bool causal, cudaStream_t stream, bool wg) {
+void run_backward(const Problem& p, DType dt, bool causal, cudaStream_t stream) {
+  if (p.B == 0 || p.Tq == 0 || p.Tk == 0) return;  // (causal: Tq == Tk) nothing to add or to overwrite
   const AttentionTcBackward tc{{p.q, p.k, p.v, p.out, p.lse, p.qpos, p.qseg, p.kpos, p.kseg, p.q_stride,
                                 p.kv_stride, p.B, p.Tq, p.Tk, p.NH, p.NKV, p.HD, p.scale_log2},
                                p.dout, p.dq, p.dk, p.dv, p.D, p.scale, p.accumulate};
-  if (wg && !attention_wg_applies(tc, dt, causal)) return false;
-  if (p.B == 0 || p.Tq == 0 || p.Tk == 0) return true;  // (causal: Tq == Tk) nothing to add or to overwrite
   fma_attn::rowdot(p, dt, stream);
-  if (wg) return attention_backward_wg(tc, dt, causal, stream);
-  if (dt == DType::BF16 && !fma_forced() && attention_backward_tc(tc, dt, causal, stream)) return true;
+  if (dt == DType::BF16 && attention_backward_tc(tc, dt, causal, stream)) return;
   fma_attn::backward(p, dt, causal, stream);
-  return true;
 }
 
 // ---- problems -----------------------------------------------------------------------------------
@@ -156,16 +142,16 @@ void check_attention_heads(const char* op, int NH, int NKV, int HD) {
          op, HD);
 }
 
-bool fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
-                             Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD, bool wg) {
+void fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
+                             Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
   Problem p = make_problem("attention", out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
   p.vec = vector_ok(p, dt);
-  return run_forward(p, dt, !kv.defined(), ops.cuda_stream(), wg);
+  run_forward(p, dt, !kv.defined(), ops.cuda_stream());
 }
 
-bool fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
+void fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
                               Tensor out, Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH,
-                              int NKV, int HD, bool wg) {
+                              int NKV, int HD) {
   const bool causal = !kv.defined();
   Problem p = make_problem("attention", out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
   const int64_t C = int64_t(NH) * HD;
@@ -177,7 +163,7 @@ bool fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, T
   p.vec = vector_ok(p, dt);
   CudaOps::Scratch D = ops.scratch(std::max<size_t>(1, size_t(p.B) * p.NH * p.Tq * sizeof(float)));
   p.D = static_cast<float*>(D.ptr);
-  return run_backward(p, dt, causal, ops.cuda_stream(), wg);
+  run_backward(p, dt, causal, ops.cuda_stream());
 }
 
 }  // namespace mpigpt::cuda

@@ -11,14 +11,12 @@ void check_attention_heads(const char* op, int NH, int NKV, int HD);
 
 // The builtin kernels. kv undefined: causal self-attention (keys and values from qkv, dqkv
 // overwritten); kv given: keys and values from kv under the explicit (position, document) mask, and
-// dqkv's query columns and dkv accumulate. wg: the Hopper warpgroup kernels, which run only the causal
-// bf16 ops at HD 64 and 128 on a GPU that runs sm_90a code; they launch nothing and return false
-// elsewhere. Otherwise the tensor-core (mma.sync) kernels where they apply and the fp32-FMA ones
-// elsewhere, and true.
-bool fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
-                             Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD, bool wg = false);
-bool fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
+// dqkv's query columns and dkv accumulate. The tensor-core (mma.sync) kernels where they apply, the
+// fp32-FMA ones elsewhere.
+void fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
+                             Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD);
+void fused_attention_backward(CudaOps& ops, DType dt, Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv,
                               Tensor out, Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH,
-                              int NKV, int HD, bool wg = false);
+                              int NKV, int HD);
 
 }  // namespace mpigpt::cuda

@@ -4,19 +4,10 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
 
 namespace mpigpt::cuda {
-
-// An attention switch of the environment (MPIGPT_ATTENTION_FMA, MPIGPT_ATTENTION_WG_TWO_BUFFERS): on when
-// set to a value other than "" or "0"; read on every call, so tests can flip it.
-inline bool attention_switch(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr && e[0] != '\0' && std::strcmp(e, "0") != 0;
-}
 
 // One forward problem, laid out as cuda_attention.cu's Problem: element d of query head h of token
 // (b, i) is q[(b*Tq + i)*q_stride + h*HD + d]; key/value head kh of token (b, j) is at
@@ -55,16 +46,6 @@ struct AttentionTcBackward {
 // the forward's conditions (dout, dq, dk, dv 16-byte aligned as well): a dQ kernel per query tile
 // and a dK/dV kernel per key tile.
 bool attention_backward_tc(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
-
-// The causal forward and backward on Hopper's warpgroup products (cuda_attention_wg_*_sm90a.cu;
-// engine.attention_backend = wgmma, or auto's choice): each launches its kernels and returns true
-// when the problem is causal, the tensor-core path's conditions hold and this GPU runs sm_90a code
-// (attention_wg_applies, for the backward); otherwise returns false, launching nothing.
-bool attention_forward_wg(const AttentionTcForward& p, DType dt, bool causal, cudaStream_t stream);
-bool attention_backward_wg(const AttentionTcBackward& p, DType dt, bool causal, cudaStream_t stream);
-bool attention_wg_applies(const AttentionTcBackward& p, DType dt, bool causal);
-// Whether the current device runs the sm_90a kernels (an H100/H200-class GPU; the emulator: yes).
-bool attention_wgmma_available();
 
 // Launches the tensor-core forward and returns true, or returns false (launching nothing) when it
 // does not apply: dtype other than bf16, HD not 64 or 128, or pointers/strides not 16-byte aligned.

@@ -28,10 +28,9 @@ static constexpr const char* kBuiltArchs = "unknown";
 namespace mpigpt {
 
 std::unique_ptr<Ops> make_cuda_ops(int device, const CudaOptions& options) {
-  const AttentionBackendSpec attention = parse_attention_backend(options.attention_backend);
   auto ops = std::make_unique<cuda::CudaOps>(device);
   ops->set_gemm_autotune(options.gemm_autotune);
-  ops->set_attention_backend(attention);
+  ops->set_attention(options.attention);
   return ops;
 }
 
@@ -245,13 +244,8 @@ CudaOps::~CudaOps() {
 std::string CudaOps::name() const {
   cudaDeviceProp prop{};
   MPIGPT_CUDA(cudaGetDeviceProperties(&prop, device_));
-  std::string attention = attention_backend_str(attention_) + " attention";
-  if (attention_.kind == AttentionBackend::Cudnn || attention_.cudnn) {
-    const std::string version = cudnn_sdpa_version();
-    attention += fmt::format(", {}", version.empty() ? "cuDNN not loadable" : version);
-  }
-  return fmt::format("cuda (device {}: {}, sm_{}{}, {:.1f} GiB; {})", device_, prop.name, prop.major, prop.minor,
-                     double(prop.totalGlobalMem) / double(1ull << 30), attention);
+  return fmt::format("cuda (device {}: {}, sm_{}{}, {:.1f} GiB)", device_, prop.name, prop.major, prop.minor,
+                     double(prop.totalGlobalMem) / double(1ull << 30));
 }
 
 void wait_for_stream(cudaStream_t stream, const char* why) {

@@ -14,16 +14,12 @@
 #include <cuda_runtime.h>
 
 #include <array>
-#include <functional>
 #include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "lib/kernels/agreement.h"
-#include "lib/kernels/attention_backend.h"
 #include "lib/kernels/caching_allocator.h"
 #include "lib/kernels/cuda/cudnn_sdpa.h"
 #include "lib/kernels/ops.h"
@@ -178,74 +174,22 @@ class CudaOps final : public Ops {
   // adamw_runs' chunk tables on the device, one per run list met (cuda_optim.cu).
   struct AdamTables;
   AdamTables& adam_tables();
-  // Who runs the causal attention ops (cuda_attention_causal.cu; engine.attention_backend):
-  //  - Builtin: the backend's own kernels (tensor cores through mma.sync for bf16 at HD 64 and 128,
-  //    fp32 FMA elsewhere);
-  //  - Wgmma: the builtin kernels on Hopper's warpgroup products for bf16 at HD 64 and 128, an error
-  //    on another GPU (they are sm_90a code) or another call;
-  //  - Cudnn: cuDNN's fused SDPA for bf16, an error where cuDNN is missing or cannot run a shape;
-  //  - Auto: on the first call of each pass (forward, backward) and shape, every one of them that
-  //    runs the call runs it on its own data; those whose results disagree with the builtin kernels'
-  //    are dropped and the fastest of the rest runs that pass and shape from then on (the builtin
-  //    kernels stay unless another is at least 3% faster). Other calls (f32 data) run the builtin ones.
-  //    The spec's candidate flags say which of wgmma and cuDNN it may try (engine.attention_backend
-  //    = builtin,cudnn: only cuDNN).
-  // The blockwise ops (ring attention, packed documents) always run the builtin kernels.
-  using AttentionBackend = AttentionBackendSpec::Kind;
-  enum class AttentionKernels { Builtin, Wgmma, Cudnn };
-  void set_attention_backend(const AttentionBackendSpec& spec) {
-    attention_ = spec;
-    attention_choices_.clear();
-  }
-  // One implementation, or auto among all three.
-  void set_attention_backend(AttentionBackend b) {
-    const bool all = b == AttentionBackend::Auto;
-    set_attention_backend(AttentionBackendSpec{b, all, all});
-  }
-  AttentionBackend attention_backend() const { return attention_.kind; }
-  // What auto chose for a pass and shape; empty before its first call (or when it ran f32 data).
-  std::optional<AttentionKernels> attention_choice(bool backward, const SdpaShape& shape) const;
-  // The one-time measurements since the last call (attention auto's, one line per pass and shape;
-  // linear_backward's bias-gradient choice, one per configuration), for the log.
+  // Who runs the causal attention ops (engine.attention_backend; cuda_attention_causal.cu). The
+  // blockwise ops (ring attention, packed documents) always run the builtin kernels.
+  void set_attention(CudaOptions::Attention a) { attention_ = a; }
+  std::string attention_kernels(int64_t B, int64_t T, int NH, int NKV, int HD, DType dt) override;
+  // The one-time measurements since the last call (linear_backward's bias-gradient choice, one per
+  // configuration), for the log.
   std::vector<std::string> take_notes() override;
   void add_note(std::string note) { notes_.push_back(std::move(note)); }
 
-  // One of auto's candidates for a call: which kernels, and a function that queues them on the
-  // stream (false: they do not run this call, nothing queued). The call's outputs, which every
-  // candidate overwrites: a device region of n elements of dt in rows of `cols` (named by row and
-  // column where a candidate disagrees), judged with agreement() within bounds.
-  struct AttentionCandidate {
-    AttentionKernels kernels;
-    std::function<bool()> run;
-  };
-  struct AttentionOutput {
-    const void* ptr;
-    size_t n, cols;
-    DType dt;
-    const char* name;
-    AgreementBounds bounds;
-  };
-  // The bounds within which auto holds each candidate's output, gradients and log-sum-exp to the
-  // builtin kernels' (lib/kernels/agreement.h; cuda_attention_causal.cu says how they were measured).
-  static AgreementBounds attention_out_bounds(int HD);
-  static AgreementBounds attention_grad_bounds(int HD);
-  static AgreementBounds attention_lse_bounds();
-  // Auto's measurement (public for its tests): runs candidates[0], the reference, and each other
-  // candidate once, drops those that do not run or whose outputs disagree with the reference's, times
-  // the rest (best of 3 interleaved rounds after a warm-up) and returns the index of the fastest (0
-  // unless another is at least 3% faster). The chosen one runs last, so the outputs are its own. what
-  // names the call in the note it leaves for take_notes().
-  size_t fastest_agreeing_attention(const std::string& what, const std::vector<AttentionCandidate>& candidates,
-                                    const std::vector<AttentionOutput>& outputs);
-
  private:
-  // cuDNN's attention for this call, or null where it cannot run it (required: an error instead).
-  CudnnSdpa* cudnn_attention(const SdpaShape& shape, DType dt, const char* op, bool required);
-  // Runs one causal pass with the kernels engine.attention_backend asks for (auto: measured on the
-  // first call of the pass and shape). run(kernels) queues them and says whether they ran the call.
-  void run_causal_attention(bool backward, const SdpaShape& shape, DType dt, const char* op,
-                            const std::function<bool(AttentionKernels)>& run,
-                            const std::vector<AttentionOutput>& outputs);
+  // Why cuDNN's fused attention cannot run this call (it does not load, the data is not bf16, it
+  // has no plan for the shape), or empty where it runs it.
+  std::string cudnn_refusal(const SdpaShape& shape, DType dt);
+  // cuDNN for this causal call, or null where the builtin kernels run it; fails where
+  // engine.attention_backend = cudnn and cuDNN cannot run it.
+  CudnnSdpa* cudnn_for(const SdpaShape& shape, DType dt, const char* op);
 
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
@@ -253,12 +197,11 @@ class CudaOps final : public Ops {
   void* workspace_ = nullptr;
   double* host_result_ = nullptr;
   bool tune_ = false, tune_paused_ = false;
-  AttentionBackendSpec attention_;
-  std::map<std::pair<bool, SdpaShape>, AttentionKernels> attention_choices_;  // auto's, by (backward, shape)
+  CudaOptions::Attention attention_ = CudaOptions::Attention::Default;
   std::vector<std::string> notes_;
   std::map<BiasGradKey, bool> bias_grad_fused_;
   std::unique_ptr<CudnnSdpa> sdpa_;  // created on first use
-  bool sdpa_missing_ = false;        // auto: cuDNN could not be loaded, never try again
+  std::string cudnn_missing_;        // why cuDNN could not be loaded (then never tried again)
   double tune_min_flop_ = kTuneMinFlop;
   std::unique_ptr<CachingAllocator> alloc_;
   std::unique_ptr<MatmulPlans, void (*)(MatmulPlans*)> plans_{nullptr, nullptr};  // created on first use

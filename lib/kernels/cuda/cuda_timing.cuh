@@ -1,5 +1,5 @@
 // CUDA backend, private: choosing among interchangeable implementations by timing them on the GPU,
-// as the GEMM autotuner (cuda_matmul_plans.cu) and attention auto (cuda_attention_causal.cu) do.
+// as the GEMM autotuner (cuda_matmul_plans.cu) and the bias-gradient choice (cuda_matmul.cu) do.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -14,9 +14,8 @@ namespace mpigpt::cuda {
 #ifndef MPIGPT_HAVE_CUDNN
 
 std::string cudnn_load_error() {
-  return "this mpigpt was built without cuDNN's headers (cudnn_graph.h in the CUDA toolkit's include folder), or "
-         "for the host emulator; install cuDNN 9 into the toolkit and rebuild, or set "
-         "engine.attention_backend = builtin";
+  return "this mpigpt was built without cuDNN's headers (cudnn_graph.h in the CUDA toolkit's include folder); "
+         "install cuDNN 9 into the toolkit and rebuild";
 }
 
 #else
@@ -36,8 +35,8 @@ Loaded load() {
   Loaded l;
   RuntimeLibrary lib({kLibrary, "cuDNN", "",
                       "Install cuDNN 9 (or PyTorch's nvidia-cudnn pip package) and add its lib folder to "
-                      "LD_LIBRARY_PATH, or set engine.attention_backend = builtin",
-                      "(not cuDNN 9?); install cuDNN >= 9.0 or set engine.attention_backend = builtin"});
+                      "LD_LIBRARY_PATH",
+                      "(not cuDNN 9?); install cuDNN >= 9.0"});
   CudnnApi& a = l.api;
   lib.bind("cudnnGetVersion", a.GetVersion);
   lib.bind("cudnnGetErrorString", a.GetErrorString);
@@ -56,7 +55,7 @@ Loaded load() {
   const size_t version = a.GetVersion();
   if (version < kMinVersion)
     l.error = fmt::format("{} is cuDNN version {}, older than the 9.0 this program's fused attention needs; install "
-                          "cuDNN 9 or set engine.attention_backend = builtin", kLibrary, version);
+                          "cuDNN 9", kLibrary, version);
   return l;
 }
 

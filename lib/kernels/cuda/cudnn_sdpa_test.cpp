@@ -1,12 +1,7 @@
-// Tests of cuDNN's fused attention (engine.attention_backend = cudnn | auto). Without a GPU: every
-// operation of the forward and backward graphs finalizes in cuDNN (which checks attributes, shapes
-// and dtypes), and cuDNN's device-less planning for an H100/H200 recognises both graphs as fused
-// attention and compiles its engines' kernels for them (only loading those needs a GPU). With
-// one: the causal ops through cuDNN against the CPU backend in bf16, its saved log-sum-exp
-// against the reference, each pass paired with the builtin kernels' other pass (the
-// saved state is the same), and the errors of an explicit cudnn request it cannot honour. Without
-// cuDNN (the host emulator has none), that cudnn is an error naming it and auto runs the builtin
-// kernels.
+// Tests of cuDNN's fused attention (engine.attention_backend). Without a GPU: the graphs finalize in
+// cuDNN and its device-less planning compiles them for an H100/H200. With one: the causal ops through
+// cuDNN against the CPU backend, each pass paired with the builtin kernels' other. Everywhere: an
+// explicit cudnn it cannot honour is an error naming why, the default runs the builtin kernels there.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
@@ -35,7 +30,7 @@ using namespace mpigpt::testing;
 namespace {
 
 using cuda::CudaOps;
-using Backend = CudaOps::AttentionBackend;
+using Backend = CudaOptions::Attention;
 
 // Whether cuDNN can be loaded here; says why not when it cannot.
 bool have_cudnn() {
@@ -161,32 +156,29 @@ TEST_CASE("cudnn attention forward and backward match the CPU backend (bf16)") {
     const bool runs = probe.prepare(shape_of(g), &why);
     // Every cuDNN 9 this program accepts runs T a multiple of 128 at these head dims.
     if (g.T % 128 == 0) CHECK_MESSAGE(runs, why);
+    cuda_ops.set_attention(Backend::Default);
+    const std::string kernels = ops->attention_kernels(g.B, g.T, g.NH, g.NKV, g.HD, DType::BF16);
+    CAPTURE(kernels);
     if (!runs) {
-      MESSAGE("cuDNN does not run this shape (" << why << "); auto takes the builtin kernels");
-      cuda_ops.set_attention_backend(Backend::Auto);
+      MESSAGE("cuDNN does not run this shape (" << why << "); the default takes the builtin kernels");
+      CHECK(kernels.find("the builtin kernels") == 0);
       compare(g, DType::BF16, *ops, *cpu);
       continue;
     }
+    CHECK(kernels.find(version + " fused attention, forward engine ") == 0);
     std::string pass = "both passes on cuDNN";
     CAPTURE(pass);
-    cuda_ops.set_attention_backend(Backend::Cudnn);
-    (void)cuda_ops.take_notes();
+    cuda_ops.set_attention(Backend::Cudnn);
     compare(g, DType::BF16, *ops, *cpu, {}, false);
-    // The first call of a shape says which of cuDNN's engines run it.
-    const auto notes = cuda_ops.take_notes();
-    CHECK(std::any_of(notes.begin(), notes.end(), [&](const std::string& n) {
-      return n.find(fmt::format("attention: cuDNN planned B={} T={} NH={} NKV={} HD={}: forward engine ", g.B, g.T,
-                                g.NH, g.NKV, g.HD)) != std::string::npos;
-    }));
     pass = "cuDNN forward, builtin backward";
-    compare(g, DType::BF16, *ops, *cpu, [&] { cuda_ops.set_attention_backend(Backend::Builtin); });
+    compare(g, DType::BF16, *ops, *cpu, [&] { cuda_ops.set_attention(Backend::Builtin); });
     pass = "builtin forward, cuDNN backward";
-    cuda_ops.set_attention_backend(Backend::Builtin);
-    compare(g, DType::BF16, *ops, *cpu, [&] { cuda_ops.set_attention_backend(Backend::Cudnn); }, false);
+    cuda_ops.set_attention(Backend::Builtin);
+    compare(g, DType::BF16, *ops, *cpu, [&] { cuda_ops.set_attention(Backend::Cudnn); }, false);
   }
 }
 
-TEST_CASE("cudnn attention: an explicit cudnn request it cannot honour is an error, auto falls back") {
+TEST_CASE("cudnn attention: an explicit cudnn it cannot honour is an error, the default runs the builtin kernels") {
   const bool cudnn = have_cudnn();
   if (cudnn && cuda::device_count() == 0) {
     MESSAGE("no CUDA device: the cuDNN attention error checks did not run");
@@ -195,27 +187,32 @@ TEST_CASE("cudnn attention: an explicit cudnn request it cannot honour is an err
   auto ops = cuda_ops_or_skip();
   auto& cuda_ops = dynamic_cast<CudaOps&>(*ops);
   auto cpu = make_cpu_ops();
+  const auto refused = [&](const Geometry& g, DType dt, const std::string& why) {
+    CAPTURE(g.HD);
+    cuda_ops.set_attention(Backend::Cudnn);
+    auto qkv = zeros(*ops, {g.B, g.T, g.R()}, dt);
+    auto out = zeros(*ops, {g.B, g.T, g.C()}, dt);
+    auto saved = zeros(*ops, {g.B * g.NH * g.T});
+    const std::string want = "attention_forward: engine.attention_backend = cudnn, but " + why;
+    CHECK_THROWS_WITH_AS(ops->attention_forward(out.t, saved.t, qkv.t, g.NH, g.NKV, g.HD),
+                         doctest::Contains(want.c_str()), Error);
+    CHECK_THROWS_WITH_AS((void)ops->attention_kernels(g.B, g.T, g.NH, g.NKV, g.HD, dt), doctest::Contains(why.c_str()),
+                         Error);
+    cuda_ops.set_attention(Backend::Default);
+    const std::string kernels = ops->attention_kernels(g.B, g.T, g.NH, g.NKV, g.HD, dt);
+    CHECK(kernels.find("the builtin ") == 0);
+    CHECK(kernels.find(why) != std::string::npos);
+    compare(g, dt, *ops, *cpu);
+  };
   // f32 data: cuDNN's fused attention takes 16-bit data.
-  const Geometry g{1, 128, 2, 2, 64};
-  auto qkv = zeros(*ops, {g.B, g.T, g.R()});
-  auto out = zeros(*ops, {g.B, g.T, g.C()});
-  auto saved = zeros(*ops, {g.B * g.NH * g.T});
-  cuda_ops.set_attention_backend(Backend::Cudnn);
-  CHECK_THROWS_WITH_AS(ops->attention_forward(out.t, saved.t, qkv.t, g.NH, g.NKV, g.HD),
-                       doctest::Contains("engine.attention_backend = cudnn runs bf16 data"), Error);
-  // bf16 with a head dim cuDNN does not take (not a multiple of 8), or with no cuDNN at all: cudnn
-  // names the shape or the missing library; auto runs the builtin kernels and matches the CPU.
-  const Geometry odd{1, 128, 2, 1, 48 + 4};
-  auto qkv2 = zeros(*ops, {odd.B, odd.T, odd.R()}, DType::BF16);
-  auto out2 = zeros(*ops, {odd.B, odd.T, odd.C()}, DType::BF16);
-  auto saved2 = zeros(*ops, {odd.B * odd.NH * odd.T});
-  CHECK_THROWS_WITH_AS(ops->attention_forward(out2.t, saved2.t, qkv2.t, odd.NH, odd.NKV, odd.HD),
-                       doctest::Contains(cudnn ? "cuDNN cannot run attention with B=1 T=128 NH=2 NKV=1 HD=52"
-                                               : "engine.attention_backend = cudnn: "),
-                       Error);
-  cuda_ops.set_attention_backend(Backend::Auto);
-  compare(odd, DType::BF16, *ops, *cpu);
-  if (!cudnn) compare(g, DType::BF16, *ops, *cpu);  // a shape cuDNN would take: the builtin kernels run it
+  refused({1, 128, 2, 2, 64}, DType::F32, "cuDNN's fused attention takes bf16 data and this run's is f32");
+  // bf16 with a head dim cuDNN does not take (not a multiple of 8), or with no cuDNN at all.
+  refused({1, 128, 2, 1, 48 + 4}, DType::BF16,
+          cudnn ? "cuDNN cannot run attention with B 1 T 128 heads 2/1 head dim 52" : cuda::cudnn_sdpa_unavailable());
+  // The builtin setting never asks cuDNN.
+  cuda_ops.set_attention(Backend::Builtin);
+  CHECK(ops->attention_kernels(1, 128, 2, 2, 64, DType::BF16).find("(engine.attention_backend = builtin)") !=
+        std::string::npos);
 }
 
 #else
