@@ -63,7 +63,7 @@ test: deps build
 
 # The whole suite again, built with AddressSanitizer and UndefinedBehaviorSanitizer (the C++ code,
 # the CUDA kernels through the host emulator): any finding fails its test. Not part of `make
-# test` (about 46 minutes on 2 cores); run it after changing memory handling or a kernel's indexing.
+# test`; run it after changing memory handling or a kernel's indexing.
 SANITIZE_BUILD ?= build-sanitize
 test-sanitize: deps
 	cmake -S . -B $(SANITIZE_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -37,21 +37,7 @@ constexpr int kTcRows = 64;      // rows per block, 16 per warp
 constexpr float kTcLn2 = 0.6931471805599453f;
 constexpr float kTcLog2e = 1.4426950408889634f;
 
-// 2^x for the softmax's probabilities and rescale factors, as one MUFU.EX2: ex2.approx with
-// subnormal results flushed to zero (below 2^-126, far under what a probability next to the row's
-// largest one, which is about 1, can add). exp2f, without .ftz, wraps the same instruction in a
-// range test and two multiplies that keep subnormal results, which here is most of the cost of a
-// score's exponential. -inf gives 0, as the masks need.
-__device__ __forceinline__ float exp2_ftz(float x) {
-#ifdef __CUDACC__
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else  // the host emulator
-  const float y = exp2f(x);
-  return y < 1.17549435e-38f ? 0.f : y;
-#endif
-}
+using ptx::exp2_ftz;  // 2^x for the softmax's probabilities and rescale factors
 
 // The backward's per-score step with every score of the tile visible to the warp (a causal tile
 // wholly at or before its rows, inside Tk and Tq): no mask tests, selects or zero guards.

@@ -10,23 +10,14 @@
 //                                          a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]
 //   B (16 x 8), two registers:  b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]
 //   C, D (16 x 8 fp32), four floats: c[0], c[1] = C[g][2t, 2t+1], c[2], c[3] = C[g+8][2t, 2t+1]
-// ldmatrix (.x4) loads four 8 x 8 bf16 matrices from shared memory: lanes 8m..8m+7 give the
-// addresses of matrix m's eight rows (16-byte aligned), and each lane receives r[m] = row g,
-// columns 2t, 2t+1 of matrix m; with .trans it receives the transposed element pair
-// (rows 2t and 2t+1 of column g).
-//
-// Compiled as C++ by the host emulator (docs/testing.md), the same functions come from its
-// mma_ptx.h, which implements these layouts independently of the kernels.
+// The instructions themselves are in cuda_ptx.cuh.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
 #include "lib/kernels/cuda/cuda_common.cuh"
-
-#ifndef __CUDACC__
-#include "mma_ptx.h"
-#endif
+#include "lib/kernels/cuda/cuda_ptx.cuh"
 
 namespace mpigpt::cuda::mma {
 
@@ -38,44 +29,9 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return u;
 }
 
-// ldmatrix .x4: `row` is this lane's row address (matrix lane / 8, row lane % 8) in shared memory.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* row) {
-#ifdef __CUDACC__
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-#else
-  emu::ptx::ldmatrix(r, 4, false, row);
-#endif
-}
-
-// ldmatrix .x4 .trans.
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* row) {
-#ifdef __CUDACC__
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a)
-               : "memory");
-#else
-  emu::ptx::ldmatrix(r, 4, true, row);
-#endif
-}
-
-// d (16 x 8, fp32) += A (16 x 16) B (16 x 8), bf16 operands.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#ifdef __CUDACC__
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  emu::ptx::mma_m16n8k16_bf16(d, a, b0, b1);
-#endif
-}
+using ptx::ldsm_x4;
+using ptx::ldsm_x4_t;
+using ptx::mma_bf16;
 
 // ---- warp tiles built on them --------------------------------------------------------------------
 // A warp tile is 16 rows; shared-memory tiles are bf16, row-major with leading dimension LD

@@ -9,9 +9,6 @@ emulator headers compile.
   template arguments spelled out, since the emulator checks its cudaFuncSetAttribute)
   extern __shared__ T name[];                   ->  T* name = reinterpret_cast<T*>(emu::dyn_smem());
   __shared__                                    ->  static (blocks run one at a time)
-In a *_sm90a.cu file (kernels built only as sm_90a machine code), the launches call
-emu::launch_sm90a and cudaFuncGetAttributes becomes emu::func_get_attributes_sm90a, so that the
-emulator fails them on an emulated GPU that is not compute capability 9.0, as a GPU would.
 
 Usage: rewrite_launches.py IN OUT
 """
@@ -19,10 +16,7 @@ import re
 import sys
 
 
-def rewrite(src, sm90a_only=False):
-    if sm90a_only:
-        src = re.sub(r'\bcudaFuncGetAttributes\(', 'emu::func_get_attributes_sm90a(', src)
-    launch = 'emu::launch_sm90a' if sm90a_only else 'emu::launch'
+def rewrite(src):
     src = re.sub(r'extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+(?:\s+[\w:]+)*?)\s+(\w+)\[\];',
                  r'\1* \2 = reinterpret_cast<\1*>(emu::dyn_smem());', src)
     src = src.replace('__shared__', 'static')
@@ -77,7 +71,7 @@ def rewrite(src, sm90a_only=False):
         # The kernel's identity, for the dynamic shared memory check; launches with none need no
         # name that resolves to one function (a template deducing its arguments from the call).
         kid = 'nullptr' if config[2] == '0' else f"emu::kernel_id({' '.join(kernel.split())})"
-        out.append(f'{launch}({kid}, dim3({config[0]}), dim3({config[1]}), {config[2]}, '
+        out.append(f'emu::launch({kid}, dim3({config[0]}), dim3({config[1]}), {config[2]}, '
                    f'{config[3]}, [&] {{ {call}; }})')
         out.append('\n' * src[k:q + 1].count('\n'))  # keep the line numbers of what follows
         i = q + 1
@@ -87,4 +81,4 @@ if __name__ == '__main__':
     with open(sys.argv[1]) as f:
         text = f.read()
     with open(sys.argv[2], 'w') as f:
-        f.write(f'#line 1 "{sys.argv[1]}"\n' + rewrite(text, sys.argv[1].endswith('_sm90a.cu')))
+        f.write(f'#line 1 "{sys.argv[1]}"\n' + rewrite(text))

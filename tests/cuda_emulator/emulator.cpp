@@ -1,5 +1,5 @@
-// The host emulator of the CUDA backend (docs/testing.md): kernel launches (the runtime API of the
-// emulated devices is emulator_runtime.cpp).
+// The host emulator of the CUDA backend (docs/testing.md): kernel launches, run on the host with each
+// CUDA thread a fiber (the runtime API is emulator_runtime.cpp).
 //
 // A launch runs its blocks one after another. The threads of a block are fibers on the calling
 // thread (on x86-64 a six-register stack switch, elsewhere ucontext, whose every switch is a
@@ -18,7 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <limits>
 #include <map>
 #include <vector>
 
@@ -132,28 +131,6 @@ void switch_to(Context& from, Context& to, bool from_ends = false) {
 }
 
 enum State { Runnable, AtBlockBar, AtWarpBar, Done };
-// PTX's commit groups, of asynchronous copies and of warpgroup products alike: the operations issued
-// since the last commit (open), and the committed groups, oldest first, that a wait retires.
-template <class Op>
-struct CommitGroups {
-  std::vector<Op> open;
-  std::deque<std::vector<Op>> committed;
-  void commit() {
-    committed.push_back(std::move(open));
-    open.clear();
-  }
-  // Retires the oldest groups, each passed to retire_group, until at most keep remain committed.
-  template <class F>
-  void retire(size_t keep, F retire_group) {
-    for (; committed.size() > keep; committed.pop_front()) retire_group(committed.front());
-  }
-  bool empty() const { return open.empty() && committed.empty(); }
-  void clear() {
-    open.clear();
-    committed.clear();
-  }
-};
-
 struct Fiber {
   Context ctx;
   std::vector<char> stack;
@@ -161,23 +138,14 @@ struct Fiber {
   uint3 tid;
   int vote_gen = 0;
   int exchange_gen = 0;  // the warp exchanges (shuffles, all-gathers) this thread has made
-  // Asynchronous copies (cuda_pipeline_primitives.h), in commit groups; each copy keeps its
-  // destination and the source bytes taken at issue.
+  // Asynchronous copies (cuda_pipeline_primitives.h): those issued since the last commit, and the
+  // committed groups, oldest first; each copy keeps its destination and the source bytes taken at issue.
   struct Copy {
     void* dst;
     std::vector<char> bytes;
   };
-  CommitGroups<Copy> copies;
-  bool copies_unfenced = false;  // copies landed with no fence.proxy.async after them
-  // Warpgroup products (wgmma_issue), in commit groups; each keeps its accumulators, its base and
-  // its result, and how to compute it again.
-  struct Product {
-    float* d;
-    std::vector<float> base, result;
-    std::function<void(const float*, float*)> run;
-  };
-  CommitGroups<Product> products;
-  bool wg_fenced = false;  // a wgmma.fence since the thread's products last all retired
+  std::vector<Copy> open_copies;
+  std::deque<std::vector<Copy>> committed_copies;
 };
 std::vector<Fiber> fibers;
 Context sched;
@@ -195,7 +163,6 @@ int votes[3];
 int nthreads = 0;
 long launch_count = 0;
 size_t smem_size = 0;  // the launch's dynamic shared memory bytes
-int unfenced_copies = 0;  // fibers of the block whose copies_unfenced is set
 
 void trampoline() {
 #if MPIGPT_EMU_ASAN
@@ -204,11 +171,6 @@ void trampoline() {
   __sanitizer_finish_switch_fiber(nullptr, &sched.extent.bottom, &sched.extent.size);
 #endif
   (*body)();
-  if (!fibers[cur].products.empty()) {
-    fprintf(stderr, "cuda emulator: thread %d of block (%u,%u,%u) ended with warpgroup products (wgmma) that no "
-            "wgmma.wait_group retired\n", cur, blockIdx.x, blockIdx.y, blockIdx.z);
-    abort();
-  }
   fibers[cur].state = Done;
   switch_to(fibers[cur].ctx, sched, /*from_ends=*/true);
 }
@@ -224,15 +186,12 @@ void run_block() {
     f.state = Runnable;
     f.vote_gen = 0;
     f.exchange_gen = 0;
-    f.copies.clear();
-    f.copies_unfenced = false;
-    f.products.clear();
-    f.wg_fenced = false;
+    f.open_copies.clear();
+    f.committed_copies.clear();
     f.tid = {unsigned(i % blockDim.x), unsigned((i / blockDim.x) % blockDim.y), unsigned(i / (blockDim.x * blockDim.y))};
     start(f.ctx, f.stack, trampoline);
   }
   votes[0] = votes[1] = votes[2] = 0;
-  unfenced_copies = 0;
   for (;;) {
     for (int i = 0; i < nthreads; ++i) {  // every runnable fiber up to its next barrier
       if (fibers[i].state != Runnable) continue;
@@ -301,87 +260,17 @@ void pipeline_copy(void* dst, const void* src, size_t bytes) {
   }
   Fiber::Copy c{dst, std::vector<char>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes)};
   std::memset(dst, 0xff, bytes);
-  fibers[cur].copies.open.push_back(std::move(c));
+  fibers[cur].open_copies.push_back(std::move(c));
 }
-void pipeline_commit() { fibers[cur].copies.commit(); }
+void pipeline_commit() {
+  Fiber& f = fibers[cur];
+  f.committed_copies.push_back(std::move(f.open_copies));
+  f.open_copies.clear();
+}
 void pipeline_wait_prior(size_t prior) {
-  Fiber& f = fibers[cur];
-  f.copies.retire(prior, [&](const std::vector<Fiber::Copy>& group) {
-    for (const auto& c : group) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
-    if (!group.empty() && !f.copies_unfenced) {
-      f.copies_unfenced = true;
-      ++unfenced_copies;
-    }
-  });
-}
-void proxy_fence_async() {
-  Fiber& f = fibers[cur];
-  if (f.copies_unfenced) {
-    f.copies_unfenced = false;
-    --unfenced_copies;
-  }
-}
-namespace {
-[[noreturn]] void wgmma_fail(const char* what) {
-  fprintf(stderr, "cuda emulator: thread %d of block (%u,%u,%u): %s\n", cur, blockIdx.x, blockIdx.y, blockIdx.z,
-          what);
-  abort();
-}
-void poison(float* d, size_t n) { std::fill(d, d + n, std::numeric_limits<float>::quiet_NaN()); }
-}  // namespace
-void wgmma_fence() { fibers[cur].wg_fenced = true; }
-void wgmma_issue(float* d, int count, bool accumulate, std::function<void(const float*, float*)> product) {
-  Fiber& f = fibers[cur];
-  if (!f.wg_fenced)
-    wgmma_fail("wgmma.mma_async with no wgmma.fence before it since the thread's products last all retired (or "
-               "the kernel began): the registers it reads may not be ready (PTX ISA, wgmma.fence)");
-  if (unfenced_copies > 0) {
-    int i = 0;
-    while (!fibers[i].copies_unfenced) ++i;
-    fprintf(stderr, "cuda emulator: thread %d of block (%u,%u,%u) issues a wgmma while thread %d's asynchronous "
-            "copies have reached shared memory with no fence.proxy.async after them: the product may not see "
-            "them\n", cur, blockIdx.x, blockIdx.y, blockIdx.z, i);
-    abort();
-  }
-  // The latest product still in flight into the same accumulators: this one adds onto its result.
-  const Fiber::Product* prev = nullptr;
-  for (const auto& p : f.products.open)
-    if (p.d == d) prev = &p;
-  if (!prev)
-    for (auto g = f.products.committed.rbegin(); g != f.products.committed.rend() && !prev; ++g)
-      for (const auto& p : *g)
-        if (p.d == d) prev = &p;
-  if (prev && prev->result.size() != size_t(count))
-    wgmma_fail("two products in flight share accumulators but not their shape");
-  Fiber::Product p{d, {}, std::vector<float>(count), std::move(product)};
-  if (!accumulate)
-    p.base.assign(count, 0.f);
-  else if (prev)
-    p.base = prev->result;
-  else
-    p.base.assign(d, d + count);
-  p.run(p.base.data(), p.result.data());
-  poison(d, count);
-  f.products.open.push_back(std::move(p));
-}
-void wgmma_commit() { fibers[cur].products.commit(); }
-void wgmma_wait(int pending) {
-  Fiber& f = fibers[cur];
-  f.products.retire(size_t(std::max(pending, 0)), [](std::vector<Fiber::Product>& group) {
-    for (auto& p : group) {
-      std::vector<float> again(p.result.size());
-      p.run(p.base.data(), again.data());
-      if (std::memcmp(again.data(), p.result.data(), again.size() * sizeof(float)) != 0)
-        wgmma_fail("shared memory that a wgmma reads changed between the product's issue and the wgmma.wait_group "
-                   "that retired it: an operand was overwritten before the product finished (retire the products, "
-                   "then a block barrier, before refilling their tiles)");
-      std::copy(p.result.begin(), p.result.end(), p.d);
-    }
-  });
-  for (const auto& g : f.products.committed)
-    for (const auto& p : g) poison(p.d, p.result.size());
-  for (const auto& p : f.products.open) poison(p.d, p.result.size());
-  if (f.products.empty()) f.wg_fenced = false;
+  auto& groups = fibers[cur].committed_copies;
+  for (; groups.size() > prior; groups.pop_front())
+    for (const auto& c : groups.front()) std::memcpy(c.dst, c.bytes.data(), c.bytes.size());
 }
 size_t dyn_smem_bytes() { return smem_size; }
 namespace {
@@ -408,15 +297,8 @@ std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAtt
 }  // namespace
 void set_max_dynamic_smem(const void* kernel, int bytes) { max_dynamic_smem[kernel] = bytes; }
 
-void launch_sm90a(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st* stream,
-                  std::function<void()> fn) {
-  if (image_error(true) != cudaSuccess) return;  // as a GPU other than sm_90 fails it
-  launch(kernel, grid, block, smem_bytes, stream, std::move(fn));
-}
 void launch(const void* kernel, dim3 grid, dim3 block, size_t smem_bytes, ::CUstream_st* stream,
             std::function<void()> fn) {
-  if (image_error(false) != cudaSuccess) return;  // no code this GPU can load
-  begin_work(stream);  // the kernel may read what the stream's earlier operations deliver
   constexpr size_t kDefaultSmem = 48 * 1024;
   if (smem_bytes > kDefaultSmem) {
     const auto it = max_dynamic_smem.find(kernel);

@@ -1,18 +1,11 @@
-// The host emulator of the CUDA backend (docs/testing.md): this header stands in for the toolkit's
-// cuda_runtime.h when lib/kernels/cuda/*.cu are compiled as C++ for the CPU. It declares the
-// device built-ins the kernels use (thread and block indices, __syncthreads, warp shuffles, votes,
-// atomics, vector types, fast-math intrinsics) and the runtime API subset of CudaOps, all served
-// by emulator.cpp: every launch runs its blocks one after another, each CUDA thread of a block as
-// a fiber, so barriers and shuffles behave as on the GPU (in a fixed interleaving). Streams are
-// the host: every call completes before it returns, except the NCCL stand-in's operations, which
-// finish where the stream's later work, an event wait or a synchronisation needs them.
+// The host emulator's cuda_runtime.h (docs/testing.md): the device built-ins and the runtime API
+// subset the kernels and CudaOps use, served by emulator.cpp and emulator_runtime.cpp.
 #pragma once
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <string>
 #include <type_traits>
 
 #include "cuda_bf16.h"
@@ -67,55 +60,12 @@ void warp_allgather(const void* in, void* out, size_t bytes);
 // more than 48 KiB of dynamic shared memory without cudaFuncSetAttribute having allowed that much.
 void launch(const void* kernel, dim3 grid, dim3 block, size_t smem, ::CUstream_st* stream,
             std::function<void()> body);
-// The launches and attribute queries of the *_sm90a.cu kernels (rewrite_launches.py renames them),
-// which exist only as sm_90a machine code: they fail with cudaErrorNoKernelImageForDevice unless
-// the emulated GPU is compute capability 9.0 (MPIGPT_EMULATED_CC, emulator.cpp), as every launch
-// fails on one older than 9.0.
-void launch_sm90a(const void* kernel, dim3 grid, dim3 block, size_t smem, ::CUstream_st* stream,
-                  std::function<void()> body);
 template <class F>
 const void* kernel_id(F kernel) {
   return reinterpret_cast<const void*>(kernel);
 }
 void set_max_dynamic_smem(const void* kernel, int bytes);  // cudaFuncAttributeMaxDynamicSharedMemorySize
 
-// Hopper's asynchronous warpgroup products (wgmma.mma_async, mma_ptx.h), run as a GPU may run
-// them: `product(base, out)` computes a thread's `count` accumulator values onto base (the
-// accumulators when `accumulate`, or the result still in flight for them, else zeros), reading its
-// shared-memory operands when it is called. Issued, the product's accumulators read NaN until the
-// wgmma.wait_group that retires its group, which runs it again and aborts if the shared memory it
-// reads changed in between (an operand tile refilled too early). A product issued without a
-// wgmma.fence since the thread's products last all retired, one issued while some thread's
-// asynchronous copies have reached shared memory with no fence.proxy.async after them, and a
-// thread that ends with products not retired abort too.
-void wgmma_fence();
-void wgmma_issue(float* d, int count, bool accumulate, std::function<void(const float* base, float* out)> product);
-void wgmma_commit();
-void wgmma_wait(int pending);
-void proxy_fence_async();  // fence.proxy.async.shared::cta
-
-// Work that is not done when it is issued: the NCCL stand-in (nccl_mpi.cpp) issues its operations
-// as nonblocking MPI and registers these hooks; the runtime calls them where a GPU would order
-// work after it. `issued` numbers a stream's operations so far; `complete` finishes a stream's
-// operations up to number `upto` in order (a null stream: every stream's, all of them); `done`
-// says, without waiting, whether they are finished.
-struct AsyncHooks {
-  unsigned long long (*issued)(::CUstream_st* stream);
-  void (*complete)(::CUstream_st* stream, unsigned long long upto);
-  bool (*done)(::CUstream_st* stream, unsigned long long upto);
-};
-void set_async_hooks(const AsyncHooks* hooks);
-// Finishes the stream's issued work (a null stream: all streams') before what comes next on it.
-void complete_stream(::CUstream_st* stream);
-// Work queued on a stream (a kernel, copy, fill or product): complete_stream, and counted for
-// unordered_work. host_synced: the host waited for the stream (a null stream: for every stream).
-void begin_work(::CUstream_st* stream);
-void host_synced(::CUstream_st* stream);
-// Empty when everything queued so far on other streams is ordered before the stream's next
-// operation (by events it waited for, or host synchronisation); else which stream's is not. The
-// emulator runs work when it is issued, so a missing wait does not show in results: the NCCL
-// stand-in asks this before it reads an operation's input.
-std::string unordered_work(::CUstream_st* stream);
 }  // namespace emu
 
 inline void __syncthreads() { emu::syncthreads(); }
@@ -238,23 +188,12 @@ cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int v) {
 namespace emu {
 // What cudaGetLastError returns next: set by failed launches and calls (emulator_runtime.cpp).
 extern cudaError_t last_error;
-// Whether the emulated GPU loads code built for sm_90 (or, sm90a_only, only for sm_90a):
-// cudaSuccess, or cudaErrorNoKernelImageForDevice, which also becomes the last error.
-cudaError_t image_error(bool sm90a_only);
 }  // namespace emu
 template <class F>
 cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, F) {
   a->binaryVersion = a->ptxVersion = 90;
-  return emu::image_error(false);
+  return cudaSuccess;
 }
-namespace emu {
-template <class F>
-cudaError_t func_get_attributes_sm90a(cudaFuncAttributes* a, F) {
-  a->binaryVersion = 90;
-  a->ptxVersion = 0;
-  return image_error(true);
-}
-}  // namespace emu
 template <class F>
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, F, int, size_t) {
   *n = 2;
