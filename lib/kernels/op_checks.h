@@ -1,55 +1,97 @@
-// Argument checks that do not depend on the backend (shapes and host arrays only), shared by the
-// CPU and CUDA implementations of an op so that both refuse the same calls with the same message.
+// What the ops' fronts (ops*.cpp) share: the argument checks of one call, and Ops::run, which times
+// an op when profiling. Private to lib/kernels.
 #pragma once
-#include <algorithm>
+#include <fmt/format.h>
+
+#include <chrono>
 #include <cstdint>
+#include <map>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "lib/core/error.h"
-#include "lib/core/tensor.h"
+#include "lib/kernels/ops.h"
 
 namespace mpigpt {
 
-// Grouped linear: weight (G,OC,IC), bias (G,OC) optional, and group_rows, a host array of G row
-// counts (each >= 0) that add up to the M rows of the input.
-inline void check_grouped_linear(const char* op, const Tensor& weight, const Tensor& bias, int64_t M,
-                                 const int64_t* group_rows) {
-  MPIGPT_CHECK(weight.ndim() == 3, "{}: weight {} must be (G,OC,IC)", op, weight.shape.str());
-  MPIGPT_CHECK(!bias.defined() || bias.numel() == weight.size(0) * weight.size(1),
-               "{}: bias {} must be (G,OC) for weight {}", op, bias.shape.str(), weight.shape.str());
-  MPIGPT_CHECK(group_rows != nullptr, "{}: group_rows (a host array of G row counts) is required", op);
-  int64_t total = 0;
-  for (int64_t g = 0; g < weight.size(0); ++g) {
-    MPIGPT_CHECK(group_rows[g] >= 0, "{}: group {} has {} rows", op, g, group_rows[g]);
-    total += group_rows[g];
-  }
-  MPIGPT_CHECK(total == M, "{}: the groups hold {} rows but the input has {}", op, total, M);
+// A tensor seen as a matrix: cols = its last dimension, rows = everything before it.
+struct Mat {
+  int64_t rows, cols;
+};
+inline Mat mat_of(const Tensor& t) {  // (N, 0) still has N rows
+  if (t.ndim() == 0) return {1, 1};
+  int64_t rows = 1;
+  for (int i = 0; i + 1 < t.ndim(); ++i) rows *= t.size(i);
+  return {rows, t.size(-1)};
 }
 
-// AdamW runs: param and grad of one length, m and v of another; every run inside them, of
-// non-negative length, and no two runs sharing a parameter or a moment element.
-inline void check_adamw_runs(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                             const std::vector<AdamWRun>& runs) {
-  const char* op = "adamw_runs";
-  MPIGPT_CHECK(grad.numel() == param.numel() && v.numel() == m.numel(),
-               "{}: param {} and grad {} must have the same length, and m {} and v {}", op, param.str(), grad.str(),
-               m.str(), v.str());
-  std::vector<std::pair<int64_t, int64_t>> p, s;
-  for (const AdamWRun& r : runs) {
-    MPIGPT_CHECK(r.count >= 0 && r.begin >= 0 && r.state >= 0 && r.begin + r.count <= param.numel() &&
-                     r.state + r.count <= m.numel(),
-                 "{}: run of {} elements at {} (state {}) lies outside param {} or m {}", op, r.count, r.begin,
-                 r.state, param.str(), m.str());
-    if (r.count == 0) continue;
-    p.emplace_back(r.begin, r.begin + r.count);
-    s.emplace_back(r.state, r.state + r.count);
+// The checks of one call; every message starts with the op's name. Data tensors (inputs, outputs,
+// activations, the compute copies of weights) share one dtype that the backend computes in; f32
+// ones (statistics, weight gradients, losses, optimizer state) and i32 ones (indices) are those
+// dtypes always. Every tensor lives on the backend's device. A *_opt tensor may be undefined.
+class OpArgs {
+ public:
+  OpArgs(const Ops& ops, const char* op) : ops_(ops), op_(op) {}
+  const char* op() const { return op_; }
+  OpArgs& data(const char* what, const Tensor& t);
+  OpArgs& data_opt(const char* what, const Tensor& t) { return t.defined() ? data(what, t) : *this; }
+  OpArgs& f32(const char* what, const Tensor& t) { return typed(what, t, DType::F32); }
+  OpArgs& f32_opt(const char* what, const Tensor& t) { return t.defined() ? f32(what, t) : *this; }
+  OpArgs& i32(const char* what, const Tensor& t) { return typed(what, t, DType::I32); }
+  OpArgs& i32_opt(const char* what, const Tensor& t) { return t.defined() ? i32(what, t) : *this; }
+  // t (when defined) has the shape of `base`: as many elements, as many columns.
+  OpArgs& like(const char* what, const Tensor& t, const char* base_name, const Tensor& base);
+  // t (when defined) has n elements; `of` says what n is.
+  OpArgs& len(const char* what, const Tensor& t, int64_t n, const char* of);
+  // Fails with "op: message" unless ok.
+  template <class... A>
+  OpArgs& require(bool ok, fmt::format_string<A...> message, A&&... args) {
+    if (!ok) fail("{}: {}", op_, fmt::format(message, std::forward<A>(args)...));
+    return *this;
   }
-  for (auto* ranges : {&p, &s}) {
-    std::sort(ranges->begin(), ranges->end());
-    for (size_t i = 1; i < ranges->size(); ++i)
-      MPIGPT_CHECK((*ranges)[i - 1].second <= (*ranges)[i].first, "{}: runs overlap at [{}, {}) and [{}, {}) of {}",
-                   op, (*ranges)[i - 1].first, (*ranges)[i - 1].second, (*ranges)[i].first, (*ranges)[i].second,
-                   ranges == &p ? "param" : "m");
+
+ private:
+  OpArgs& present(const char* what, const Tensor& t);
+  OpArgs& typed(const char* what, const Tensor& t, DType dt);
+  const Ops& ops_;
+  const char* op_;
+  const char* first_data_ = nullptr;  // the first data tensor's name, and its dtype
+  DType data_dtype_ = DType::F32;
+};
+
+// NH query heads in groups over NKV key/value heads of HD channels each.
+void check_heads(OpArgs& a, int NH, int NKV, int HD);
+
+struct Ops::Profile {
+  bool on = false;
+  std::map<std::string, OpTime> times;
+};
+
+template <class F>
+auto Ops::run(const char* op, F&& f) -> decltype(f()) {
+  struct Depth {
+    int& d;
+    explicit Depth(int& x) : d(++x) {}
+    ~Depth() { --d; }
+  } depth(depth_);
+  if (!profile_ || !profile_->on || depth_ > 1) return f();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto done = [&] {
+    synchronize();
+    OpTime& t = profile_->times[op];
+    t.op = op;
+    t.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++t.calls;
+  };
+  if constexpr (std::is_void_v<decltype(f())>) {
+    f();
+    done();
+  } else {
+    auto r = f();
+    done();
+    return r;
   }
 }
 

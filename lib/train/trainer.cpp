@@ -123,9 +123,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, Ops& backend, const Train
   // The loss lives on the last pipeline stage; one rank there logs.
   const Coords& co = mesh.coords();
   const bool last_rank = co.pp == pc.pp - 1 && co.tp == 0 && co.cp == 0 && co.dp == 0;
-  // The per-op profiler wraps the backend; everything below sees one Ops.
-  std::unique_ptr<ProfiledOps> profiler = opts.profile_ops ? std::make_unique<ProfiledOps>(backend) : nullptr;
-  Ops* const ops = profiler ? profiler.get() : &backend;
+  Ops* const ops = &backend;
   if (cfg.engine.threads > 0) omp_set_num_threads(cfg.engine.threads);
 
   // ---- data -------------------------------------------------------------------------------
@@ -279,7 +277,7 @@ TrainResult train(const Config& cfg, const Mesh& mesh, Ops& backend, const Train
   for (int64_t it = first_it; it <= tc.train_iters; ++it) {
     if (it == tc.train_iters)
       for (const auto& g : groups) g.second->reset_stats();
-    if (profiler) profiler->reset();
+    if (opts.profile_ops) ops->profile_ops(true);  // the last step's times are reported
     const auto t0 = Clock::now();
     // This rank's samples of the global batch: the global batch index alone decides them.
     for (int j = 0; j < per_rank; ++j)
@@ -361,7 +359,10 @@ TrainResult train(const Config& cfg, const Mesh& mesh, Ops& backend, const Train
   }
   result.activation_bytes = int64_t(runner.activation_bytes());
   result.device_peak_bytes = int64_t(ops->peak_allocated());
-  if (profiler) result.op_times = profiler->report();
+  if (opts.profile_ops) {
+    result.op_times = ops->op_times();
+    ops->profile_ops(false);
+  }
   return result;
 }
 

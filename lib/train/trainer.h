@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "io/config.h"
-#include "lib/kernels/profiled_ops.h"
+#include "lib/kernels/ops.h"
 #include "lib/model/gpt_dims.h"
 #include "lib/train/checkpointing.h"
 #include "parallel/data_parallel.h"

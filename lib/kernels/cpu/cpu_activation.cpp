@@ -13,12 +13,11 @@ constexpr float kGeluCubic = 0.044715f;
 // through the identity 0.5 (1 + tanh(a)) = sigmoid(2a) = 1 / (1 + e^{-2a}): the same function, but
 // 1 + tanh(a) and 1 - tanh(a)^2 no longer cancel for negative x, so the tail (and its gradient)
 // keeps full relative precision.
-void CpuOps::gelu_forward(Tensor out, Tensor inp) {
+void CpuOps::gelu_forward_impl(Tensor out, Tensor inp) {
   // out, inp same shape
-  float* O = f32_arg(out, "gelu_forward", "out");
-  const float* X = f32_arg(inp, "gelu_forward", "inp");
+  float* O = f32(out);
+  const float* X = f32(inp);
   const int64_t n = inp.numel();
-  MPIGPT_CHECK(out.numel() == n, "gelu_forward: out {} and inp {} differ", out.shape.str(), inp.shape.str());
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
     const float x = X[i];
@@ -26,14 +25,12 @@ void CpuOps::gelu_forward(Tensor out, Tensor inp) {
   }
 }
 
-void CpuOps::gelu_backward(Tensor dinp, Tensor dout, Tensor inp) {
+void CpuOps::gelu_backward_impl(Tensor dinp, Tensor dout, Tensor inp) {
   // dinp (overwritten, may alias dout) = gelu'(inp) * dout
-  float* dX = f32_arg(dinp, "gelu_backward", "dinp");
-  const float* dO = f32_arg(dout, "gelu_backward", "dout");
-  const float* X = f32_arg(inp, "gelu_backward", "inp");
+  float* dX = f32(dinp);
+  const float* dO = f32(dout);
+  const float* X = f32(inp);
   const int64_t n = inp.numel();
-  MPIGPT_CHECK(dinp.numel() == n && dout.numel() == n, "gelu_backward: dinp {}, dout {}, inp {} differ",
-               dinp.shape.str(), dout.shape.str(), inp.shape.str());
 #pragma omp parallel for simd schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
     const float x = X[i];
@@ -46,21 +43,18 @@ void CpuOps::gelu_backward(Tensor dinp, Tensor dout, Tensor inp) {
 }
 
 // Rows of inp (N, 2F) are [gate (F) | up (F)].
-static int64_t swiglu_rows(const char* op, const Tensor& half, const char* half_name, const Tensor& full,
-                           const char* full_name, int64_t* F) {
-  const Mat mh = mat_of(half), mf = mat_of(full);
-  MPIGPT_CHECK(mf.rows == mh.rows && mf.cols == 2 * mh.cols, "{}: {} {} must be (N, 2F) for {} {} (N, F)", op,
-               full_name, full.shape.str(), half_name, half.shape.str());
+static int64_t swiglu_rows(const Tensor& half, int64_t* F) {
+  const Mat mh = mat_of(half);
   *F = mh.cols;
   return mh.rows;
 }
 
-void CpuOps::swiglu_forward(Tensor out, Tensor inp) {
+void CpuOps::swiglu_forward_impl(Tensor out, Tensor inp) {
   // out (N,F) = silu(gate) * up, inp (N,2F)
-  float* O = f32_arg(out, "swiglu_forward", "out");
-  const float* X = f32_arg(inp, "swiglu_forward", "inp");
+  float* O = f32(out);
+  const float* X = f32(inp);
   int64_t F = 0;
-  const int64_t N = swiglu_rows("swiglu_forward", out, "out", inp, "inp", &F);
+  const int64_t N = swiglu_rows(out, &F);
 #pragma omp parallel for schedule(static) if (N * F >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     const float* gate = X + n * 2 * F;
@@ -71,15 +65,13 @@ void CpuOps::swiglu_forward(Tensor out, Tensor inp) {
   }
 }
 
-void CpuOps::swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
+void CpuOps::swiglu_backward_impl(Tensor dinp, Tensor dout, Tensor inp) {
   // dinp (N,2F) overwritten (may alias inp), dout (N,F), inp (N,2F)
-  float* dX = f32_arg(dinp, "swiglu_backward", "dinp");
-  const float* dO = f32_arg(dout, "swiglu_backward", "dout");
-  const float* X = f32_arg(inp, "swiglu_backward", "inp");
+  float* dX = f32(dinp);
+  const float* dO = f32(dout);
+  const float* X = f32(inp);
   int64_t F = 0;
-  const int64_t N = swiglu_rows("swiglu_backward", dout, "dout", inp, "inp", &F);
-  MPIGPT_CHECK(dinp.numel() == inp.numel(), "swiglu_backward: dinp {} must have the shape of inp {}", dinp.shape.str(),
-               inp.shape.str());
+  const int64_t N = swiglu_rows(dout, &F);
 #pragma omp parallel for schedule(static) if (N * F >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     const float* gate = X + n * 2 * F;

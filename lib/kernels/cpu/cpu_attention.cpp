@@ -13,23 +13,14 @@ namespace {
 
 constexpr int kMaxHeadDim = 1024;  // bounds the per-row cos/sin tables kept on the stack
 
-void check_heads(const char* op, int NH, int NKV, int HD) {
-  MPIGPT_CHECK(NH > 0 && NKV > 0 && HD > 0 && NH % NKV == 0,
-               "{}: need NH, NKV, HD > 0 and NH divisible by NKV, got NH={} NKV={} HD={}", op, NH, NKV, HD);
-}
-
 // Rotates the NH query and NKV key heads of each row of qkv (N, (NH+2*NKV)*HD) by pos * inv_freq;
 // sign = -1 rotates back (the transpose, i.e. the backward).
 void rope_apply(const char* op, Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta, double sign) {
-  float* X = f32_arg(qkv, op, "qkv");
-  const int32_t* pos = i32_arg(positions, op, "positions");
-  check_heads(op, NH, NKV, HD);
-  MPIGPT_CHECK(HD % 2 == 0 && HD <= kMaxHeadDim, "{}: head dim {} must be even and at most {}", op, HD, kMaxHeadDim);
+  float* X = f32(qkv);
+  const int32_t* pos = i32(positions);
+  MPIGPT_CHECK(HD <= kMaxHeadDim, "{}: head dim {} is more than the CPU backend's {}", op, HD, kMaxHeadDim);
   const Mat mx = mat_of(qkv);
   const int64_t R = int64_t(NH + 2 * NKV) * HD, N = mx.rows, half = HD / 2, heads = NH + NKV;
-  MPIGPT_CHECK(mx.cols == R && positions.numel() == N,
-               "{}: qkv {} must be (N, (NH+2*NKV)*HD) = (N, {}) with positions {} of N elements", op, qkv.shape.str(),
-               R, positions.shape.str());
   double inv_freq[kMaxHeadDim / 2];
   for (int64_t i = 0; i < half; ++i) inv_freq[i] = std::pow(double(theta), -2.0 * double(i) / double(HD));
 #pragma omp parallel for schedule(static) if (N * R >= kParallelMin)
@@ -59,10 +50,7 @@ struct AttnDims {
 };
 
 AttnDims attn_dims(const char* op, const Tensor& qkv, int NH, int NKV, int HD) {
-  check_heads(op, NH, NKV, HD);
   const int64_t R = int64_t(NH + 2 * NKV) * HD;
-  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
-               qkv.shape.str(), R);
   blas_int(R, op);  // the sgemm calls inside the threads must not fail (and throw) there
   blas_int(qkv.size(1), op);
   return {qkv.size(0), qkv.size(1), NH, NKV, HD, R, int64_t(NH) * HD};
@@ -80,26 +68,22 @@ constexpr int64_t kBlock = 64;
 
 }  // namespace
 
-void CpuOps::rope_forward(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) {
+void CpuOps::rope_forward_impl(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) {
   rope_apply("rope_forward", qkv, positions, NH, NKV, HD, theta, 1.0);
 }
 
-void CpuOps::rope_backward(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) {
+void CpuOps::rope_backward_impl(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) {
   rope_apply("rope_backward", dqkv, positions, NH, NKV, HD, theta, -1.0);
 }
 
-void CpuOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) {
+void CpuOps::attention_forward_impl(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) {
   // out (B,T,NH*HD), saved = probabilities P (B,NH,T,T), qkv (B,T,(NH+2*NKV)*HD)
   const char* op = "attention_forward";
-  float* O = f32_arg(out, op, "out");
-  float* Ps = f32_arg(saved, op, "saved");
-  const float* X = f32_arg(qkv, op, "qkv");
+  float* O = f32(out);
+  float* Ps = f32(saved);
+  const float* X = f32(qkv);
   const AttnDims d = attn_dims(op, qkv, NH, NKV, HD);
   const int64_t B = d.B, T = d.T, R = d.R, ldo = d.ldo, G = d.NH / d.NKV;
-  MPIGPT_CHECK(out.numel() == B * T * ldo, "{}: out {} must be (B, T, NH*HD) = ({}, {}, {})", op, out.shape.str(), B, T,
-               ldo);
-  MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
-               attention_saved_numel(B, T, NH));
   const float scale = float(1.0 / std::sqrt(double(HD)));
   const int64_t tasks = B * NH;
   // One (batch, head) per task; when there are fewer tasks than threads, BLAS threads instead.
@@ -137,23 +121,17 @@ void CpuOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int
   }
 }
 
-void CpuOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
+void CpuOps::attention_backward_impl(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
                                 int HD) {
   // dqkv (B,T,(NH+2*NKV)*HD) overwritten, dout (B,T,NH*HD), qkv as forward, saved = P (B,NH,T,T).
   // out is not needed here (the probabilities are kept).
   const char* op = "attention_backward";
-  float* dX = f32_arg(dqkv, op, "dqkv");
-  const float* dO = f32_arg(dout, op, "dout");
-  const float* X = f32_arg(qkv, op, "qkv");
-  const float* Ps = f32_arg(saved, op, "saved");
+  float* dX = f32(dqkv);
+  const float* dO = f32(dout);
+  const float* X = f32(qkv);
+  const float* Ps = f32(saved);
   const AttnDims d = attn_dims(op, qkv, NH, NKV, HD);
   const int64_t B = d.B, T = d.T, R = d.R, ldo = d.ldo, G = d.NH / d.NKV;
-  MPIGPT_CHECK(dqkv.numel() == qkv.numel(), "{}: dqkv {} must have the shape of qkv {}", op, dqkv.shape.str(),
-               qkv.shape.str());
-  MPIGPT_CHECK(dout.numel() == B * T * ldo, "{}: dout {} must be (B, T, NH*HD) = ({}, {}, {})", op, dout.shape.str(), B,
-               T, ldo);
-  MPIGPT_CHECK(saved.numel() >= attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op, saved.str(),
-               attention_saved_numel(B, T, NH));
   const float scale = float(1.0 / std::sqrt(double(HD)));
   // One (batch, kv head) per task: the G query heads sharing a kv head accumulate into its dK/dV
   // in a fixed order, so no two threads write the same memory and the result is deterministic.

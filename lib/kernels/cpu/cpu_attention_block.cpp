@@ -24,25 +24,11 @@ struct BlockArgs {
 BlockArgs block_args(const char* op, const char* out_name, const Tensor& out, const Tensor& lse, const Tensor& qkv,
                      const Tensor& kv, const Tensor& qpos, const Tensor& qseg, const Tensor& kpos, const Tensor& kseg,
                      int NH, int NKV, int HD) {
-  const int32_t *qp = i32_arg(qpos, op, "qpos"), *qs = i32_arg(qseg, op, "qseg");
-  const int32_t *kp = i32_arg(kpos, op, "kpos"), *ks = i32_arg(kseg, op, "kseg");
-  MPIGPT_CHECK(NH > 0 && NKV > 0 && HD > 0 && NH % NKV == 0,
-               "{}: need NH, NKV, HD > 0 and NH divisible by NKV, got NH={} NKV={} HD={}", op, NH, NKV, HD);
+  const int32_t *qp = i32(qpos), *qs = i32(qseg);
+  const int32_t *kp = i32(kpos), *ks = i32(kseg);
   const int64_t R = int64_t(NH + 2 * NKV) * HD, RK = int64_t(2 * NKV) * HD;
-  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, Tq, (NH+2*NKV)*HD = {})", op,
-               qkv.shape.str(), R);
   const int64_t B = qkv.size(0), Tq = qkv.size(1);
-  MPIGPT_CHECK(kv.ndim() == 3 && kv.size(0) == B && kv.size(2) == RK,
-               "{}: kv {} must be (B = {}, Tk, 2*NKV*HD = {}) for qkv {}", op, kv.shape.str(), B, RK, qkv.shape.str());
   const int64_t Tk = kv.size(1), ldo = int64_t(NH) * HD;
-  MPIGPT_CHECK(out.numel() == B * Tq * ldo, "{}: {} {} must be (B, Tq, NH*HD) = ({}, {}, {})", op, out_name,
-               out.shape.str(), B, Tq, ldo);
-  MPIGPT_CHECK(lse.numel() == B * NH * Tq, "{}: lse {} must be (B, NH, Tq) = ({}, {}, {})", op, lse.shape.str(), B, NH,
-               Tq);
-  MPIGPT_CHECK(qpos.numel() == B * Tq && qseg.numel() == B * Tq, "{}: qpos {} and qseg {} must be (B, Tq) = ({}, {})",
-               op, qpos.shape.str(), qseg.shape.str(), B, Tq);
-  MPIGPT_CHECK(kpos.numel() == B * Tk && kseg.numel() == B * Tk, "{}: kpos {} and kseg {} must be (B, Tk) = ({}, {})",
-               op, kpos.shape.str(), kseg.shape.str(), B, Tk);
   // The sgemm calls inside the threads must not fail (and throw) there.
   for (int64_t x : {R, RK, ldo, Tk}) blas_int(x, op);
   return {B, Tq, Tk, NH, NKV, HD, R, RK, ldo, NH / NKV, qp, qs, kp, ks};
@@ -59,14 +45,14 @@ constexpr int64_t kBlock = 64;
 
 }  // namespace
 
-void CpuOps::attention_block_forward(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
+void CpuOps::attention_block_forward_impl(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
                                      Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
   // out (B,Tq,NH*HD), lse (B,NH,Tq), qkv (B,Tq,(NH+2*NKV)*HD), kv (B,Tk,2*NKV*HD), q*/k* (B,Tq)/(B,Tk) i32
   const char* op = "attention_block_forward";
-  float* O = f32_arg(out, op, "out");
-  float* L = f32_arg(lse, op, "lse");
-  const float* X = f32_arg(qkv, op, "qkv");
-  const float* KV = f32_arg(kv, op, "kv");
+  float* O = f32(out);
+  float* L = f32(lse);
+  const float* X = f32(qkv);
+  const float* KV = f32(kv);
   const BlockArgs a = block_args(op, "out", out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
   const int64_t Tq = a.Tq, Tk = a.Tk, R = a.R, RK = a.RK, ldo = a.ldo;
   const float scale = float(1.0 / std::sqrt(double(HD)));
@@ -114,20 +100,14 @@ void CpuOps::attention_block_forward(Tensor out, Tensor lse, Tensor qkv, Tensor 
   }
 }
 
-void CpuOps::attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) {
+void CpuOps::attention_merge_impl(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) {
   // out, blk_out (B,Tq,NH*HD); lse, blk_lse (B,NH,Tq)
-  const char* op = "attention_merge";
-  float* O = f32_arg(out, op, "out");
-  float* L = f32_arg(lse, op, "lse");
-  const float* BO = f32_arg(blk_out, op, "blk_out");
-  const float* BL = f32_arg(blk_lse, op, "blk_lse");
-  MPIGPT_CHECK(lse.ndim() == 3 && blk_lse.shape == lse.shape, "{}: lse {} and blk_lse {} must both be (B, NH, Tq)", op,
-               lse.shape.str(), blk_lse.shape.str());
+  float* O = f32(out);
+  float* L = f32(lse);
+  const float* BO = f32(blk_out);
+  const float* BL = f32(blk_lse);
   const int64_t B = lse.size(0), NH = lse.size(1), Tq = lse.size(2);
-  const Mat mo = mat_of(out), mb = mat_of(blk_out);
-  MPIGPT_CHECK(NH > 0 && mo.rows == B * Tq && mo.cols % NH == 0 && mb.rows == mo.rows && mb.cols == mo.cols,
-               "{}: out {} and blk_out {} must both be (B, Tq, NH*HD) with (B, NH, Tq) = lse {}", op, out.shape.str(),
-               blk_out.shape.str(), lse.shape.str());
+  const Mat mo = mat_of(out);
   const int64_t C = mo.cols, HD = C / NH, rows = B * Tq;
   // A side whose lse is -inf has weight 0 and its out is never read (0 * NaN would poison the sum),
   // so a running result may start as lse = -inf over any out.
@@ -157,27 +137,21 @@ void CpuOps::attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_
   }
 }
 
-void CpuOps::attention_block_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out,
+void CpuOps::attention_block_backward_impl(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out,
                                       Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV,
                                       int HD) {
   // dqkv (B,Tq,(NH+2*NKV)*HD) query columns accumulate; dkv (B,Tk,2*NKV*HD) accumulates;
   // dout, out (B,Tq,NH*HD) and lse (B,NH,Tq) are the FINAL (merged) ones.
   const char* op = "attention_block_backward";
-  float* dX = f32_arg(dqkv, op, "dqkv");
-  float* dKV = f32_arg(dkv, op, "dkv");
-  const float* dO = f32_arg(dout, op, "dout");
-  const float* X = f32_arg(qkv, op, "qkv");
-  const float* KV = f32_arg(kv, op, "kv");
-  const float* O = f32_arg(out, op, "out");
-  const float* L = f32_arg(lse, op, "lse");
+  float* dX = f32(dqkv);
+  float* dKV = f32(dkv);
+  const float* dO = f32(dout);
+  const float* X = f32(qkv);
+  const float* KV = f32(kv);
+  const float* O = f32(out);
+  const float* L = f32(lse);
   const BlockArgs a = block_args(op, "out", out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
   const int64_t Tq = a.Tq, Tk = a.Tk, R = a.R, RK = a.RK, ldo = a.ldo, G = a.G;
-  MPIGPT_CHECK(dqkv.numel() == qkv.numel(), "{}: dqkv {} must have the shape of qkv {}", op, dqkv.shape.str(),
-               qkv.shape.str());
-  MPIGPT_CHECK(dkv.numel() == kv.numel(), "{}: dkv {} must have the shape of kv {}", op, dkv.shape.str(),
-               kv.shape.str());
-  MPIGPT_CHECK(dout.numel() == out.numel(), "{}: dout {} must have the shape of out {}", op, dout.shape.str(),
-               out.shape.str());
   const float scale = float(1.0 / std::sqrt(double(HD)));
   // One (batch, kv head) per task: the G query heads sharing a kv head add into its dK/dV in a
   // fixed order, so no two threads write the same memory and the result is deterministic.
@@ -233,17 +207,11 @@ void CpuOps::attention_block_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tens
   }
 }
 
-void CpuOps::copy_cols(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) {
+void CpuOps::copy_cols_impl(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) {
   // dst (N,Dd)[:, dst_col : dst_col+ncols] = src (N,Ds)[:, src_col : src_col+ncols]
-  const char* op = "copy_cols";
-  float* D = f32_arg(dst, op, "dst");
-  const float* S = f32_arg(src, op, "src");
+  float* D = f32(dst);
+  const float* S = f32(src);
   const Mat md = mat_of(dst), ms = mat_of(src);
-  MPIGPT_CHECK(md.rows == ms.rows, "{}: dst {} and src {} must have the same number of rows", op, dst.shape.str(),
-               src.shape.str());
-  MPIGPT_CHECK(ncols >= 0 && dst_col >= 0 && src_col >= 0 && dst_col + ncols <= md.cols && src_col + ncols <= ms.cols,
-               "{}: columns [{}, {}) of dst {} and [{}, {}) of src {} must lie inside them", op, dst_col,
-               dst_col + ncols, dst.shape.str(), src_col, src_col + ncols, src.shape.str());
   const int64_t N = md.rows;
   if (ncols == 0) return;
 #pragma omp parallel for schedule(static) if (N * ncols >= kParallelMin)
@@ -260,32 +228,26 @@ void check_index(const char* op, const int32_t* idx, int64_t M, int64_t N) {
 }
 }  // namespace
 
-void CpuOps::gather_rows(Tensor out, Tensor inp, Tensor index) {
+void CpuOps::gather_rows_impl(Tensor out, Tensor inp, Tensor index) {
   // out (M,C)[i] = inp (N,C)[index[i]], index (M) i32
   const char* op = "gather_rows";
-  float* O = f32_arg(out, op, "out");
-  const float* I = f32_arg(inp, op, "inp");
-  const int32_t* idx = i32_arg(index, op, "index");
+  float* O = f32(out);
+  const float* I = f32(inp);
+  const int32_t* idx = i32(index);
   const Mat mo = mat_of(out), mi = mat_of(inp);
-  MPIGPT_CHECK(mo.cols == mi.cols && index.numel() == mo.rows,
-               "{}: out {} must be (M, C) for inp {} (N, C) and index {} (M)", op, out.shape.str(), inp.shape.str(),
-               index.shape.str());
   const int64_t M = mo.rows, C = mo.cols;
   check_index(op, idx, M, mi.rows);
 #pragma omp parallel for schedule(static) if (M * C >= kParallelMin)
   for (int64_t i = 0; i < M; ++i) std::memcpy(O + i * C, I + int64_t(idx[i]) * C, size_t(C) * sizeof(float));
 }
 
-void CpuOps::scatter_add_rows(Tensor dinp, Tensor dout, Tensor index) {
+void CpuOps::scatter_add_rows_impl(Tensor dinp, Tensor dout, Tensor index) {
   // dinp (N,C)[index[i]] += dout (M,C)[i], index (M) i32 (may repeat)
   const char* op = "scatter_add_rows";
-  float* dI = f32_arg(dinp, op, "dinp");
-  const float* dO = f32_arg(dout, op, "dout");
-  const int32_t* idx = i32_arg(index, op, "index");
+  float* dI = f32(dinp);
+  const float* dO = f32(dout);
+  const int32_t* idx = i32(index);
   const Mat mi = mat_of(dinp), mo = mat_of(dout);
-  MPIGPT_CHECK(mo.cols == mi.cols && index.numel() == mo.rows,
-               "{}: dout {} must be (M, C) for dinp {} (N, C) and index {} (M)", op, dout.shape.str(), dinp.shape.str(),
-               index.shape.str());
   const int64_t M = mo.rows, C = mo.cols;
   check_index(op, idx, M, mi.rows);
   // Threads split the columns, each walking all rows in order: repeated indices never race and every

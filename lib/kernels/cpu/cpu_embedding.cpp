@@ -12,24 +12,20 @@ static void check_positions(const int32_t* pos, int64_t N, int64_t rows, const c
     MPIGPT_CHECK(pos[n] >= 0 && pos[n] < rows, "{}: positions[{}] = {} is outside wpe's {} rows", op, n, pos[n], rows);
 }
 
-void CpuOps::embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
+void CpuOps::embedding_forward_impl(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
                                int64_t vocab_start) {
   // out (N,C), tokens (N), positions (N), wte (rows,C) = vocabulary rows [vocab_start, vocab_start+rows),
   // wpe (maxT,C) optional
   const char* op = "embedding_forward";
-  float* O = f32_arg(out, op, "out");
-  const int32_t* tok = i32_arg(tokens, op, "tokens");
-  const float* E = f32_arg(wte, op, "wte");
-  const float* P = f32_opt(wpe, op, "wpe");
+  float* O = f32(out);
+  const int32_t* tok = i32(tokens);
+  const float* E = f32(wte);
+  const float* P = f32(wpe);
   const Mat mo = mat_of(out), me = mat_of(wte);
   const int64_t N = mo.rows, C = mo.cols, rows = me.rows;
-  MPIGPT_CHECK(tokens.numel() == N && me.cols == C, "{}: out {}, tokens {}, wte {} disagree on N or C", op,
-               out.shape.str(), tokens.shape.str(), wte.shape.str());
   const int32_t* pos = nullptr;
   if (P) {
-    pos = i32_arg(positions, op, "positions (required with wpe)");
-    MPIGPT_CHECK(positions.numel() == N && mat_of(wpe).cols == C, "{}: out {}, positions {}, wpe {} disagree", op,
-                 out.shape.str(), positions.shape.str(), wpe.shape.str());
+    pos = i32(positions);
     check_positions(pos, N, mat_of(wpe).rows, op);
   }
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
@@ -48,28 +44,24 @@ void CpuOps::embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tens
   }
 }
 
-void CpuOps::embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
+void CpuOps::embedding_backward_impl(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
                                 int64_t vocab_start) {
   // dwte (rows,C) += scatter of dout (N,C) rows by token; dwpe (maxT,C) += scatter by position
   const char* op = "embedding_backward";
-  float* dE = f32_opt(dwte, op, "dwte");
-  float* dP = f32_opt(dwpe, op, "dwpe");
-  const float* dO = f32_arg(dout, op, "dout");
+  float* dE = f32(dwte);
+  float* dP = f32(dwpe);
+  const float* dO = f32(dout);
   const Mat mo = mat_of(dout);
   const int64_t N = mo.rows, C = mo.cols;
   const int32_t* tok = nullptr;
   const int32_t* pos = nullptr;
   int64_t rows = 0;
   if (dE) {
-    tok = i32_arg(tokens, op, "tokens");
+    tok = i32(tokens);
     rows = mat_of(dwte).rows;
-    MPIGPT_CHECK(tokens.numel() == N && mat_of(dwte).cols == C, "{}: dout {}, tokens {}, dwte {} disagree", op,
-                 dout.shape.str(), tokens.shape.str(), dwte.shape.str());
   }
   if (dP) {
-    pos = i32_arg(positions, op, "positions");
-    MPIGPT_CHECK(positions.numel() == N && mat_of(dwpe).cols == C, "{}: dout {}, positions {}, dwpe {} disagree", op,
-                 dout.shape.str(), positions.shape.str(), dwpe.shape.str());
+    pos = i32(positions);
     check_positions(pos, N, mat_of(dwpe).rows, op);
   }
   if (!dE && !dP) return;

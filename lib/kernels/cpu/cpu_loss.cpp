@@ -9,22 +9,16 @@
 
 namespace mpigpt::cpu {
 
-void CpuOps::crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
+void CpuOps::crossentropy_forward_backward_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
                                            float dloss) {
   // losses (N), dlogits (N,Vp) (may alias logits), logits (N,Vp), targets (N) i32; softmax over [0, V)
   const char* op = "crossentropy_forward_backward";
-  float* L = f32_opt(losses, op, "losses");
-  float* dX = f32_opt(dlogits, op, "dlogits");
-  const float* X = f32_arg(logits, op, "logits");
-  const int32_t* tgt = i32_arg(targets, op, "targets");
+  float* L = f32(losses);
+  float* dX = f32(dlogits);
+  const float* X = f32(logits);
+  const int32_t* tgt = i32(targets);
   const Mat mx = mat_of(logits);
   const int64_t N = mx.rows, Vp = mx.cols;
-  MPIGPT_CHECK(V > 0 && V <= Vp, "{}: V = {} must be in [1, Vp = {}] (logits {})", op, V, Vp, logits.shape.str());
-  MPIGPT_CHECK(targets.numel() == N, "{}: targets {} must have N = {} elements (logits {})", op, targets.shape.str(), N,
-               logits.shape.str());
-  MPIGPT_CHECK(!L || losses.numel() == N, "{}: losses {} must have N = {} elements", op, losses.shape.str(), N);
-  MPIGPT_CHECK(!dX || (dlogits.numel() == logits.numel() && mat_of(dlogits).cols == Vp),
-               "{}: dlogits {} must have the shape of logits {}", op, dlogits.shape.str(), logits.shape.str());
   for (int64_t n = 0; n < N; ++n)
     MPIGPT_CHECK(tgt[n] < V, "{}: targets[{}] = {} is not below V = {}", op, n, tgt[n], V);
 
@@ -78,24 +72,18 @@ struct Shard {
 
 Shard shard_of(const char* op, const Tensor& logits, int64_t vocab_start, int64_t V) {
   const Mat mx = mat_of(logits);
-  MPIGPT_CHECK(V > 0, "{}: V = {} must be positive", op, V);
-  MPIGPT_CHECK(vocab_start >= 0, "{}: vocab_start = {} must not be negative", op, vocab_start);
   return {mx.rows, mx.cols, std::clamp<int64_t>(V - vocab_start, 0, mx.cols)};
 }
 
 // A per-row (N) f32 argument; nullptr when undefined (only for the optional ones).
 float* row_arg(const Tensor& t, const char* op, const char* what, const Shard& s, const Tensor& logits,
                bool required = true) {
-  float* p = required ? f32_arg(t, op, what) : f32_opt(t, op, what);
-  MPIGPT_CHECK(!p || t.numel() == s.N, "{}: {} {} must have N = {} elements (logits {})", op, what, t.shape.str(), s.N,
-               logits.shape.str());
+  float* p = required ? f32(t) : f32(t);
   return p;
 }
 
 const int32_t* targets_arg(const Tensor& targets, const char* op, const Shard& s, const Tensor& logits, int64_t V) {
-  const int32_t* tgt = i32_arg(targets, op, "targets");
-  MPIGPT_CHECK(targets.numel() == s.N, "{}: targets {} must have N = {} elements (logits {})", op,
-               targets.shape.str(), s.N, logits.shape.str());
+  const int32_t* tgt = i32(targets);
   for (int64_t n = 0; n < s.N; ++n)
     MPIGPT_CHECK(tgt[n] < V, "{}: targets[{}] = {} is not below V = {}", op, n, tgt[n], V);
   return tgt;
@@ -103,10 +91,10 @@ const int32_t* targets_arg(const Tensor& targets, const char* op, const Shard& s
 
 }  // namespace
 
-void CpuOps::softmax_shard_max(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) {
+void CpuOps::softmax_shard_max_impl(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) {
   // maxes (N), logits (N,Vl)
   const char* op = "softmax_shard_max";
-  const float* X = f32_arg(logits, op, "logits");
+  const float* X = f32(logits);
   const Shard s = shard_of(op, logits, vocab_start, V);
   float* M = row_arg(maxes, op, "maxes", s, logits);
   const int64_t Vl = s.Vl, valid = s.valid;
@@ -121,11 +109,11 @@ void CpuOps::softmax_shard_max(Tensor maxes, Tensor logits, int64_t vocab_start,
   }
 }
 
-void CpuOps::softmax_shard_sums(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
+void CpuOps::softmax_shard_sums_impl(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
                                 int64_t vocab_start, int64_t V) {
   // sumexp (N), target_logit (N), logits (N,Vl), maxes (N) global, targets (N) i32 global ids
   const char* op = "softmax_shard_sums";
-  const float* X = f32_arg(logits, op, "logits");
+  const float* X = f32(logits);
   const Shard s = shard_of(op, logits, vocab_start, V);
   float* S = row_arg(sumexp, op, "sumexp", s, logits);
   float* TL = row_arg(target_logit, op, "target_logit", s, logits);
@@ -152,18 +140,16 @@ void CpuOps::softmax_shard_sums(Tensor sumexp, Tensor target_logit, Tensor logit
   }
 }
 
-void CpuOps::crossentropy_shard_finish(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
+void CpuOps::crossentropy_shard_finish_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
                                        Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
                                        float dloss) {
   // losses (N), dlogits (N,Vl) (may alias logits), logits (N,Vl), maxes, sumexp, target_logit (N) global,
   // targets (N) i32 global ids
   const char* op = "crossentropy_shard_finish";
-  const float* X = f32_arg(logits, op, "logits");
+  const float* X = f32(logits);
   const Shard s = shard_of(op, logits, vocab_start, V);
   float* L = row_arg(losses, op, "losses", s, logits, false);
-  float* dX = f32_opt(dlogits, op, "dlogits");
-  MPIGPT_CHECK(!dX || (dlogits.numel() == logits.numel() && mat_of(dlogits).cols == s.Vl),
-               "{}: dlogits {} must have the shape of logits {}", op, dlogits.shape.str(), logits.shape.str());
+  float* dX = f32(dlogits);
   const float* M = row_arg(maxes, op, "maxes", s, logits);
   const float* S = row_arg(sumexp, op, "sumexp", s, logits);
   const float* TL = row_arg(target_logit, op, "target_logit", s, logits);

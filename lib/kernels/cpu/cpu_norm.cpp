@@ -37,35 +37,18 @@ void norm_param_grads(float* dweight, float* dbias, const float* dout, const flo
   }
 }
 
-// A tensor that must match inp (N,C) element for element.
-void check_like(const char* op, const Tensor& inp, const Tensor& t, const char* name) {
-  MPIGPT_CHECK(!t.defined() || (t.numel() == inp.numel() && mat_of(t).cols == mat_of(inp).cols),
-               "{}: {} {} must have the shape of inp {}", op, name, t.shape.str(), inp.shape.str());
-}
-// A tensor that must have n elements (n = C for weights, N for saved row statistics).
-void check_len(const char* op, const Tensor& t, const char* name, int64_t n, const Tensor& inp) {
-  MPIGPT_CHECK(!t.defined() || t.numel() == n, "{}: {} {} must have {} elements (inp {})", op, name, t.shape.str(), n,
-               inp.shape.str());
-}
-
 }  // namespace
 
-void CpuOps::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
+void CpuOps::layernorm_forward_impl(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
                                float eps) {
   // out (N,C), mean (N), rstd (N), inp (N,C), weight (C), bias (C)
-  const char* op = "layernorm_forward";
-  float* O = f32_arg(out, op, "out");
-  float* M = f32_opt(mean, op, "mean");
-  float* R = f32_opt(rstd, op, "rstd");
-  const float* X = f32_arg(inp, op, "inp");
-  const float* W = f32_arg(weight, op, "weight");
-  const float* Bs = f32_opt(bias, op, "bias");
+  float* O = f32(out);
+  float* M = f32(mean);
+  float* R = f32(rstd);
+  const float* X = f32(inp);
+  const float* W = f32(weight);
+  const float* Bs = f32(bias);
   const auto [N, C] = mat_of(inp);
-  check_like(op, inp, out, "out");
-  check_len(op, mean, "mean", N, inp);
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
-  check_len(op, bias, "bias", C, inp);
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     const float* x = X + n * C;
@@ -93,26 +76,18 @@ void CpuOps::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp,
   }
 }
 
-void CpuOps::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
+void CpuOps::layernorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
                                 Tensor rstd, Tensor weight) {
   // dinp (N,C) +=, dweight (C) +=, dbias (C) +=; dout, inp (N,C); mean, rstd (N); weight (C)
-  const char* op = "layernorm_backward";
-  float* dX = f32_opt(dinp, op, "dinp");
-  float* dW = f32_opt(dweight, op, "dweight");
-  float* dB = f32_opt(dbias, op, "dbias");
-  const float* dO = f32_arg(dout, op, "dout");
-  const float* X = f32_arg(inp, op, "inp");
-  const float* M = f32_arg(mean, op, "mean");
-  const float* R = f32_arg(rstd, op, "rstd");
-  const float* W = f32_arg(weight, op, "weight");
+  float* dX = f32(dinp);
+  float* dW = f32(dweight);
+  float* dB = f32(dbias);
+  const float* dO = f32(dout);
+  const float* X = f32(inp);
+  const float* M = f32(mean);
+  const float* R = f32(rstd);
+  const float* W = f32(weight);
   const auto [N, C] = mat_of(inp);
-  check_like(op, inp, dout, "dout");
-  check_like(op, inp, dinp, "dinp");
-  check_len(op, mean, "mean", N, inp);
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
-  check_len(op, dweight, "dweight", C, inp);
-  check_len(op, dbias, "dbias", C, inp);
   if (dX) {
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
     for (int64_t n = 0; n < N; ++n) {
@@ -135,17 +110,13 @@ void CpuOps::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tenso
   if (dW || dB) norm_param_grads(dW, dB, dO, X, M, R, N, C);
 }
 
-void CpuOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
+void CpuOps::rmsnorm_forward_impl(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
   // out (N,C) = inp * rstd * weight, rstd (N), inp (N,C), weight (C)
-  const char* op = "rmsnorm_forward";
-  float* O = f32_arg(out, op, "out");
-  float* R = f32_opt(rstd, op, "rstd");
-  const float* X = f32_arg(inp, op, "inp");
-  const float* W = f32_arg(weight, op, "weight");
+  float* O = f32(out);
+  float* R = f32(rstd);
+  const float* X = f32(inp);
+  const float* W = f32(weight);
   const auto [N, C] = mat_of(inp);
-  check_like(op, inp, out, "out");
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     const float* x = X + n * C;
@@ -160,21 +131,15 @@ void CpuOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight,
   }
 }
 
-void CpuOps::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) {
+void CpuOps::rmsnorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) {
   // dinp (N,C) +=, dweight (C) +=; dout, inp (N,C); rstd (N); weight (C)
-  const char* op = "rmsnorm_backward";
-  float* dX = f32_opt(dinp, op, "dinp");
-  float* dW = f32_opt(dweight, op, "dweight");
-  const float* dO = f32_arg(dout, op, "dout");
-  const float* X = f32_arg(inp, op, "inp");
-  const float* R = f32_arg(rstd, op, "rstd");
-  const float* W = f32_arg(weight, op, "weight");
+  float* dX = f32(dinp);
+  float* dW = f32(dweight);
+  const float* dO = f32(dout);
+  const float* X = f32(inp);
+  const float* R = f32(rstd);
+  const float* W = f32(weight);
   const auto [N, C] = mat_of(inp);
-  check_like(op, inp, dout, "dout");
-  check_like(op, inp, dinp, "dinp");
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
-  check_len(op, dweight, "dweight", C, inp);
   if (dX) {
 #pragma omp parallel for schedule(static) if (N * C >= kParallelMin)
     for (int64_t n = 0; n < N; ++n) {
@@ -194,14 +159,14 @@ void CpuOps::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor i
 }
 
 // The residual add and the norm after it, in turn (the GPU fuses them into one kernel).
-void CpuOps::residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+void CpuOps::residual_layernorm_forward_impl(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                                         Tensor weight, Tensor bias, float eps) {
   // sum (N,C) = a + b; out, mean, rstd = layernorm(sum)
   add(sum, a, b);
   layernorm_forward(out, mean, rstd, sum, weight, bias, eps);
 }
 
-void CpuOps::residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+void CpuOps::residual_rmsnorm_forward_impl(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
                                       float eps) {
   // sum (N,C) = a + b; out, rstd = rmsnorm(sum)
   add(sum, a, b);

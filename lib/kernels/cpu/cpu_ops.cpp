@@ -45,12 +45,7 @@ void* CpuOps::allocate(size_t bytes) {
 
 void CpuOps::release(void* p) { std::free(p); }
 
-void CpuOps::copy(Tensor dst, Tensor src) {
-  MPIGPT_CHECK(dst.defined() && src.defined(), "copy: dst {} and src {} must both be defined", dst.str(), src.str());
-  MPIGPT_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(),
-               "copy: dst {} and src {} differ in dtype or element count", dst.str(), src.str());
-  MPIGPT_CHECK(dst.device == Device::CPU && src.device == Device::CPU,
-               "copy: the CPU backend copies host memory only (dst {}, src {})", dst.str(), src.str());
+void CpuOps::copy_impl(Tensor dst, Tensor src) {
   const size_t bytes = dst.nbytes();
   char* d = static_cast<char*>(dst.ptr);
   const char* s = static_cast<const char*>(src.ptr);
@@ -59,7 +54,6 @@ void CpuOps::copy(Tensor dst, Tensor src) {
     std::memmove(d, s, bytes);
     return;
   }
-  MPIGPT_CHECK(d + bytes <= s || s + bytes <= d, "copy: dst {} and src {} overlap", dst.str(), src.str());
   const int64_t chunks = int64_t((bytes + kParallelBytes - 1) / kParallelBytes);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < chunks; ++i) {
@@ -68,8 +62,7 @@ void CpuOps::copy(Tensor dst, Tensor src) {
   }
 }
 
-void CpuOps::fill(Tensor t, float value) {
-  MPIGPT_CHECK(t.defined() && t.device == Device::CPU, "fill: tensor {} must be defined and on the CPU", t.str());
+void CpuOps::fill_impl(Tensor t, float value) {
   const int64_t n = t.numel();
   if (t.dtype == DType::I32) {  // index tensors (targets, positions) are filled too
     int32_t* p = static_cast<int32_t*>(t.ptr);
@@ -78,7 +71,7 @@ void CpuOps::fill(Tensor t, float value) {
     for (int64_t i = 0; i < n; ++i) p[i] = iv;
     return;
   }
-  float* p = f32_arg(t, "fill", "t");
+  float* p = f32(t);
   if (value == 0.0f) {
     parallel_memset0(p, t.nbytes());
     return;
@@ -87,21 +80,19 @@ void CpuOps::fill(Tensor t, float value) {
   for (int64_t i = 0; i < n; ++i) p[i] = value;
 }
 
-void CpuOps::scale(Tensor t, float s) {
-  float* p = f32_arg(t, "scale", "t");
+void CpuOps::scale_impl(Tensor t, float s) {
+  float* p = f32(t);
   const int64_t n = t.numel();
   if (s == 1.0f) return;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) p[i] *= s;
 }
 
-void CpuOps::add(Tensor out, Tensor a, Tensor b) {
-  float* o = f32_arg(out, "add", "out");
-  const float* x = f32_arg(a, "add", "a");
-  const float* y = f32_arg(b, "add", "b");
+void CpuOps::add_impl(Tensor out, Tensor a, Tensor b) {
+  float* o = f32(out);
+  const float* x = f32(a);
+  const float* y = f32(b);
   const int64_t n = out.numel();
-  MPIGPT_CHECK(a.numel() == n && b.numel() == n, "add: out {}, a {}, b {} differ in element count", out.str(), a.str(),
-               b.str());
   // out may alias a or b: element i is read before it is written, so no restrict here.
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];

@@ -5,7 +5,6 @@
 
 #include "lib/kernels/cpu/cpu_math.h"
 #include "lib/kernels/cpu/cpu_ops.h"
-#include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cpu {
 
@@ -38,27 +37,21 @@ static void adamw_pass(float* __restrict P, const float* __restrict G, float* __
   }
 }
 
-void CpuOps::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
+void CpuOps::adamw_impl(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
                    float weight_decay, int64_t step, float grad_scale) {
   // param, grad, m, v: the same flat range; one pass reads all four and writes three (memory bound)
-  const char* op = "adamw";
-  float* P = f32_arg(param, op, "param");
-  const float* G = f32_arg(grad, op, "grad");
-  float* M = f32_arg(m, op, "m");
-  float* Vs = f32_arg(v, op, "v");
+  float* P = f32(param);
+  const float* G = f32(grad);
+  float* M = f32(m);
+  float* Vs = f32(v);
   const int64_t n = param.numel();
-  MPIGPT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n,
-               "adamw: param {}, grad {}, m {}, v {} must have the same number of elements", param.str(), grad.str(),
-               m.str(), v.str());
-  MPIGPT_CHECK(step >= 1, "adamw: step must be >= 1 (bias correction), got {}", step);
   const float inv_bc1 = float(1.0 / (1.0 - std::pow(double(beta1), double(step))));
   const float inv_bc2 = float(1.0 / (1.0 - std::pow(double(beta2), double(step))));
   adamw_pass(P, G, M, Vs, n, lr, beta1, beta2, eps, weight_decay, inv_bc1, inv_bc2, grad_scale);
 }
 
-void CpuOps::adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
+void CpuOps::adamw_runs_impl(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
                         float beta1, float beta2, float eps, int64_t step, float grad_scale) {
-  check_adamw_runs(param, grad, m, v, runs);
   for (const AdamWRun& r : runs)
     adamw(param.flat_slice(r.begin, r.count), grad.flat_slice(r.begin, r.count), m.flat_slice(r.state, r.count),
           v.flat_slice(r.state, r.count), lr, beta1, beta2, eps, r.weight_decay, step, grad_scale);
@@ -104,8 +97,8 @@ double chunked_sum(const float* x, int64_t n) {
 
 }  // namespace
 
-double CpuOps::sum_squares(Tensor t) { return chunked_sum<true>(f32_arg(t, "sum_squares", "t"), t.numel()); }
+double CpuOps::sum_squares_impl(Tensor t) { return chunked_sum<true>(f32(t), t.numel()); }
 
-double CpuOps::sum(Tensor t) { return chunked_sum<false>(f32_arg(t, "sum", "t"), t.numel()); }
+double CpuOps::sum_impl(Tensor t) { return chunked_sum<false>(f32(t), t.numel()); }
 
 }  // namespace mpigpt::cpu

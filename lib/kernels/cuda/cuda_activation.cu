@@ -141,33 +141,19 @@ __global__ void rope_kernel(T* qkv, const int32_t* __restrict__ positions, int64
   }
 }
 
-// Rows of inp (N, 2F) are [gate (F) | up (F)]; returns N and sets F.
-int64_t swiglu_rows(const char* op, const Tensor& half, const char* half_name, const Tensor& full,
-                    const char* full_name, int64_t* F) {
-  const int64_t hc = half.ndim() > 0 ? half.size(-1) : 1, fc = full.ndim() > 0 ? full.size(-1) : 1;
-  const int64_t hr = hc > 0 ? half.numel() / hc : 0, fr = fc > 0 ? full.numel() / fc : 0;
-  MPIGPT_CHECK(fr == hr && fc == 2 * hc, "{}: {} {} must be (N, 2F) for {} {} (N, F)", op, full_name, full.shape.str(),
-               half_name, half.shape.str());
-  *F = hc;
-  return hr;
+// Rows of inp (N, 2F) are [gate (F) | up (F)] for half (N, F); returns N and sets F.
+int64_t swiglu_rows(const Tensor& half, int64_t* F) {
+  *F = half.ndim() > 0 ? half.size(-1) : 1;
+  return *F > 0 ? half.numel() / *F : 0;
 }
 
 void rope_apply(CudaOps& ops, const char* op, Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta,
                 float sign) {
   // qkv (N, (NH+2*NKV)*HD) in place, positions (N) i32
-  check_device(qkv, op, "qkv");
-  check_i32(positions, op, "positions");
-  const DType dt = data_dtype(op, {{"qkv", qkv}});
-  MPIGPT_CHECK(NH > 0 && NKV > 0 && HD > 0 && NH % NKV == 0,
-               "{}: need NH, NKV, HD > 0 and NH divisible by NKV, got NH={} NKV={} HD={}", op, NH, NKV, HD);
-  MPIGPT_CHECK(HD % 2 == 0, "{}: head dim {} must be even", op, HD);
-  MPIGPT_CHECK(theta > 0.0f, "{}: theta {} must be positive", op, theta);
+  const DType dt = qkv.dtype;
   const int64_t R = int64_t(NH + 2 * NKV) * HD;
   const int64_t cols = qkv.ndim() > 0 ? qkv.size(-1) : 1;
   const int64_t N = cols > 0 ? qkv.numel() / cols : 0;
-  MPIGPT_CHECK(cols == R && positions.numel() == N,
-               "{}: qkv {} must be (N, (NH+2*NKV)*HD) = (N, {}) with positions {} of N elements", op, qkv.shape.str(),
-               R, positions.shape.str());
   if (N == 0) return;
   const double log2_theta = std::log2(double(theta));
   dispatch_float(dt, op, [&](auto tag) {
@@ -180,14 +166,11 @@ void rope_apply(CudaOps& ops, const char* op, Tensor qkv, Tensor positions, int 
 
 }  // namespace
 
-void CudaOps::gelu_forward(Tensor out, Tensor inp) {
+void CudaOps::gelu_forward_impl(Tensor out, Tensor inp) {
   // out, inp same shape
   const char* op = "gelu_forward";
-  check_device(out, op, "out");
-  check_device(inp, op, "inp");
-  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}});
+  const DType dt = out.dtype;
   const int64_t n = inp.numel();
-  MPIGPT_CHECK(out.numel() == n, "{}: out {} and inp {} differ", op, out.shape.str(), inp.shape.str());
   if (n == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -200,16 +183,11 @@ void CudaOps::gelu_forward(Tensor out, Tensor inp) {
   });
 }
 
-void CudaOps::gelu_backward(Tensor dinp, Tensor dout, Tensor inp) {
+void CudaOps::gelu_backward_impl(Tensor dinp, Tensor dout, Tensor inp) {
   // dinp (overwritten, may alias dout) = gelu'(inp) * dout; all the same shape
   const char* op = "gelu_backward";
-  check_device(dinp, op, "dinp");
-  check_device(dout, op, "dout");
-  check_device(inp, op, "inp");
-  const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}, {"inp", inp}});
+  const DType dt = dinp.dtype;
   const int64_t n = inp.numel();
-  MPIGPT_CHECK(dinp.numel() == n && dout.numel() == n, "{}: dinp {}, dout {}, inp {} differ", op, dinp.shape.str(),
-               dout.shape.str(), inp.shape.str());
   if (n == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -224,14 +202,12 @@ void CudaOps::gelu_backward(Tensor dinp, Tensor dout, Tensor inp) {
   });
 }
 
-void CudaOps::swiglu_forward(Tensor out, Tensor inp) {
+void CudaOps::swiglu_forward_impl(Tensor out, Tensor inp) {
   // out (N,F) = silu(gate) * up, inp (N,2F) = [gate | up]
   const char* op = "swiglu_forward";
-  check_device(out, op, "out");
-  check_device(inp, op, "inp");
-  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}});
+  const DType dt = out.dtype;
   int64_t F = 0;
-  const int64_t N = swiglu_rows(op, out, "out", inp, "inp", &F);
+  const int64_t N = swiglu_rows(out, &F);
   if (N == 0 || F == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -244,17 +220,12 @@ void CudaOps::swiglu_forward(Tensor out, Tensor inp) {
   });
 }
 
-void CudaOps::swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
+void CudaOps::swiglu_backward_impl(Tensor dinp, Tensor dout, Tensor inp) {
   // dinp (N,2F) overwritten (may alias inp), dout (N,F), inp (N,2F)
   const char* op = "swiglu_backward";
-  check_device(dinp, op, "dinp");
-  check_device(dout, op, "dout");
-  check_device(inp, op, "inp");
-  const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}, {"inp", inp}});
+  const DType dt = dinp.dtype;
   int64_t F = 0;
-  const int64_t N = swiglu_rows(op, dout, "dout", inp, "inp", &F);
-  MPIGPT_CHECK(dinp.numel() == inp.numel(), "{}: dinp {} must have the shape of inp {}", op, dinp.shape.str(),
-               inp.shape.str());
+  const int64_t N = swiglu_rows(dout, &F);
   if (N == 0 || F == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -269,12 +240,12 @@ void CudaOps::swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) {
   });
 }
 
-void CudaOps::rope_forward(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) {
+void CudaOps::rope_forward_impl(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) {
   // qkv (N, (NH+2*NKV)*HD) rotated in place (q and k heads), positions (N) i32
   rope_apply(*this, "rope_forward", qkv, positions, NH, NKV, HD, theta, 1.0f);
 }
 
-void CudaOps::rope_backward(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) {
+void CudaOps::rope_backward_impl(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) {
   // dqkv (N, (NH+2*NKV)*HD): the inverse rotation of its q and k heads, in place
   rope_apply(*this, "rope_backward", dqkv, positions, NH, NKV, HD, theta, -1.0f);
 }

@@ -95,6 +95,10 @@ Problem make_problem(const char* op, Tensor out, Tensor lse, Tensor qkv, Tensor 
                      Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
   const bool causal = !kv.defined();
   const int64_t B = qkv.size(0), Tq = qkv.size(1), Tk = causal ? Tq : kv.size(1);
+  if (HD > kMaxHeadDim)
+    fail("{}: head dim HD = {} is not supported by the fused CUDA attention kernels: they are built for HD = 16, 32, "
+         "64, 80, 96 and 128 (smaller head dims run zero-padded in the next one), so HD must be at most 128",
+         op, HD);
   // The grid puts NH (or NKV) and B in its y and z dimensions; tokens are indexed with int.
   MPIGPT_CHECK(B <= 65535 && NH <= 65535, "{}: batch {} and heads {} must each be at most 65535 (CUDA grid limit)", op,
                B, NH);
@@ -132,15 +136,6 @@ Problem make_problem(const char* op, Tensor out, Tensor lse, Tensor qkv, Tensor 
 }  // namespace
 
 // ---- entry points shared with cuda_attention_block.cu -------------------------------------------
-
-void check_attention_heads(const char* op, int NH, int NKV, int HD) {
-  MPIGPT_CHECK(NH > 0 && NKV > 0 && HD > 0 && NH % NKV == 0,
-               "{}: need NH, NKV, HD > 0 and NH divisible by NKV, got NH={} NKV={} HD={}", op, NH, NKV, HD);
-  if (HD > kMaxHeadDim)
-    fail("{}: head dim HD = {} is not supported by the fused CUDA attention kernels: they are built for HD = 16, 32, "
-         "64, 80, 96 and 128 (smaller head dims run zero-padded in the next one), so HD must be at most 128",
-         op, HD);
-}
 
 void fused_attention_forward(CudaOps& ops, DType dt, Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos,
                              Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {

@@ -6,9 +6,6 @@
 
 namespace mpigpt::cuda {
 
-// The head-count and head-dim check of every attention op.
-void check_attention_heads(const char* op, int NH, int NKV, int HD);
-
 // The builtin kernels. kv undefined: causal self-attention (keys and values from qkv, dqkv
 // overwritten); kv given: keys and values from kv under the explicit (position, document) mask, and
 // dqkv's query columns and dkv accumulate. The tensor-core (mma.sync) kernels where they apply, the

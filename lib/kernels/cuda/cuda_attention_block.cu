@@ -1,7 +1,6 @@
 // CUDA backend: blockwise attention with an explicit (position, document) mask, the unit of ring
-// attention and of packed documents, and the log-sum-exp merge of blockwise results. The forward
-// and backward are the fused kernels of cuda_attention.cu run with the mask; this file checks their
-// arguments (as the CPU backend does) and holds the merge.
+// attention and of packed documents (the fused kernels of cuda_attention.cu run with the mask), and
+// the log-sum-exp merge of blockwise results.
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -13,36 +12,6 @@
 namespace mpigpt::cuda {
 
 namespace {
-
-// The geometry of one block call, checked: queries from qkv (B,Tq,(NH+2*NKV)*HD), keys/values
-// from kv (B,Tk,2*NKV*HD), out (B,Tq,NH*HD), lse (B,NH,Tq) f32, the mask (B,Tq)/(B,Tk) i32.
-void check_block_args(const char* op, const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
-                      const Tensor& qpos, const Tensor& qseg, const Tensor& kpos, const Tensor& kseg, int NH, int NKV,
-                      int HD) {
-  check_device(out, op, "out");
-  check_device(qkv, op, "qkv");
-  check_device(kv, op, "kv");
-  check_f32(lse, op, "lse");
-  for (auto [what, t] : {std::pair{"qpos", qpos}, std::pair{"qseg", qseg}, std::pair{"kpos", kpos},
-                         std::pair{"kseg", kseg}})
-    check_i32(t, op, what);
-  check_attention_heads(op, NH, NKV, HD);
-  const int64_t R = int64_t(NH + 2 * NKV) * HD, RK = int64_t(2 * NKV) * HD;
-  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, Tq, (NH+2*NKV)*HD = {})", op,
-               qkv.shape.str(), R);
-  const int64_t B = qkv.size(0), Tq = qkv.size(1);
-  MPIGPT_CHECK(kv.ndim() == 3 && kv.size(0) == B && kv.size(2) == RK,
-               "{}: kv {} must be (B = {}, Tk, 2*NKV*HD = {}) for qkv {}", op, kv.shape.str(), B, RK, qkv.shape.str());
-  const int64_t Tk = kv.size(1), C = int64_t(NH) * HD;
-  MPIGPT_CHECK(out.numel() == B * Tq * C, "{}: out {} must be (B, Tq, NH*HD) = ({}, {}, {})", op, out.shape.str(), B,
-               Tq, C);
-  MPIGPT_CHECK(lse.numel() == B * NH * Tq, "{}: lse {} must be (B, NH, Tq) = ({}, {}, {})", op, lse.shape.str(), B, NH,
-               Tq);
-  MPIGPT_CHECK(qpos.numel() == B * Tq && qseg.numel() == B * Tq, "{}: qpos {} and qseg {} must be (B, Tq) = ({}, {})",
-               op, qpos.shape.str(), qseg.shape.str(), B, Tq);
-  MPIGPT_CHECK(kpos.numel() == B * Tk && kseg.numel() == B * Tk, "{}: kpos {} and kseg {} must be (B, Tk) = ({}, {})",
-               op, kpos.shape.str(), kseg.shape.str(), B, Tk);
-}
 
 constexpr int kMergeThreads = 256;  // 8 warps, one (b, i, h) row each
 
@@ -87,53 +56,27 @@ __global__ void attention_merge_kernel(T* out, float* lse, const T* blk_out, con
 
 }  // namespace
 
-void CudaOps::attention_block_forward(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
+void CudaOps::attention_block_forward_impl(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
                                       Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
   // out (B,Tq,NH*HD), lse (B,NH,Tq) f32, qkv (B,Tq,(NH+2*NKV)*HD) (query heads read), kv (B,Tk,2*NKV*HD),
   // qpos, qseg (B,Tq) i32, kpos, kseg (B,Tk) i32
-  const char* op = "attention_block_forward";
-  check_block_args(op, out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
-  const DType dt = data_dtype(op, {{"out", out}, {"qkv", qkv}, {"kv", kv}});
-  fused_attention_forward(*this, dt, out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
+  fused_attention_forward(*this, out.dtype, out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
 }
 
-void CudaOps::attention_block_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out,
+void CudaOps::attention_block_backward_impl(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out,
                                        Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV,
                                        int HD) {
   // dqkv (B,Tq,(NH+2*NKV)*HD): query columns accumulate; dkv (B,Tk,2*NKV*HD) accumulates;
   // dout, out (B,Tq,NH*HD) and lse (B,NH,Tq) are the FINAL (merged) ones; the rest as the forward.
-  const char* op = "attention_block_backward";
-  check_block_args(op, out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
-  check_device(dqkv, op, "dqkv");
-  check_device(dkv, op, "dkv");
-  check_device(dout, op, "dout");
-  const DType dt =
-      data_dtype(op, {{"dqkv", dqkv}, {"dkv", dkv}, {"dout", dout}, {"qkv", qkv}, {"kv", kv}, {"out", out}});
-  MPIGPT_CHECK(dqkv.numel() == qkv.numel(), "{}: dqkv {} must have the shape of qkv {}", op, dqkv.shape.str(),
-               qkv.shape.str());
-  MPIGPT_CHECK(dkv.numel() == kv.numel(), "{}: dkv {} must have the shape of kv {}", op, dkv.shape.str(),
-               kv.shape.str());
-  MPIGPT_CHECK(dout.numel() == out.numel(), "{}: dout {} must have the shape of out {}", op, dout.shape.str(),
-               out.shape.str());
-  fused_attention_backward(*this, dt, dqkv, dkv, dout, qkv, kv, out, lse, qpos, qseg, kpos, kseg, NH, NKV, HD);
+  fused_attention_backward(*this, dqkv.dtype, dqkv, dkv, dout, qkv, kv, out, lse, qpos, qseg, kpos, kseg, NH, NKV, HD);
 }
 
-void CudaOps::attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) {
+void CudaOps::attention_merge_impl(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) {
   // out, blk_out (B,Tq,NH*HD); lse, blk_lse (B,NH,Tq) f32
   const char* op = "attention_merge";
-  check_device(out, op, "out");
-  check_f32(lse, op, "lse");
-  check_device(blk_out, op, "blk_out");
-  check_f32(blk_lse, op, "blk_lse");
-  const DType dt = data_dtype(op, {{"out", out}, {"blk_out", blk_out}});
-  MPIGPT_CHECK(lse.ndim() == 3 && blk_lse.shape == lse.shape, "{}: lse {} and blk_lse {} must both be (B, NH, Tq)", op,
-               lse.shape.str(), blk_lse.shape.str());
-  const int64_t B = lse.size(0), NH = lse.size(1), Tq = lse.size(2);
+  const DType dt = out.dtype;
+  const int64_t NH = lse.size(1), Tq = lse.size(2);
   const int64_t C = out.ndim() > 0 ? out.size(-1) : 0, rows = C > 0 ? out.numel() / C : 0;
-  MPIGPT_CHECK(NH > 0 && C > 0 && rows == B * Tq && C % NH == 0 && blk_out.numel() == out.numel() &&
-                   blk_out.ndim() > 0 && blk_out.size(-1) == C,
-               "{}: out {} and blk_out {} must both be (B, Tq, NH*HD) with (B, NH, Tq) = lse {}", op, out.shape.str(),
-               blk_out.shape.str(), lse.shape.str());
   MPIGPT_CHECK(Tq <= INT32_MAX && NH <= INT32_MAX && C / NH <= INT32_MAX, "{}: sizes of lse {} exceed 2^31", op,
                lse.shape.str());
   if (rows == 0) return;

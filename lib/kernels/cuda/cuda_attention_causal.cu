@@ -19,21 +19,8 @@ std::string shape_str(const SdpaShape& s) {
   return fmt::format("B {} T {} heads {}/{} head dim {}", s.B, s.T, s.NH, s.NKV, s.HD);
 }
 
-// The checks both causal passes make, and the call's shape: qkv (B,T,(NH+2*NKV)*HD), out
-// (B,T,NH*HD), saved = lse (B,NH,T) f32.
-SdpaShape causal_shape(const Ops& ops, const char* op, const Tensor& qkv, const Tensor& out, const Tensor& saved,
-                       int NH, int NKV, int HD) {
-  check_attention_heads(op, NH, NKV, HD);
-  const int64_t R = int64_t(NH + 2 * NKV) * HD;
-  MPIGPT_CHECK(qkv.ndim() == 3 && qkv.size(2) == R, "{}: qkv {} must be (B, T, (NH+2*NKV)*HD = {})", op,
-               qkv.shape.str(), R);
-  const int64_t B = qkv.size(0), T = qkv.size(1);
-  MPIGPT_CHECK(out.numel() == B * T * NH * HD, "{}: out {} must be (B, T, NH*HD) = ({}, {}, {})", op, out.shape.str(),
-               B, T, int64_t(NH) * HD);
-  MPIGPT_CHECK(saved.numel() >= ops.attention_saved_numel(B, T, NH), "{}: saved {} needs {} elements", op,
-               saved.str(), ops.attention_saved_numel(B, T, NH));
-  return {B, T, NH, NKV, HD};
-}
+// The call's shape: qkv (B,T,(NH+2*NKV)*HD).
+SdpaShape causal_shape(const Tensor& qkv, int NH, int NKV, int HD) { return {qkv.size(0), qkv.size(1), NH, NKV, HD}; }
 
 }  // namespace
 
@@ -86,14 +73,11 @@ std::string CudaOps::attention_kernels(int64_t B, int64_t T, int NH, int NKV, in
 
 std::vector<std::string> CudaOps::take_notes() { return std::exchange(notes_, {}); }
 
-void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) {
+void CudaOps::attention_forward_impl(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) {
   // out (B,T,NH*HD), saved = lse (B,NH,T) f32, qkv (B,T,(NH+2*NKV)*HD)
   const char* op = "attention_forward";
-  check_device(out, op, "out");
-  check_f32(saved, op, "saved");
-  check_device(qkv, op, "qkv");
-  const DType dt = data_dtype(op, {{"out", out}, {"qkv", qkv}});
-  const SdpaShape shape = causal_shape(*this, op, qkv, out, saved, NH, NKV, HD);
+  const DType dt = out.dtype;
+  const SdpaShape shape = causal_shape(qkv, NH, NKV, HD);
   if (CudnnSdpa* sdpa = cudnn_for(shape, dt, op)) {
     Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
     sdpa->forward(shape, out.ptr, ptr<float>(saved), qkv.ptr, ws.ptr);
@@ -102,21 +86,12 @@ void CudaOps::attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, in
   fused_attention_forward(*this, dt, out, saved, qkv, {}, {}, {}, {}, {}, NH, NKV, HD);
 }
 
-void CudaOps::attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
+void CudaOps::attention_backward_impl(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
                                  int HD) {
   // dqkv (B,T,(NH+2*NKV)*HD) overwritten, dout and out (B,T,NH*HD), qkv as forward, saved = lse (B,NH,T)
   const char* op = "attention_backward";
-  check_device(dqkv, op, "dqkv");
-  check_device(dout, op, "dout");
-  check_device(qkv, op, "qkv");
-  check_device(out, op, "out");
-  check_f32(saved, op, "saved");
-  const DType dt = data_dtype(op, {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}, {"out", out}});
-  const SdpaShape shape = causal_shape(*this, op, qkv, out, saved, NH, NKV, HD);
-  MPIGPT_CHECK(dqkv.numel() == qkv.numel(), "{}: dqkv {} must have the shape of qkv {}", op, dqkv.shape.str(),
-               qkv.shape.str());
-  MPIGPT_CHECK(dout.numel() == out.numel(), "{}: dout {} must have the shape of out {}", op, dout.shape.str(),
-               out.shape.str());
+  const DType dt = dqkv.dtype;
+  const SdpaShape shape = causal_shape(qkv, NH, NKV, HD);
   if (CudnnSdpa* sdpa = cudnn_for(shape, dt, op)) {
     Scratch ws = scratch(std::max<size_t>(1, sdpa->workspace_bytes(shape)));
     sdpa->backward(shape, dqkv.ptr, dout.ptr, qkv.ptr, out.ptr, ptr<const float>(saved), ws.ptr);

@@ -67,17 +67,6 @@ void dispatch_float(DType dtype, const char* op, F&& body) {
   }
 }
 
-// ---- argument checks (host side; shapes, dtypes and devices only) -----------------------------
-// A required device tensor of dtype `dt`.
-void check_device(const Tensor& t, const char* op, const char* what);
-void check_dtype(const Tensor& t, DType dt, const char* op, const char* what);
-// Optional tensors: nothing is checked when undefined.
-inline void check_device_opt(const Tensor& t, const char* op, const char* what) {
-  if (t.defined()) check_device(t, op, what);
-}
-// The data dtype shared by the defined tensors of one call (f32 or bf16); error if they differ.
-DType data_dtype(const char* op, std::initializer_list<std::pair<const char*, Tensor>> tensors);
-
 template <class T>
 T* ptr(const Tensor& t) {
   return static_cast<T*>(t.ptr);

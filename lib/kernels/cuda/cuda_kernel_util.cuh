@@ -76,14 +76,6 @@ inline RowsCols rows_cols(const Tensor& t) {
 }
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 inline bool aligned16(const Tensor& t) { return aligned16(t.ptr); }
-inline void check_f32(const Tensor& t, const char* op, const char* what) {
-  check_device(t, op, what);
-  check_dtype(t, DType::F32, op, what);
-}
-inline void check_i32(const Tensor& t, const char* op, const char* what) {
-  check_device(t, op, what);
-  check_dtype(t, DType::I32, op, what);
-}
 
 // The query tile of an attention block that owns ROWS queries of one head (the forward and dQ
 // kernels, tensor-core and fp32-FMA): grid (ceil(Tq/ROWS), NH, B), causal tiles in reverse order

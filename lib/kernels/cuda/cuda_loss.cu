@@ -278,46 +278,27 @@ void launch_crossentropy(CudaOps& ops, float* L, T* dX, const T* X, const int32_
   MPIGPT_CUDA_LAUNCHED();
 }
 
-void check_rows(const Tensor& t, int64_t N, const char* op, const char* what, const Tensor& logits) {
-  MPIGPT_CHECK(t.numel() == N, "{}: {} {} must have N = {} elements (logits {})", op, what, t.shape.str(), N,
-               logits.shape.str());
-}
-void check_targets(const Tensor& targets, int64_t N, const char* op, const Tensor& logits) {
-  check_i32(targets, op, "targets");
-  check_rows(targets, N, op, "targets", logits);
-}
-
 // One rank's slice of the vocabulary (as the CPU backend): logits (N,Vl), `valid` columns < V.
 struct Shard {
   int64_t N, Vl, valid;
 };
 Shard shard_of(const char* op, const Tensor& logits, int64_t vocab_start, int64_t V) {
   const RowsCols mx = rows_cols(logits);
-  MPIGPT_CHECK(V > 0, "{}: V = {} must be positive", op, V);
-  MPIGPT_CHECK(vocab_start >= 0, "{}: vocab_start = {} must not be negative", op, vocab_start);
   MPIGPT_CHECK(mx.rows < INT32_MAX, "{}: logits {} have too many rows for one block per row", op, logits.shape.str());
   return {mx.rows, mx.cols, std::clamp<int64_t>(V - vocab_start, 0, mx.cols)};
 }
 
 }  // namespace
 
-void CudaOps::crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
+void CudaOps::crossentropy_forward_backward_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
                                             float dloss) {
   // losses (N) f32 optional, dlogits (N,Vp) optional (may alias logits), logits (N,Vp), targets (N) i32;
   // softmax over [0, V)
   const char* op = "crossentropy_forward_backward";
-  check_device(logits, op, "logits");
-  check_device_opt(dlogits, op, "dlogits");
-  if (losses.defined()) check_f32(losses, op, "losses");
-  const DType dt = data_dtype(op, {{"logits", logits}, {"dlogits", dlogits}});
+  const DType dt = logits.dtype;
   const RowsCols mx = rows_cols(logits);
   const int64_t N = mx.rows, Vp = mx.cols;
-  MPIGPT_CHECK(V > 0 && V <= Vp, "{}: V = {} must be in [1, Vp = {}] (logits {})", op, V, Vp, logits.shape.str());
   MPIGPT_CHECK(N < INT32_MAX, "{}: logits {} have too many rows for one block per row", op, logits.shape.str());
-  check_targets(targets, N, op, logits);
-  if (losses.defined()) check_rows(losses, N, op, "losses", logits);
-  MPIGPT_CHECK(!dlogits.defined() || (dlogits.numel() == logits.numel() && rows_cols(dlogits).cols == Vp),
-               "{}: dlogits {} must have the shape of logits {}", op, dlogits.shape.str(), logits.shape.str());
   if (N == 0 || (!losses.defined() && !dlogits.defined())) return;
   float* L = losses.defined() ? ptr<float>(losses) : nullptr;
   dispatch_float(dt, op, [&](auto tag) {
@@ -331,14 +312,11 @@ void CudaOps::crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tenso
   });
 }
 
-void CudaOps::softmax_shard_max(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) {
+void CudaOps::softmax_shard_max_impl(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) {
   // maxes (N) f32, logits (N,Vl)
   const char* op = "softmax_shard_max";
-  check_device(logits, op, "logits");
-  check_f32(maxes, op, "maxes");
-  const DType dt = data_dtype(op, {{"logits", logits}});
+  const DType dt = logits.dtype;
   const Shard s = shard_of(op, logits, vocab_start, V);
-  check_rows(maxes, s.N, op, "maxes", logits);
   if (s.N == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -353,20 +331,12 @@ void CudaOps::softmax_shard_max(Tensor maxes, Tensor logits, int64_t vocab_start
   });
 }
 
-void CudaOps::softmax_shard_sums(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
+void CudaOps::softmax_shard_sums_impl(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
                                  int64_t vocab_start, int64_t V) {
   // sumexp (N), target_logit (N) f32, logits (N,Vl), maxes (N) f32 global, targets (N) i32 global ids
   const char* op = "softmax_shard_sums";
-  check_device(logits, op, "logits");
-  check_f32(sumexp, op, "sumexp");
-  check_f32(target_logit, op, "target_logit");
-  check_f32(maxes, op, "maxes");
-  const DType dt = data_dtype(op, {{"logits", logits}});
+  const DType dt = logits.dtype;
   const Shard s = shard_of(op, logits, vocab_start, V);
-  check_rows(sumexp, s.N, op, "sumexp", logits);
-  check_rows(target_logit, s.N, op, "target_logit", logits);
-  check_rows(maxes, s.N, op, "maxes", logits);
-  check_targets(targets, s.N, op, logits);
   if (s.N == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -385,27 +355,14 @@ void CudaOps::softmax_shard_sums(Tensor sumexp, Tensor target_logit, Tensor logi
   });
 }
 
-void CudaOps::crossentropy_shard_finish(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
+void CudaOps::crossentropy_shard_finish_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
                                         Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
                                         float dloss) {
   // losses (N) f32 optional, dlogits (N,Vl) optional (may alias logits), logits (N,Vl), maxes, sumexp,
   // target_logit (N) f32 global, targets (N) i32 global ids
   const char* op = "crossentropy_shard_finish";
-  check_device(logits, op, "logits");
-  check_device_opt(dlogits, op, "dlogits");
-  if (losses.defined()) check_f32(losses, op, "losses");
-  check_f32(maxes, op, "maxes");
-  check_f32(sumexp, op, "sumexp");
-  check_f32(target_logit, op, "target_logit");
-  const DType dt = data_dtype(op, {{"logits", logits}, {"dlogits", dlogits}});
+  const DType dt = logits.dtype;
   const Shard s = shard_of(op, logits, vocab_start, V);
-  if (losses.defined()) check_rows(losses, s.N, op, "losses", logits);
-  check_rows(maxes, s.N, op, "maxes", logits);
-  check_rows(sumexp, s.N, op, "sumexp", logits);
-  check_rows(target_logit, s.N, op, "target_logit", logits);
-  check_targets(targets, s.N, op, logits);
-  MPIGPT_CHECK(!dlogits.defined() || (dlogits.numel() == logits.numel() && rows_cols(dlogits).cols == s.Vl),
-               "{}: dlogits {} must have the shape of logits {}", op, dlogits.shape.str(), logits.shape.str());
   if (s.N == 0) return;
   float* L = losses.defined() ? ptr<float>(losses) : nullptr;
   if (!dlogits.defined()) {

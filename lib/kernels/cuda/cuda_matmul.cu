@@ -20,7 +20,6 @@
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
 #include "lib/kernels/cuda/cuda_matmul.cuh"
 #include "lib/kernels/cuda/cuda_timing.cuh"
-#include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cuda {
 
@@ -321,79 +320,42 @@ bool gelu_gemm(CudaOps& ops, const char* op, Gelu gelu, int64_t M, int64_t N, in
 // The i-th element of t as a pointer (row slices of grouped matmuls), for any dtype.
 inline void* at(const Tensor& t, int64_t i) { return static_cast<char*>(t.ptr) + i * int64_t(dtype_size(t.dtype)); }
 
-// The checks of a linear layer's forward: out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC),
-// one data dtype; returns it with the sizes.
+// A linear layer's sizes: out (N,OC) = inp (N,IC) @ weight (OC,IC)^T, in the data dtype.
 struct LinearDims {
   DType dt;
   int64_t N, IC, OC;
 };
-LinearDims check_linear_forward(const char* op, const Tensor& out, const Tensor& inp, const Tensor& weight,
-                                const Tensor& bias) {
-  check_device(out, op, "out");
-  check_device(inp, op, "inp");
-  check_device(weight, op, "weight");
-  check_device_opt(bias, op, "bias");
-  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}, {"bias", bias}});
-  const Mat mo = mat_of(out), mx = mat_of(inp), mw = mat_of(weight);
-  const int64_t N = mx.rows, IC = mx.cols, OC = mw.rows;
-  MPIGPT_CHECK(mw.cols == IC && mo.rows == N && mo.cols == OC,
-               "{}: out {} = inp {} @ weight {}^T has mismatched shapes", op, out.shape.str(), inp.shape.str(),
-               weight.shape.str());
-  MPIGPT_CHECK(!bias.defined() || bias.numel() == OC, "{}: bias {} must have OC = {} elements", op,
-               bias.shape.str(), OC);
-  return {dt, N, IC, OC};
-}
-
-// The checks of dinp (N,IC) = dout (N,OC) @ weight (OC,IC).
-void check_linear_dinp(const char* op, const Tensor& dinp, const Tensor& dout, const Tensor& weight) {
-  check_device(weight, op, "weight");
-  const Mat mw = mat_of(weight), mdx = mat_of(dinp), mo = mat_of(dout);
-  MPIGPT_CHECK(mw.rows == mo.cols && mdx.rows == mo.rows && mdx.cols == mw.cols,
-               "{}: dinp {} = dout {} @ weight {} has mismatched shapes", op, dinp.shape.str(), dout.shape.str(),
-               weight.shape.str());
+LinearDims linear_dims(const Tensor& inp, const Tensor& weight) {
+  return {inp.dtype, mat_of(inp).rows, mat_of(inp).cols, mat_of(weight).rows};
 }
 
 }  // namespace
 
 // ---- ops -----------------------------------------------------------------------------------------
 
-void CudaOps::gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) {
+void CudaOps::gemm_impl(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) {
   // c (M,N), a (M,K) or (K,M) when trans_a, b (K,N) or (N,K) when trans_b; one data dtype
   const char* op = "gemm";
-  check_device(c, op, "c");
-  check_device(a, op, "a");
-  check_device(b, op, "b");
-  const DType dt = data_dtype(op, {{"c", c}, {"a", a}, {"b", b}});
-  const Mat mc = mat_of(c), ma = mat_of(a), mb = mat_of(b);
-  const int64_t M = mc.rows, N = mc.cols;
-  const int64_t K = trans_a ? ma.rows : ma.cols;
-  const int64_t a_m = trans_a ? ma.cols : ma.rows;
-  const int64_t b_k = trans_b ? mb.cols : mb.rows, b_n = trans_b ? mb.rows : mb.cols;
-  MPIGPT_CHECK(a_m == M && b_k == K && b_n == N,
-               "gemm: c {} = op(a {}, trans={}) @ op(b {}, trans={}) has mismatched shapes", c.shape.str(),
-               a.shape.str(), trans_a, b.shape.str(), trans_b);
+  const DType dt = c.dtype;
+  const Mat mc = mat_of(c), ma = mat_of(a);
+  const int64_t M = mc.rows, N = mc.cols, K = trans_a ? ma.rows : ma.cols;
   rowmajor_gemm(*this, op, trans_a, trans_b, M, N, K, a.ptr, b.ptr, c.ptr, dt, dt, nullptr, alpha, beta);
 }
 
-void CudaOps::linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) {
+void CudaOps::linear_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias) {
   // out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC); all in the data dtype, bias optional
   const char* op = "linear_forward";
-  const LinearDims d = check_linear_forward(op, out, inp, weight, bias);
+  const LinearDims d = linear_dims(inp, weight);
   rowmajor_gemm(*this, op, false, true, d.N, d.OC, d.IC, inp.ptr, weight.ptr, out.ptr, d.dt, d.dt,
                 bias.defined() ? bias.ptr : nullptr, 1.0f, 0.0f);
 }
 
-void CudaOps::linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) {
+void CudaOps::linear_residual_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) {
   // out (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC) + residual (N,OC); all in the data dtype.
   // One cuBLASLt call reading the residual as C (beta 1), with the bias epilogue when it applies;
   // otherwise linear_forward and add.
   const char* op = "linear_residual_forward";
-  const LinearDims d = check_linear_forward(op, out, inp, weight, bias);
-  check_device(residual, op, "residual");
-  check_dtype(residual, d.dt, op, "residual (the data dtype)");
-  MPIGPT_CHECK(residual.numel() == out.numel(), "{}: residual {} must have the shape of out {}", op,
-               residual.shape.str(), out.shape.str());
-  MPIGPT_CHECK(residual.ptr != out.ptr, "{}: residual must not be out itself; use linear_forward and add", op);
+  const LinearDims d = linear_dims(inp, weight);
   if (d.N > 0 && d.OC > 0 && d.IC > 0) {
     LtMatmul mm = rowmajor_product(false, true, d.N, d.OC, d.IC, inp.ptr, weight.ptr, out.ptr, d.dt, d.dt, 1.0f,
                                    1.0f);
@@ -405,38 +367,18 @@ void CudaOps::linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Ten
   add(out, out, residual);
 }
 
-void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) {
+void CudaOps::linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) {
   // dinp (N,IC) = dout (N,OC) @ weight (OC,IC), overwritten, data dtype;
   // dweight (OC,IC) f32 += dout^T @ inp; dbias (OC) f32 += column sums of dout
   const char* op = "linear_backward";
-  check_device(dout, op, "dout");
-  check_device_opt(dinp, op, "dinp");
-  check_device_opt(dweight, op, "dweight");
-  check_device_opt(dbias, op, "dbias");
-  const DType dt = data_dtype(op, {{"dout", dout}, {"dinp", dinp}, {"inp", dweight.defined() ? inp : Tensor()},
-                                   {"weight", dinp.defined() ? weight : Tensor()}});
+  const DType dt = dout.dtype;
   const Mat mo = mat_of(dout);
   const int64_t N = mo.rows, OC = mo.cols;
   if (dinp.defined()) {
-    check_linear_dinp(op, dinp, dout, weight);
     rowmajor_gemm(*this, op, false, false, N, mat_of(weight).cols, OC, dout.ptr, weight.ptr, dinp.ptr, dt, dt,
                   nullptr, 1.0f, 0.0f);
   }
-  int64_t IC = 0;
-  if (dweight.defined()) {
-    check_device(inp, op, "inp");
-    check_dtype(dweight, DType::F32, op, "dweight (weight gradients accumulate in f32)");
-    const Mat mx = mat_of(inp), mdw = mat_of(dweight);
-    MPIGPT_CHECK(mx.rows == N && mdw.rows == OC && mdw.cols == mx.cols,
-                 "linear_backward: dweight {} += dout {}^T @ inp {} has mismatched shapes", dweight.shape.str(),
-                 dout.shape.str(), inp.shape.str());
-    IC = mx.cols;
-  }
-  if (dbias.defined()) {
-    check_dtype(dbias, DType::F32, op, "dbias (bias gradients accumulate in f32)");
-    MPIGPT_CHECK(dbias.numel() == OC, "linear_backward: dbias {} must have OC = {} elements (dout {})",
-                 dbias.shape.str(), OC, dout.shape.str());
-  }
+  const int64_t IC = dweight.defined() ? mat_of(inp).cols : 0;
   // The product and the column sums, each where its gradient is asked for.
   auto separate = [&](float* dw, float* db) {
     if (dw)
@@ -451,15 +393,11 @@ void CudaOps::linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor 
     separate(dw, db);
 }
 
-void CudaOps::linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) {
+void CudaOps::linear_gelu_forward_impl(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) {
   // pre (N,OC) = inp (N,IC) @ weight (OC,IC)^T + bias (OC), out (N,OC) = gelu(pre); one data dtype.
   // bf16: one cuBLASLt call (GELU_AUX_BIAS epilogue); otherwise the product, then the GELU kernel.
   const char* op = "linear_gelu_forward";
-  const LinearDims d = check_linear_forward(op, out, inp, weight, bias);
-  check_device(pre, op, "pre");
-  check_dtype(pre, d.dt, op, "pre (the data dtype)");
-  MPIGPT_CHECK(mat_of(pre).rows == d.N && mat_of(pre).cols == d.OC, "{}: pre {} must be (N,OC) like out {}", op,
-               pre.shape.str(), out.shape.str());
+  const LinearDims d = linear_dims(inp, weight);
   if (gelu_gemm(*this, op, Gelu::Forward, d.N, d.OC, d.IC, inp.ptr, weight.ptr, out.ptr, pre.ptr,
                 bias.defined() ? bias.ptr : nullptr, d.dt))
     return;
@@ -467,18 +405,12 @@ void CudaOps::linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor wei
   gelu_forward(out, pre);
 }
 
-void CudaOps::linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
+void CudaOps::linear_backward_gelu_impl(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
                                    Tensor pre) {
   // dpre (N,IC) = (dout (N,OC) @ weight (OC,IC)) * gelu'(pre (N,IC)), overwritten, data dtype (bf16:
   // one cuBLASLt call with the DGELU epilogue); dweight, dbias f32 accumulate as in linear_backward.
   const char* op = "linear_backward_gelu";
-  check_device(dpre, op, "dpre");
-  check_device(dout, op, "dout");
-  check_device(pre, op, "pre");
-  const DType dt = data_dtype(op, {{"dpre", dpre}, {"dout", dout}, {"weight", weight}, {"pre", pre}});
-  check_linear_dinp(op, dpre, dout, weight);
-  MPIGPT_CHECK(pre.numel() == dpre.numel() && mat_of(pre).cols == mat_of(dpre).cols,
-               "{}: pre {} must have the shape of dpre {}", op, pre.shape.str(), dpre.shape.str());
+  const DType dt = dpre.dtype;
   const int64_t N = mat_of(dout).rows, OC = mat_of(dout).cols, IC = mat_of(weight).cols;
   if (!gelu_gemm(*this, op, Gelu::Backward, N, IC, OC, dout.ptr, weight.ptr, dpre.ptr, pre.ptr, nullptr, dt)) {
     linear_backward(dpre, Tensor(), Tensor(), dout, Tensor(), weight);
@@ -487,21 +419,12 @@ void CudaOps::linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Te
   linear_backward(Tensor(), dweight, dbias, dout, act, Tensor());
 }
 
-void CudaOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) {
+void CudaOps::grouped_linear_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) {
   // out (M,OC), inp (M,IC), weight (G,OC,IC), bias (G,OC) optional, data dtype; group g is
   // group_rows[g] (host) consecutive rows through weight[g]
   const char* op = "grouped_linear_forward";
-  check_device(out, op, "out");
-  check_device(inp, op, "inp");
-  check_device(weight, op, "weight");
-  check_device_opt(bias, op, "bias");
-  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}, {"weight", weight}, {"bias", bias}});
-  const Mat mo = mat_of(out), mi = mat_of(inp);
-  check_grouped_linear(op, weight, bias, mi.rows, group_rows);
+  const DType dt = out.dtype;
   const int64_t G = weight.size(0), OC = weight.size(1), IC = weight.size(2);
-  MPIGPT_CHECK(mo.rows == mi.rows && mo.cols == OC && mi.cols == IC,
-               "{}: out {} = inp {} @ weight {}^T per group has mismatched shapes", op, out.shape.str(),
-               inp.shape.str(), weight.shape.str());
   // One cuBLASLt call per group; empty groups (experts that got no tokens) are skipped.
   const TunePause untuned(*this);
   for (int64_t g = 0, r = 0; g < G; r += group_rows[g], ++g) {
@@ -511,32 +434,12 @@ void CudaOps::grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tens
   }
 }
 
-void CudaOps::grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+void CudaOps::grouped_linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                                       Tensor weight, const int64_t* group_rows) {
   // dinp (M,IC) overwritten (optional), data dtype; dweight (G,OC,IC) and dbias (G,OC) f32 accumulate
   const char* op = "grouped_linear_backward";
-  check_device(dout, op, "dout");
-  check_device(weight, op, "weight");
-  check_device_opt(dinp, op, "dinp");
-  check_device_opt(dweight, op, "dweight");
-  check_device_opt(dbias, op, "dbias");
-  const DType dt = data_dtype(op, {{"dout", dout}, {"weight", weight}, {"dinp", dinp},
-                                   {"inp", dweight.defined() ? inp : Tensor()}});
-  const Mat mo = mat_of(dout);
-  check_grouped_linear(op, weight, dbias, mo.rows, group_rows);
+  const DType dt = dout.dtype;
   const int64_t G = weight.size(0), OC = weight.size(1), IC = weight.size(2);
-  MPIGPT_CHECK(mo.cols == OC, "{}: dout {} must have OC = {} columns", op, dout.shape.str(), OC);
-  MPIGPT_CHECK(!dinp.defined() || (mat_of(dinp).rows == mo.rows && mat_of(dinp).cols == IC),
-               "{}: dinp {} must be (M,IC) = ({}, {})", op, dinp.shape.str(), mo.rows, IC);
-  if (dweight.defined()) {
-    check_device(inp, op, "inp");
-    check_dtype(dweight, DType::F32, op, "dweight (weight gradients accumulate in f32)");
-    MPIGPT_CHECK(dweight.shape == weight.shape, "{}: dweight {} must match weight {}", op, dweight.shape.str(),
-                 weight.shape.str());
-    MPIGPT_CHECK(mat_of(inp).rows == mo.rows && mat_of(inp).cols == IC, "{}: inp {} must be (M,IC) = ({}, {})", op,
-                 inp.shape.str(), mo.rows, IC);
-  }
-  if (dbias.defined()) check_dtype(dbias, DType::F32, op, "dbias (bias gradients accumulate in f32)");
   const TunePause untuned(*this);
   for (int64_t g = 0, r = 0; g < G; r += group_rows[g], ++g) {
     const int64_t n = group_rows[g];

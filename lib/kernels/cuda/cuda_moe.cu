@@ -278,43 +278,27 @@ __global__ void combine_backward_kernel(T* __restrict__ drows, float* __restrict
 
 unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 1 << 20)); }
 
-void check_router_shapes(const char* op, const Tensor& probs, const Tensor& topk, const Tensor& gates,
-                         const Tensor& lse, const Tensor& logits) {
-  const RowsCols ml = rows_cols(logits), mp = rows_cols(probs), mt = rows_cols(topk), mg = rows_cols(gates);
-  MPIGPT_CHECK(mp.rows == ml.rows && mp.cols == ml.cols, "{}: probs {} must match logits {} (N,E)", op,
-               probs.shape.str(), logits.shape.str());
-  MPIGPT_CHECK(mt.rows == ml.rows && mg.rows == ml.rows && mt.cols == mg.cols && mt.cols >= 1 && mt.cols <= ml.cols,
-               "{}: topk {} and gates {} must be (N,K) with 1 <= K <= E for logits {}", op, topk.shape.str(),
-               gates.shape.str(), logits.shape.str());
+// The CUDA router's limit: E experts in registers (at most 8 per lane of one warp).
+void check_experts(const char* op, const Tensor& logits) {
+  const RowsCols ml = rows_cols(logits);
   MPIGPT_CHECK(ml.cols <= kMaxExperts, "{}: logits {} have E = {} experts; the CUDA router handles at most {}", op,
                logits.shape.str(), ml.cols, kMaxExperts);
-  MPIGPT_CHECK(!lse.defined() || lse.numel() == ml.rows, "{}: lse {} must have N = {} elements", op, lse.shape.str(),
-               ml.rows);
 }
 
-// out/dout (N,C), rows (M,C), slot (M), gates (N,K).
-void check_combine(const char* op, const Tensor& out, const Tensor& rows, const Tensor& slot, const Tensor& gates) {
-  const RowsCols mo = rows_cols(out), mr = rows_cols(rows), mg = rows_cols(gates);
-  MPIGPT_CHECK(mo.cols == mr.cols && slot.numel() == mr.rows && mg.rows == mo.rows,
-               "{}: out {} (N,C), rows {} (M,C), slot {} (M), gates {} (N,K) do not fit", op, out.shape.str(),
-               rows.shape.str(), slot.shape.str(), gates.shape.str());
-  MPIGPT_CHECK(gates.numel() < INT32_MAX && mr.rows < INT32_MAX, "{}: rows {} or gates {} too large for i32 slots", op,
-               rows.shape.str(), gates.shape.str());
+// The combine's slots index gates (N,K) and rows (M,C) in i32.
+void check_slot_range(const char* op, const Tensor& rows, const Tensor& gates) {
+  MPIGPT_CHECK(gates.numel() < INT32_MAX && rows_cols(rows).rows < INT32_MAX,
+               "{}: rows {} or gates {} too large for i32 slots", op, rows.shape.str(), gates.shape.str());
 }
 
 }  // namespace
 
-void CudaOps::moe_router_forward(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
+void CudaOps::moe_router_forward_impl(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
                                  bool normalize) {
   // probs (N,E) f32, topk (N,K) i32, gates (N,K) f32, lse (N) f32 optional; logits (N,E)
   const char* op = "moe_router_forward";
-  check_f32(probs, op, "probs");
-  check_i32(topk, op, "topk");
-  check_f32(gates, op, "gates");
-  if (lse.defined()) check_f32(lse, op, "lse");
-  check_device(logits, op, "logits");
-  const DType dt = data_dtype(op, {{"logits", logits}});
-  check_router_shapes(op, probs, topk, gates, lse, logits);
+  const DType dt = logits.dtype;
+  check_experts(op, logits);
   const int64_t N = rows_cols(logits).rows;
   const int E = int(rows_cols(logits).cols), K = int(rows_cols(topk).cols);
   if (N == 0) return;
@@ -327,26 +311,15 @@ void CudaOps::moe_router_forward(Tensor probs, Tensor topk, Tensor gates, Tensor
   });
 }
 
-void CudaOps::moe_router_backward(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits,
+void CudaOps::moe_router_backward_impl(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits,
                                   Tensor probs, Tensor topk, bool sigmoid, bool normalize) {
   // dlogits (N,E) overwritten; dgates (N,K) f32; dprobs (N,E) f32 optional; dlse (N) f32 optional;
   // logits (N,E), probs (N,E) f32, topk (N,K) i32 from the forward
   const char* op = "moe_router_backward";
-  check_device(dlogits, op, "dlogits");
-  check_f32(dgates, op, "dgates");
-  if (dprobs.defined()) check_f32(dprobs, op, "dprobs");
-  if (dlse.defined()) check_f32(dlse, op, "dlse");
-  check_device(logits, op, "logits");
-  check_f32(probs, op, "probs");
-  check_i32(topk, op, "topk");
-  const DType dt = data_dtype(op, {{"dlogits", dlogits}, {"logits", logits}});
-  check_router_shapes(op, probs, topk, dgates, dlse, logits);
+  const DType dt = dlogits.dtype;
+  check_experts(op, logits);
   const int64_t N = rows_cols(logits).rows;
   const int E = int(rows_cols(logits).cols), K = int(rows_cols(topk).cols);
-  MPIGPT_CHECK(rows_cols(dlogits).rows == N && rows_cols(dlogits).cols == E, "{}: dlogits {} must match logits {}", op,
-               dlogits.shape.str(), logits.shape.str());
-  MPIGPT_CHECK(!dprobs.defined() || dprobs.numel() == N * E, "{}: dprobs {} must match logits {}", op,
-               dprobs.shape.str(), logits.shape.str());
   if (N == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -358,15 +331,11 @@ void CudaOps::moe_router_backward(Tensor dlogits, Tensor dgates, Tensor dprobs, 
   });
 }
 
-void CudaOps::moe_combine(Tensor out, Tensor rows, Tensor slot, Tensor gates) {
+void CudaOps::moe_combine_impl(Tensor out, Tensor rows, Tensor slot, Tensor gates) {
   // out (N,C)[slot/K] += gates.flat[slot] * rows (M,C)[i]; slot (M) i32 distinct; gates (N,K) f32
   const char* op = "moe_combine";
-  check_device(out, op, "out");
-  check_device(rows, op, "rows");
-  check_i32(slot, op, "slot");
-  check_f32(gates, op, "gates");
-  const DType dt = data_dtype(op, {{"out", out}, {"rows", rows}});
-  check_combine(op, out, rows, slot, gates);
+  const DType dt = out.dtype;
+  check_slot_range(op, rows, gates);
   const int64_t N = rows_cols(out).rows, C = rows_cols(out).cols, M = rows_cols(rows).rows, NK = gates.numel();
   const int K = int(rows_cols(gates).cols);
   if (M == 0 || C == 0 || N == 0) return;
@@ -388,21 +357,12 @@ void CudaOps::moe_combine(Tensor out, Tensor rows, Tensor slot, Tensor gates) {
   });
 }
 
-void CudaOps::moe_combine_backward(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot, Tensor gates) {
+void CudaOps::moe_combine_backward_impl(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot, Tensor gates) {
   // drows (M,C) = gates.flat[slot] * dout[slot/K] (optional); dgates.flat[slot] = dout[slot/K] . rows[i]
   // (f32, optional, needs rows); dout (N,C), rows (M,C), slot (M) i32, gates (N,K) f32
   const char* op = "moe_combine_backward";
-  check_device_opt(drows, op, "drows");
-  if (dgates.defined()) check_f32(dgates, op, "dgates");
-  check_device(dout, op, "dout");
-  check_device_opt(rows, op, "rows");
-  check_i32(slot, op, "slot");
-  check_f32(gates, op, "gates");
-  const DType dt = data_dtype(op, {{"drows", drows}, {"dout", dout}, {"rows", rows}});
-  check_combine(op, dout, drows.defined() ? drows : rows, slot, gates);
-  MPIGPT_CHECK(!dgates.defined() || (rows.defined() && dgates.numel() == gates.numel() &&
-                                     rows.numel() == slot.numel() * rows_cols(dout).cols),
-               "{}: dgates {} needs rows (M,C) and the shape of gates {}", op, dgates.shape.str(), gates.shape.str());
+  const DType dt = dout.dtype;
+  check_slot_range(op, drows.defined() ? drows : rows, gates);
   const int64_t M = slot.numel(), C = rows_cols(dout).cols, NK = gates.numel();
   const int K = int(rows_cols(gates).cols);
   if (M == 0 || (!drows.defined() && !dgates.defined())) return;

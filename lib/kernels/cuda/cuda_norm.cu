@@ -279,18 +279,6 @@ __global__ void column_sum_kernel(float* dweight, float* dbias, const float* __r
 
 int threads_for(int64_t packs) { return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, kMaxThreads)); }
 
-void check_like(const char* op, const Tensor& inp, const Tensor& t, const char* name) {
-  MPIGPT_CHECK(!t.defined() || (t.numel() == inp.numel() && rows_cols(t).cols == rows_cols(inp).cols),
-               "{}: {} {} must have the shape of inp {}", op, name, t.shape.str(), inp.shape.str());
-}
-void check_len(const char* op, const Tensor& t, const char* name, int64_t n, const Tensor& inp) {
-  MPIGPT_CHECK(!t.defined() || t.numel() == n, "{}: {} {} must have {} elements (inp {})", op, name, t.shape.str(), n,
-               inp.shape.str());
-}
-void check_f32_opt(const Tensor& t, const char* op, const char* what) {
-  if (t.defined()) check_f32(t, op, what);
-}
-
 // Whether every defined tensor allows 16-byte packs of W elements: aligned starts and C % W == 0.
 bool packs_fit(int64_t C, int W, std::initializer_list<Tensor> ts) {
   if (C % W != 0) return false;
@@ -414,31 +402,14 @@ RowsCols norm_dims(const char* op, const Tensor& inp) {
   return rc;
 }
 
-// The four forward ops: their checks, then the kernel. res and sum are the fused residual add
+// The four forward ops. res and sum are the fused residual add
 // (undefined for a plain norm), mean and bias are LayerNorm's (undefined for RMSNorm).
 template <bool kLayer>
 void forward_op(CudaOps& ops, const char* op, Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor res,
                 Tensor sum, Tensor weight, Tensor bias, float eps) {
-  check_device(out, op, "out");
-  check_device(inp, op, "inp");
-  check_device_opt(res, op, "b");
-  check_device_opt(sum, op, "sum");
-  check_device(weight, op, "weight");
-  check_device_opt(bias, op, "bias");
-  check_f32_opt(mean, op, "mean");
-  check_f32_opt(rstd, op, "rstd");
-  const DType dt = data_dtype(
-      op, {{"out", out}, {"inp", inp}, {"b", res}, {"sum", sum}, {"weight", weight}, {"bias", bias}});
+  const DType dt = out.dtype;
   const RowsCols rc = norm_dims(op, inp);
   const int64_t N = rc.rows, C = rc.cols;
-  check_like(op, inp, out, "out");
-  check_like(op, inp, res, "b");
-  check_like(op, inp, sum, "sum");
-  MPIGPT_CHECK(res.defined() == sum.defined(), "{}: the residual add needs both b and sum", op);
-  check_len(op, mean, "mean", N, inp);
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
-  check_len(op, bias, "bias", C, inp);
   if (N == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -446,29 +417,14 @@ void forward_op(CudaOps& ops, const char* op, Tensor out, Tensor mean, Tensor rs
   });
 }
 
-// The two backward ops: their checks, then the kernels. mean and dbias are LayerNorm's
+// The two backward ops. mean and dbias are LayerNorm's
 // (undefined for RMSNorm).
 template <bool kLayer>
 void backward_op(CudaOps& ops, const char* op, Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
                  Tensor mean, Tensor rstd, Tensor weight) {
-  check_device_opt(dinp, op, "dinp");
-  check_f32_opt(dweight, op, "dweight");
-  check_f32_opt(dbias, op, "dbias");
-  check_device(dout, op, "dout");
-  check_device(inp, op, "inp");
-  if (kLayer) check_f32(mean, op, "mean");
-  check_f32(rstd, op, "rstd");
-  check_device(weight, op, "weight");
-  const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}, {"inp", inp}, {"weight", weight}});
+  const DType dt = dout.dtype;
   const RowsCols rc = norm_dims(op, inp);
   const int64_t N = rc.rows, C = rc.cols;
-  check_like(op, inp, dout, "dout");
-  check_like(op, inp, dinp, "dinp");
-  check_len(op, mean, "mean", N, inp);
-  check_len(op, rstd, "rstd", N, inp);
-  check_len(op, weight, "weight", C, inp);
-  check_len(op, dweight, "dweight", C, inp);
-  check_len(op, dbias, "dbias", C, inp);
   if (N == 0 || (!dinp.defined() && !dweight.defined() && !dbias.defined())) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);
@@ -478,36 +434,36 @@ void backward_op(CudaOps& ops, const char* op, Tensor dinp, Tensor dweight, Tens
 
 }  // namespace
 
-void CudaOps::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
+void CudaOps::layernorm_forward_impl(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
                                 float eps) {
   // out (N,C), mean (N), rstd (N) optional f32, inp (N,C), weight (C), bias (C) optional
   forward_op<true>(*this, "layernorm_forward", out, mean, rstd, inp, Tensor(), Tensor(), weight, bias, eps);
 }
 
-void CudaOps::residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
+void CudaOps::residual_layernorm_forward_impl(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
                                          Tensor weight, Tensor bias, float eps) {
   // sum (N,C) = a + b (may alias either), then layernorm_forward of sum; one kernel
   forward_op<true>(*this, "residual_layernorm_forward", out, mean, rstd, a, b, sum, weight, bias, eps);
 }
 
-void CudaOps::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
+void CudaOps::layernorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
                                  Tensor rstd, Tensor weight) {
   // dinp (N,C) +=, dweight (C) += f32, dbias (C) += f32; dout, inp (N,C); mean, rstd (N) f32; weight (C)
   backward_op<true>(*this, "layernorm_backward", dinp, dweight, dbias, dout, inp, mean, rstd, weight);
 }
 
-void CudaOps::rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
+void CudaOps::rmsnorm_forward_impl(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) {
   // out (N,C) = inp * rstd * weight, rstd (N) optional f32, inp (N,C), weight (C)
   forward_op<false>(*this, "rmsnorm_forward", out, Tensor(), rstd, inp, Tensor(), Tensor(), weight, Tensor(), eps);
 }
 
-void CudaOps::residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+void CudaOps::residual_rmsnorm_forward_impl(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
                                        float eps) {
   // sum (N,C) = a + b (may alias either), then rmsnorm_forward of sum; one kernel
   forward_op<false>(*this, "residual_rmsnorm_forward", out, Tensor(), rstd, a, b, sum, weight, Tensor(), eps);
 }
 
-void CudaOps::rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) {
+void CudaOps::rmsnorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) {
   // dinp (N,C) +=, dweight (C) += f32; dout, inp (N,C); rstd (N) f32; weight (C)
   backward_op<false>(*this, "rmsnorm_backward", dinp, dweight, Tensor(), dout, inp, Tensor(), rstd, weight);
 }

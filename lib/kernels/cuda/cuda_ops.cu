@@ -1,7 +1,7 @@
 // CUDA backend: the factory, construction (device, architecture check, stream, cuBLASLt handle and
 // workspace), memory through the caching allocator, copies (host <-> device, device <-> device, and
 // f32 <-> bf16 conversion on the device), the element-wise ops fill/scale/add, and the CHECK
-// failure handlers and argument checks that every cuda_*.cu file shares.
+// failure handlers that every cuda_*.cu file shares.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -110,36 +110,6 @@ void cublas_failed(cublasStatus_t rc, const char* call, const char* file, int li
     hint = "; a kernel failed, possibly one queued earlier: rerun with CUDA_LAUNCH_BLOCKING=1 to see which";
   fail("{}:{}: cuBLAS call {} failed: {} ({}){}", file, line, call, cublasLtGetStatusName(rc),
        cublasLtGetStatusString(rc), hint);
-}
-
-void check_device(const Tensor& t, const char* op, const char* what) {
-  if (!t.defined()) fail("{}: {} is required but undefined", op, what);
-  if (t.device != Device::CUDA)
-    fail("{}: {} {} lives in host memory; the CUDA backend's ops take device tensors (copy it with ops.copy first)",
-         op, what, t.str());
-}
-
-void check_dtype(const Tensor& t, DType dt, const char* op, const char* what) {
-  if (t.dtype != dt) fail("{}: {} must be {}, got {}", op, what, dtype_name(dt), t.str());
-}
-
-DType data_dtype(const char* op, std::initializer_list<std::pair<const char*, Tensor>> tensors) {
-  const char* first = nullptr;
-  DType dt = DType::F32;
-  for (const auto& [what, t] : tensors) {
-    if (!t.defined()) continue;
-    if (!first) {
-      first = what;
-      dt = t.dtype;
-      if (dt != DType::F32 && dt != DType::BF16)
-        fail("{}: data tensors must be f32 or bf16, but {} is {}", op, what, t.str());
-    } else if (t.dtype != dt) {
-      fail("{}: the data tensors of one call share one dtype, but {} is {} and {} is {}", op, first, dtype_name(dt),
-           what, t.str());
-    }
-  }
-  if (!first) fail("{}: no data tensor is defined", op);
-  return dt;
 }
 
 // ---- kernels ---------------------------------------------------------------------------------
@@ -285,28 +255,12 @@ void CudaOps::release(void* p) { alloc_->release(p); }
 
 // ---- copies and element-wise ops -------------------------------------------------------------
 
-void CudaOps::copy(Tensor dst, Tensor src) {
+void CudaOps::copy_impl(Tensor dst, Tensor src) {
   // dst, src: equal numel (shapes may differ). Same dtype: any of host <-> device, device <->
   // device, host <-> host. Different dtypes: f32 <-> bf16 conversion, both on the device
   // (round to nearest even into bf16; exact into f32).
-  const char* op = "copy";
-  MPIGPT_CHECK(dst.defined() && src.defined(), "copy: dst {} and src {} must both be defined", dst.str(), src.str());
-  MPIGPT_CHECK(dst.numel() == src.numel(), "copy: dst {} and src {} differ in element count", dst.str(), src.str());
   const int64_t n = dst.numel();
   if (dst.dtype != src.dtype) {
-    const bool floats = (dst.dtype == DType::F32 || dst.dtype == DType::BF16) &&
-                        (src.dtype == DType::F32 || src.dtype == DType::BF16);
-    if (!floats)
-      fail("copy: dst {} and src {} differ in dtype; only f32 <-> bf16 converts (i32 never does)", dst.str(),
-           src.str());
-    if (dst.device != Device::CUDA || src.device != Device::CUDA)
-      fail("copy: f32 <-> bf16 conversion runs on the device only (dst {} on the {}, src {} on the {}); copy the "
-           "host data into a device tensor of its own dtype first",
-           dst.str(), dst.device == Device::CPU ? "host" : "device", src.str(),
-           src.device == Device::CPU ? "host" : "device");
-    MPIGPT_CHECK(static_cast<char*>(dst.ptr) + dst.nbytes() <= static_cast<const char*>(src.ptr) ||
-                     static_cast<const char*>(src.ptr) + src.nbytes() <= static_cast<char*>(dst.ptr),
-                 "copy: dst {} and src {} overlap", dst.str(), src.str());
     if (n == 0) return;
     if (dst.dtype == DType::BF16)
       convert_kernel<<<grid_for(n), kThreads, 0, stream_>>>(ptr<bf16>(dst), ptr<float>(src), n);
@@ -323,9 +277,6 @@ void CudaOps::copy(Tensor dst, Tensor src) {
     return;
   }
   if (!dst_host && !src_host) {
-    MPIGPT_CHECK(static_cast<char*>(dst.ptr) + bytes <= static_cast<const char*>(src.ptr) ||
-                     static_cast<const char*>(src.ptr) + bytes <= static_cast<char*>(dst.ptr),
-                 "{}: dst {} and src {} overlap", op, dst.str(), src.str());
     MPIGPT_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream_));
     return;
   }
@@ -338,9 +289,8 @@ void CudaOps::copy(Tensor dst, Tensor src) {
   wait_for_stream(stream_, dst_host ? "a copy to the host" : "a copy from the host");
 }
 
-void CudaOps::fill(Tensor t, float value) {
+void CudaOps::fill_impl(Tensor t, float value) {
   // t (any shape): f32, bf16 (value rounded to nearest even) or i32 (value truncated)
-  check_device(t, "fill", "t");
   const int64_t n = t.numel();
   if (n == 0) return;
   if (value == 0.0f && !std::signbit(value)) {  // +0 is all-zero bits in every dtype
@@ -357,9 +307,8 @@ void CudaOps::fill(Tensor t, float value) {
   MPIGPT_CUDA_LAUNCHED();
 }
 
-void CudaOps::scale(Tensor t, float s) {
+void CudaOps::scale_impl(Tensor t, float s) {
   // t (any shape) *= s, f32 or bf16 (computed in f32, rounded once)
-  check_device(t, "scale", "t");
   const int64_t n = t.numel();
   if (n == 0 || s == 1.0f) return;
   dispatch_float(t.dtype, "scale", [&](auto tag) {
@@ -369,16 +318,11 @@ void CudaOps::scale(Tensor t, float s) {
   MPIGPT_CUDA_LAUNCHED();
 }
 
-void CudaOps::add(Tensor out, Tensor a, Tensor b) {
+void CudaOps::add_impl(Tensor out, Tensor a, Tensor b) {
   // out = a + b, equal numel, one data dtype; out may alias a or b
   const char* op = "add";
-  check_device(out, op, "out");
-  check_device(a, op, "a");
-  check_device(b, op, "b");
-  const DType dt = data_dtype(op, {{"out", out}, {"a", a}, {"b", b}});
+  const DType dt = out.dtype;
   const int64_t n = out.numel();
-  MPIGPT_CHECK(a.numel() == n && b.numel() == n, "add: out {}, a {}, b {} differ in element count", out.str(),
-               a.str(), b.str());
   if (n == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
     using T = decltype(tag);

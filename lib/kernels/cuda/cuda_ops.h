@@ -32,6 +32,7 @@ class CudaOps final : public Ops {
   ~CudaOps() override;
   Device device() const override { return Device::CUDA; }
   std::string name() const override;
+  bool computes_in(DType dt) const override { return dt == DType::F32 || dt == DType::BF16; }
   void* stream() const override { return stream_; }
   void synchronize() override;
   size_t peak_allocated() const override { return alloc_->stats().peak_in_use; }
@@ -39,93 +40,9 @@ class CudaOps final : public Ops {
   int device_index() const { return device_; }
   const CachingAllocator& allocator() const { return *alloc_; }
 
-  // memory and element-wise (cuda_ops.cu)
   void* allocate(size_t bytes) override;
   void release(void* p) override;
-  void copy(Tensor dst, Tensor src) override;
-  void fill(Tensor t, float value) override;
-  void scale(Tensor t, float s) override;
-  void add(Tensor out, Tensor a, Tensor b) override;
-
-  // cuda_matmul.cu (cuBLASLt)
-  void gemm(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) override;
-  void linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias) override;
-  void linear_residual_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) override;
-  void linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) override;
-  void linear_gelu_forward(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) override;
-  void linear_backward_gelu(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
-                            Tensor pre) override;
-  void grouped_linear_forward(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) override;
-  void grouped_linear_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight,
-                               const int64_t* group_rows) override;
-
-  // cuda_embedding.cu
-  void embedding_forward(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
-                         int64_t vocab_start) override;
-  void embedding_backward(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
-                          int64_t vocab_start) override;
-
-  // cuda_norm.cu
-  void layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
-                         float eps) override;
-  void layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
-                          Tensor weight) override;
-  void rmsnorm_forward(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) override;
-  void rmsnorm_backward(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) override;
-  void residual_layernorm_forward(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, Tensor weight,
-                                  Tensor bias, float eps) override;
-  void residual_rmsnorm_forward(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
-                                float eps) override;
-
-  // cuda_activation.cu
-  void gelu_forward(Tensor out, Tensor inp) override;
-  void gelu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
-  void swiglu_forward(Tensor out, Tensor inp) override;
-  void swiglu_backward(Tensor dinp, Tensor dout, Tensor inp) override;
-  void rope_forward(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) override;
-  void rope_backward(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) override;
-
-  // cuda_attention.cu (fused, FlashAttention-2 style: the T x T matrix never exists; saved = lse)
   int64_t attention_saved_numel(int64_t B, int64_t T, int64_t NH) const override { return B * NH * T; }
-  void attention_forward(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) override;
-  void attention_backward(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
-                          int HD) override;
-  void attention_block_forward(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg, Tensor kpos,
-                               Tensor kseg, int NH, int NKV, int HD) override;
-  void attention_merge(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) override;
-  void attention_block_backward(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out, Tensor lse,
-                                Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD) override;
-
-  // cuda_rows.cu
-  void copy_cols(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) override;
-  void gather_rows(Tensor out, Tensor inp, Tensor index) override;
-  void scatter_add_rows(Tensor dinp, Tensor dout, Tensor index) override;
-
-  // cuda_loss.cu
-  void crossentropy_forward_backward(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
-                                     float dloss) override;
-  void softmax_shard_max(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) override;
-  void softmax_shard_sums(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
-                          int64_t vocab_start, int64_t V) override;
-  void crossentropy_shard_finish(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
-                                 Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
-                                 float dloss) override;
-
-  // cuda_optim.cu
-  void adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
-             float weight_decay, int64_t step, float grad_scale) override;
-  void adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
-                  float beta1, float beta2, float eps, int64_t step, float grad_scale) override;
-  double sum_squares(Tensor t) override;
-  double sum(Tensor t) override;
-
-  // cuda_moe.cu
-  void moe_router_forward(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
-                          bool normalize) override;
-  void moe_router_backward(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits, Tensor probs,
-                           Tensor topk, bool sigmoid, bool normalize) override;
-  void moe_combine(Tensor out, Tensor rows, Tensor slot, Tensor gates) override;
-  void moe_combine_backward(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot, Tensor gates) override;
 
   // Scratch on the device for one op's temporaries (reductions, cuBLASLt workspace): served by
   // the caching allocator, so steady-state steps do no cudaMalloc. Freed when the op returns is
@@ -182,6 +99,92 @@ class CudaOps final : public Ops {
   // configuration), for the log.
   std::vector<std::string> take_notes() override;
   void add_note(std::string note) { notes_.push_back(std::move(note)); }
+
+ protected:
+  // memory and element-wise (cuda_ops.cu)
+  void copy_impl(Tensor dst, Tensor src) override;
+  void fill_impl(Tensor t, float value) override;
+  void scale_impl(Tensor t, float s) override;
+  void add_impl(Tensor out, Tensor a, Tensor b) override;
+
+  // cuda_matmul.cu (cuBLASLt)
+  void gemm_impl(Tensor c, Tensor a, Tensor b, bool trans_a, bool trans_b, float alpha, float beta) override;
+  void linear_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias) override;
+  void linear_residual_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias, Tensor residual) override;
+  void linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight) override;
+  void linear_gelu_forward_impl(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) override;
+  void linear_backward_gelu_impl(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
+                            Tensor pre) override;
+  void grouped_linear_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) override;
+  void grouped_linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight,
+                               const int64_t* group_rows) override;
+
+  // cuda_embedding.cu
+  void embedding_forward_impl(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
+                         int64_t vocab_start) override;
+  void embedding_backward_impl(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
+                          int64_t vocab_start) override;
+
+  // cuda_norm.cu
+  void layernorm_forward_impl(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
+                         float eps) override;
+  void layernorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean, Tensor rstd,
+                          Tensor weight) override;
+  void rmsnorm_forward_impl(Tensor out, Tensor rstd, Tensor inp, Tensor weight, float eps) override;
+  void rmsnorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dout, Tensor inp, Tensor rstd, Tensor weight) override;
+  void residual_layernorm_forward_impl(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                  Tensor bias, float eps) override;
+  void residual_rmsnorm_forward_impl(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
+                                float eps) override;
+
+  // cuda_activation.cu
+  void gelu_forward_impl(Tensor out, Tensor inp) override;
+  void gelu_backward_impl(Tensor dinp, Tensor dout, Tensor inp) override;
+  void swiglu_forward_impl(Tensor out, Tensor inp) override;
+  void swiglu_backward_impl(Tensor dinp, Tensor dout, Tensor inp) override;
+  void rope_forward_impl(Tensor qkv, Tensor positions, int NH, int NKV, int HD, float theta) override;
+  void rope_backward_impl(Tensor dqkv, Tensor positions, int NH, int NKV, int HD, float theta) override;
+
+  // cuda_attention.cu (fused, FlashAttention-2 style: the T x T matrix never exists; saved = lse)
+  void attention_forward_impl(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) override;
+  void attention_backward_impl(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
+                          int HD) override;
+  void attention_block_forward_impl(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg, Tensor kpos,
+                               Tensor kseg, int NH, int NKV, int HD) override;
+  void attention_merge_impl(Tensor out, Tensor lse, Tensor blk_out, Tensor blk_lse) override;
+  void attention_block_backward_impl(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out, Tensor lse,
+                                Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV, int HD) override;
+
+  // cuda_rows.cu
+  void copy_cols_impl(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) override;
+  void gather_rows_impl(Tensor out, Tensor inp, Tensor index) override;
+  void scatter_add_rows_impl(Tensor dinp, Tensor dout, Tensor index) override;
+
+  // cuda_loss.cu
+  void crossentropy_forward_backward_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
+                                     float dloss) override;
+  void softmax_shard_max_impl(Tensor maxes, Tensor logits, int64_t vocab_start, int64_t V) override;
+  void softmax_shard_sums_impl(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
+                          int64_t vocab_start, int64_t V) override;
+  void crossentropy_shard_finish_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
+                                 Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
+                                 float dloss) override;
+
+  // cuda_optim.cu
+  void adamw_impl(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
+             float weight_decay, int64_t step, float grad_scale) override;
+  void adamw_runs_impl(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
+                  float beta1, float beta2, float eps, int64_t step, float grad_scale) override;
+  double sum_squares_impl(Tensor t) override;
+  double sum_impl(Tensor t) override;
+
+  // cuda_moe.cu
+  void moe_router_forward_impl(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
+                          bool normalize) override;
+  void moe_router_backward_impl(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits, Tensor probs,
+                           Tensor topk, bool sigmoid, bool normalize) override;
+  void moe_combine_impl(Tensor out, Tensor rows, Tensor slot, Tensor gates) override;
+  void moe_combine_backward_impl(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot, Tensor gates) override;
 
  private:
   // Why cuDNN's fused attention cannot run this call (it does not load, the data is not bf16, it

@@ -11,7 +11,6 @@
 
 #include "lib/kernels/cuda/cuda_common.cuh"
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
-#include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cuda {
 
@@ -138,7 +137,6 @@ __global__ void reduce_stage2_kernel(double* __restrict__ result, const double* 
 
 template <bool kSquare>
 double reduce(CudaOps& ops, Tensor t, const char* op) {
-  check_device(t, op, "t");
   const int64_t n = t.numel();
   if (n == 0) return 0.0;
   cudaStream_t s = ops.cuda_stream();
@@ -168,7 +166,6 @@ double reduce(CudaOps& ops, Tensor t, const char* op) {
 namespace {
 
 AdamArgs adam_args(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale) {
-  MPIGPT_CHECK(step >= 1, "adamw: step must be >= 1 (bias correction), got {}", step);
   return AdamArgs{lr,
                   beta1,
                   beta2,
@@ -179,20 +176,12 @@ AdamArgs adam_args(float lr, float beta1, float beta2, float eps, float weight_d
                   grad_scale};
 }
 
-void check_f32_args(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const char* op) {
-  for (auto [t, what] : {std::pair{param, "param"}, {grad, "grad"}, {m, "m"}, {v, "v"}}) check_f32(t, op, what);
-}
-
 }  // namespace
 
-void CudaOps::adamw(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
+void CudaOps::adamw_impl(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
                     float weight_decay, int64_t step, float grad_scale) {
   // param, grad, m, v (n) f32: the same flat range; one pass reads all four and writes three
-  check_f32_args(param, grad, m, v, "adamw");
   const int64_t n = param.numel();
-  MPIGPT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n,
-               "adamw: param {}, grad {}, m {}, v {} must have the same number of elements", param.str(), grad.str(),
-               m.str(), v.str());
   const AdamArgs a = adam_args(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
   if (n == 0) return;
   const bool vec = aligned16(param.ptr) && aligned16(grad.ptr) && aligned16(m.ptr) && aligned16(v.ptr);
@@ -229,10 +218,8 @@ CudaOps::AdamTables& CudaOps::adam_tables() {
   return *adam_tables_;
 }
 
-void CudaOps::adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
+void CudaOps::adamw_runs_impl(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
                          float beta1, float beta2, float eps, int64_t step, float grad_scale) {
-  check_f32_args(param, grad, m, v, "adamw_runs");
-  check_adamw_runs(param, grad, m, v, runs);
   const AdamArgs a = adam_args(lr, beta1, beta2, eps, 0.0f, step, grad_scale);
   std::vector<int64_t> key;
   key.reserve(runs.size() * 4);
@@ -269,8 +256,8 @@ void CudaOps::adamw_runs(Tensor param, Tensor grad, Tensor m, Tensor v, const st
   MPIGPT_CUDA_LAUNCHED();
 }
 
-double CudaOps::sum_squares(Tensor t) { return reduce<true>(*this, t, "sum_squares"); }
+double CudaOps::sum_squares_impl(Tensor t) { return reduce<true>(*this, t, "sum_squares"); }
 
-double CudaOps::sum(Tensor t) { return reduce<false>(*this, t, "sum"); }
+double CudaOps::sum_impl(Tensor t) { return reduce<false>(*this, t, "sum"); }
 
 }  // namespace mpigpt::cuda

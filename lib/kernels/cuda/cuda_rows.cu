@@ -109,24 +109,13 @@ void launch_copy_cols(cudaStream_t s, T* dst, int64_t Dd, const T* src, int64_t 
   MPIGPT_CUDA_LAUNCHED();
 }
 
-void check_index(const Tensor& index, const char* op) {
-  check_i32(index, op, "index");
-}
-
 }  // namespace
 
-void CudaOps::copy_cols(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) {
+void CudaOps::copy_cols_impl(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col, int64_t ncols) {
   // dst (N,Dd)[:, dst_col : dst_col+ncols] = src (N,Ds)[:, src_col : src_col+ncols]
   const char* op = "copy_cols";
-  check_device(dst, op, "dst");
-  check_device(src, op, "src");
-  const DType dt = data_dtype(op, {{"dst", dst}, {"src", src}});
+  const DType dt = dst.dtype;
   const RowsCols md = rows_cols(dst), ms = rows_cols(src);
-  MPIGPT_CHECK(md.rows == ms.rows, "{}: dst {} and src {} must have the same number of rows", op, dst.shape.str(),
-               src.shape.str());
-  MPIGPT_CHECK(ncols >= 0 && dst_col >= 0 && src_col >= 0 && dst_col + ncols <= md.cols && src_col + ncols <= ms.cols,
-               "{}: columns [{}, {}) of dst {} and [{}, {}) of src {} must lie inside them", op, dst_col,
-               dst_col + ncols, dst.shape.str(), src_col, src_col + ncols, src.shape.str());
   const int64_t N = md.rows;
   if (ncols == 0 || N == 0) return;
   // The CPU backend copies row by row with memmove, so dst and src may share memory. Parallel
@@ -154,17 +143,11 @@ void CudaOps::copy_cols(Tensor dst, int64_t dst_col, Tensor src, int64_t src_col
   });
 }
 
-void CudaOps::gather_rows(Tensor out, Tensor inp, Tensor index) {
+void CudaOps::gather_rows_impl(Tensor out, Tensor inp, Tensor index) {
   // out (M,C)[i] = inp (N,C)[index[i]], index (M) i32
   const char* op = "gather_rows";
-  check_device(out, op, "out");
-  check_device(inp, op, "inp");
-  check_index(index, op);
-  const DType dt = data_dtype(op, {{"out", out}, {"inp", inp}});
+  const DType dt = out.dtype;
   const RowsCols mo = rows_cols(out), mi = rows_cols(inp);
-  MPIGPT_CHECK(mo.cols == mi.cols && index.numel() == mo.rows,
-               "{}: out {} must be (M, C) for inp {} (N, C) and index {} (M)", op, out.shape.str(), inp.shape.str(),
-               index.shape.str());
   const int64_t M = mo.rows, C = mo.cols;
   if (M == 0 || C == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
@@ -180,17 +163,11 @@ void CudaOps::gather_rows(Tensor out, Tensor inp, Tensor index) {
   });
 }
 
-void CudaOps::scatter_add_rows(Tensor dinp, Tensor dout, Tensor index) {
+void CudaOps::scatter_add_rows_impl(Tensor dinp, Tensor dout, Tensor index) {
   // dinp (N,C)[index[i]] += dout (M,C)[i], index (M) i32 (may repeat)
   const char* op = "scatter_add_rows";
-  check_device(dinp, op, "dinp");
-  check_device(dout, op, "dout");
-  check_index(index, op);
-  const DType dt = data_dtype(op, {{"dinp", dinp}, {"dout", dout}});
+  const DType dt = dinp.dtype;
   const RowsCols mi = rows_cols(dinp), mo = rows_cols(dout);
-  MPIGPT_CHECK(mo.cols == mi.cols && index.numel() == mo.rows,
-               "{}: dout {} must be (M, C) for dinp {} (N, C) and index {} (M)", op, dout.shape.str(), dinp.shape.str(),
-               index.shape.str());
   const int64_t M = mo.rows, C = mo.cols;
   if (M == 0 || C == 0) return;
   dispatch_float(dt, op, [&](auto tag) {
