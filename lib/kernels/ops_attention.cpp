@@ -79,8 +79,8 @@ void check_block(OpArgs& a, const Tensor& out, const Tensor& lse, const Tensor& 
   const int64_t R = int64_t(NH + 2 * NKV) * HD, RK = int64_t(2 * NKV) * HD;
   a.require(qkv.ndim() == 3 && qkv.size(2) == R, "qkv {} must be (B, Tq, (NH+2*NKV)*HD = {})", qkv.shape.str(), R);
   const int64_t B = qkv.size(0), Tq = qkv.size(1);
-  a.require(kv.ndim() == 3 && kv.size(0) == B && kv.size(2) == RK, "kv {} must be (B = {}, Tk, 2*NKV*HD = {}) for qkv {}",
-            kv.shape.str(), B, RK, qkv.shape.str());
+  a.require(kv.ndim() == 3 && kv.size(0) == B && kv.size(2) == RK,
+            "kv {} must be (B = {}, Tk, 2*NKV*HD = {}) for qkv {}", kv.shape.str(), B, RK, qkv.shape.str());
   const int64_t Tk = kv.size(1), C = int64_t(NH) * HD;
   a.require(out.numel() == B * Tq * C, "out {} must be (B, Tq, NH*HD) = ({}, {}, {})", out.shape.str(), B, Tq, C);
   a.require(lse.numel() == B * NH * Tq, "lse {} must be (B, NH, Tq) = ({}, {}, {})", lse.shape.str(), B, NH, Tq);
@@ -148,8 +148,9 @@ void Ops::gather_rows(Tensor out, Tensor inp, Tensor index) {
       .data("out", out)
       .data("inp", inp)
       .i32("index", index)
-      .require(mo.cols == mi.cols && index.numel() == mo.rows, "out {} must be (M, C) for inp {} (N, C) and index {} (M)",
-               out.shape.str(), inp.shape.str(), index.shape.str());
+      .require(mo.cols == mi.cols && index.numel() == mo.rows,
+               "out {} must be (M, C) for inp {} (N, C) and index {} (M)", out.shape.str(), inp.shape.str(),
+               index.shape.str());
   run("gather_rows", [&] { gather_rows_impl(out, inp, index); });
 }
 

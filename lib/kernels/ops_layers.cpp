@@ -68,8 +68,8 @@ void Ops::layernorm_forward(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Te
 void Ops::layernorm_backward(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
                              Tensor rstd, Tensor weight) {
   OpArgs a(*this, "layernorm_backward");
-  a.data("dout", dout).data("inp", inp).data("weight", weight).data_opt("dinp", dinp).f32("mean", mean).f32("rstd", rstd);
-  a.f32_opt("dweight", dweight).f32_opt("dbias", dbias);
+  a.data("dout", dout).data("inp", inp).data("weight", weight).data_opt("dinp", dinp);
+  a.f32("mean", mean).f32("rstd", rstd).f32_opt("dweight", dweight).f32_opt("dbias", dbias);
   check_norm(a, inp, {{"dout", dout}, {"dinp", dinp}}, {{"mean", mean}, {"rstd", rstd}},
              {{"weight", weight}, {"dweight", dweight}, {"dbias", dbias}});
   run("layernorm_backward", [&] { layernorm_backward_impl(dinp, dweight, dbias, dout, inp, mean, rstd, weight); });

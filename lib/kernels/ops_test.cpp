@@ -53,16 +53,16 @@ TEST_CASE("ops fronts check each call's contract for every backend, naming the o
                        Error);
   CHECK_THROWS_WITH_AS(cpu->add(bf16, bf16, bf16),
                        doctest::Contains("add: out is bf16(2, 4), a dtype this backend does not compute in"), Error);
-  CHECK_THROWS_WITH_AS(cpu->gelu_forward(Tensor(), ta), doctest::Contains("gelu_forward: out is required but undefined"),
-                       Error);
+  CHECK_THROWS_WITH_AS(cpu->gelu_forward(Tensor(), ta),
+                       doctest::Contains("gelu_forward: out is required but undefined"), Error);
   CHECK_THROWS_WITH_AS(cpu->add(ta, tb, as_tensor(c, {6})), doctest::Contains("differ in element count"), Error);
   // A device tensor handed to the CPU backend.
   const Tensor on_gpu(a.data(), Shape{2, 4}, DType::F32, Device::CUDA);
   CHECK_THROWS_WITH_AS(cpu->scale(on_gpu, 2.0f), doctest::Contains("scale: t f32(2, 4) lives in device memory"),
                        Error);
   // i32 where i32 is asked for, f32 where f32 is.
-  CHECK_THROWS_WITH_AS(cpu->gather_rows(ta, tb, as_tensor(two, {2})), doctest::Contains("gather_rows: index must be i32"),
-                       Error);
+  CHECK_THROWS_WITH_AS(cpu->gather_rows(ta, tb, as_tensor(two, {2})),
+                       doctest::Contains("gather_rows: index must be i32"), Error);
   CHECK_THROWS_WITH_AS(cpu->adamw(ta, tb, ta, tb, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 0, 1.0f),
                        doctest::Contains("adamw: step must be >= 1"), Error);
 }

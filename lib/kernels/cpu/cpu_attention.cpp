@@ -122,7 +122,7 @@ void CpuOps::attention_forward_impl(Tensor out, Tensor saved, Tensor qkv, int NH
 }
 
 void CpuOps::attention_backward_impl(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
-                                int HD) {
+                                     int HD) {
   // dqkv (B,T,(NH+2*NKV)*HD) overwritten, dout (B,T,NH*HD), qkv as forward, saved = P (B,NH,T,T).
   // out is not needed here (the probabilities are kept).
   const char* op = "attention_backward";

@@ -46,7 +46,7 @@ constexpr int64_t kBlock = 64;
 }  // namespace
 
 void CpuOps::attention_block_forward_impl(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
-                                     Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
+                                          Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
   // out (B,Tq,NH*HD), lse (B,NH,Tq), qkv (B,Tq,(NH+2*NKV)*HD), kv (B,Tk,2*NKV*HD), q*/k* (B,Tq)/(B,Tk) i32
   const char* op = "attention_block_forward";
   float* O = f32(out);
@@ -139,7 +139,7 @@ void CpuOps::attention_merge_impl(Tensor out, Tensor lse, Tensor blk_out, Tensor
 
 void CpuOps::attention_block_backward_impl(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out,
                                       Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV,
-                                      int HD) {
+                                           int HD) {
   // dqkv (B,Tq,(NH+2*NKV)*HD) query columns accumulate; dkv (B,Tk,2*NKV*HD) accumulates;
   // dout, out (B,Tq,NH*HD) and lse (B,NH,Tq) are the FINAL (merged) ones.
   const char* op = "attention_block_backward";

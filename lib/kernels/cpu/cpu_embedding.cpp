@@ -13,7 +13,7 @@ static void check_positions(const int32_t* pos, int64_t N, int64_t rows, const c
 }
 
 void CpuOps::embedding_forward_impl(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
-                               int64_t vocab_start) {
+                                    int64_t vocab_start) {
   // out (N,C), tokens (N), positions (N), wte (rows,C) = vocabulary rows [vocab_start, vocab_start+rows),
   // wpe (maxT,C) optional
   const char* op = "embedding_forward";
@@ -45,7 +45,7 @@ void CpuOps::embedding_forward_impl(Tensor out, Tensor tokens, Tensor positions,
 }
 
 void CpuOps::embedding_backward_impl(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
-                                int64_t vocab_start) {
+                                     int64_t vocab_start) {
   // dwte (rows,C) += scatter of dout (N,C) rows by token; dwpe (maxT,C) += scatter by position
   const char* op = "embedding_backward";
   float* dE = f32(dwte);

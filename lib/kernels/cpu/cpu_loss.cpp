@@ -10,7 +10,7 @@
 namespace mpigpt::cpu {
 
 void CpuOps::crossentropy_forward_backward_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
-                                           float dloss) {
+                                                float dloss) {
   // losses (N), dlogits (N,Vp) (may alias logits), logits (N,Vp), targets (N) i32; softmax over [0, V)
   const char* op = "crossentropy_forward_backward";
   float* L = f32(losses);
@@ -110,7 +110,7 @@ void CpuOps::softmax_shard_max_impl(Tensor maxes, Tensor logits, int64_t vocab_s
 }
 
 void CpuOps::softmax_shard_sums_impl(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
-                                int64_t vocab_start, int64_t V) {
+                                     int64_t vocab_start, int64_t V) {
   // sumexp (N), target_logit (N), logits (N,Vl), maxes (N) global, targets (N) i32 global ids
   const char* op = "softmax_shard_sums";
   const float* X = f32(logits);
@@ -141,8 +141,8 @@ void CpuOps::softmax_shard_sums_impl(Tensor sumexp, Tensor target_logit, Tensor 
 }
 
 void CpuOps::crossentropy_shard_finish_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
-                                       Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
-                                       float dloss) {
+                                            Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
+                                            float dloss) {
   // losses (N), dlogits (N,Vl) (may alias logits), logits (N,Vl), maxes, sumexp, target_logit (N) global,
   // targets (N) i32 global ids
   const char* op = "crossentropy_shard_finish";

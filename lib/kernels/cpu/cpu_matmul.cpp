@@ -105,8 +105,9 @@ void CpuOps::linear_gelu_forward_impl(Tensor out, Tensor pre, Tensor inp, Tensor
   gelu_forward(out, pre);
 }
 
-void CpuOps::linear_backward_gelu_impl(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
-                                  Tensor pre) {
+void CpuOps::linear_backward_gelu_impl(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act,
+                                       Tensor weight,
+                                       Tensor pre) {
   // dpre (N,IC) = (dout @ weight) * gelu'(pre); dweight += dout^T @ act; dbias += column sums of dout
   linear_backward(dpre, dweight, dbias, dout, act, weight);
   gelu_backward(dpre, dpre, pre);

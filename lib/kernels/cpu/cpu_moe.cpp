@@ -24,7 +24,7 @@ double softmax_row(const float* x, int64_t E, double* p) {
 }  // namespace
 
 void CpuOps::moe_router_forward_impl(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
-                                bool normalize) {
+                                     bool normalize) {
   // probs (N,E), topk (N,K) i32, gates (N,K), lse (N) optional; logits (N,E)
   float* P = f32(probs);
   int32_t* I = i32(topk);
@@ -65,8 +65,9 @@ void CpuOps::moe_router_forward_impl(Tensor probs, Tensor topk, Tensor gates, Te
   }
 }
 
-void CpuOps::moe_router_backward_impl(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits, Tensor probs,
-                                 Tensor topk, bool sigmoid, bool normalize) {
+void CpuOps::moe_router_backward_impl(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits,
+                                      Tensor probs,
+                                      Tensor topk, bool sigmoid, bool normalize) {
   // dlogits (N,E) overwritten; dgates (N,K); dprobs (N,E) optional; dlse (N) optional
   float* dL = f32(dlogits);
   const float* dG = f32(dgates);
@@ -125,7 +126,8 @@ Tensor group_of(const Tensor& t, int64_t g) {
 }
 }  // namespace
 
-void CpuOps::grouped_linear_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) {
+void CpuOps::grouped_linear_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                         const int64_t* group_rows) {
   // out (M,OC), inp (M,IC), weight (G,OC,IC), bias (G,OC); group g = group_rows[g] consecutive rows
   const Mat mo = mat_of(out), mi = mat_of(inp);
   // One BLAS call per group (the CPU has no grouped GEMM); a fused kernel takes the same layout.
@@ -134,8 +136,9 @@ void CpuOps::grouped_linear_forward_impl(Tensor out, Tensor inp, Tensor weight, 
                    group_of(weight, g), group_of(bias, g));
 }
 
-void CpuOps::grouped_linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor weight,
-                                     const int64_t* group_rows) {
+void CpuOps::grouped_linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
+                                          Tensor weight,
+                                          const int64_t* group_rows) {
   // dinp (M,IC) overwritten; dweight (G,OC,IC), dbias (G,OC) accumulate
   const Mat mo = mat_of(dout);
   const int64_t IC = weight.size(2);
@@ -180,7 +183,8 @@ void CpuOps::moe_combine_impl(Tensor out, Tensor rows, Tensor slot, Tensor gates
   }
 }
 
-void CpuOps::moe_combine_backward_impl(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot, Tensor gates) {
+void CpuOps::moe_combine_backward_impl(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot,
+                                       Tensor gates) {
   // drows (M,C) = gates[slot] * dout[slot/K]; dgates[slot] = dout[slot/K] . rows[i]
   const char* op = "moe_combine_backward";
   float* dR = f32(drows);

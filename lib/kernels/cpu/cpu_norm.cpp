@@ -40,7 +40,7 @@ void norm_param_grads(float* dweight, float* dbias, const float* dout, const flo
 }  // namespace
 
 void CpuOps::layernorm_forward_impl(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
-                               float eps) {
+                                    float eps) {
   // out (N,C), mean (N), rstd (N), inp (N,C), weight (C), bias (C)
   float* O = f32(out);
   float* M = f32(mean);
@@ -77,7 +77,7 @@ void CpuOps::layernorm_forward_impl(Tensor out, Tensor mean, Tensor rstd, Tensor
 }
 
 void CpuOps::layernorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
-                                Tensor rstd, Tensor weight) {
+                                     Tensor rstd, Tensor weight) {
   // dinp (N,C) +=, dweight (C) +=, dbias (C) +=; dout, inp (N,C); mean, rstd (N); weight (C)
   float* dX = f32(dinp);
   float* dW = f32(dweight);
@@ -160,14 +160,14 @@ void CpuOps::rmsnorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dout, Ten
 
 // The residual add and the norm after it, in turn (the GPU fuses them into one kernel).
 void CpuOps::residual_layernorm_forward_impl(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
-                                        Tensor weight, Tensor bias, float eps) {
+                                             Tensor weight, Tensor bias, float eps) {
   // sum (N,C) = a + b; out, mean, rstd = layernorm(sum)
   add(sum, a, b);
   layernorm_forward(out, mean, rstd, sum, weight, bias, eps);
 }
 
 void CpuOps::residual_rmsnorm_forward_impl(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
-                                      float eps) {
+                                           float eps) {
   // sum (N,C) = a + b; out, rstd = rmsnorm(sum)
   add(sum, a, b);
   rmsnorm_forward(out, rstd, sum, weight, eps);

@@ -38,7 +38,7 @@ static void adamw_pass(float* __restrict P, const float* __restrict G, float* __
 }
 
 void CpuOps::adamw_impl(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
-                   float weight_decay, int64_t step, float grad_scale) {
+                        float weight_decay, int64_t step, float grad_scale) {
   // param, grad, m, v: the same flat range; one pass reads all four and writes three (memory bound)
   float* P = f32(param);
   const float* G = f32(grad);
@@ -51,7 +51,7 @@ void CpuOps::adamw_impl(Tensor param, Tensor grad, Tensor m, Tensor v, float lr,
 }
 
 void CpuOps::adamw_runs_impl(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
-                        float beta1, float beta2, float eps, int64_t step, float grad_scale) {
+                             float beta1, float beta2, float eps, int64_t step, float grad_scale) {
   for (const AdamWRun& r : runs)
     adamw(param.flat_slice(r.begin, r.count), grad.flat_slice(r.begin, r.count), m.flat_slice(r.state, r.count),
           v.flat_slice(r.state, r.count), lr, beta1, beta2, eps, r.weight_decay, step, grad_scale);

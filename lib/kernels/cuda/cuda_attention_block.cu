@@ -57,7 +57,7 @@ __global__ void attention_merge_kernel(T* out, float* lse, const T* blk_out, con
 }  // namespace
 
 void CudaOps::attention_block_forward_impl(Tensor out, Tensor lse, Tensor qkv, Tensor kv, Tensor qpos, Tensor qseg,
-                                      Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
+                                           Tensor kpos, Tensor kseg, int NH, int NKV, int HD) {
   // out (B,Tq,NH*HD), lse (B,NH,Tq) f32, qkv (B,Tq,(NH+2*NKV)*HD) (query heads read), kv (B,Tk,2*NKV*HD),
   // qpos, qseg (B,Tq) i32, kpos, kseg (B,Tk) i32
   fused_attention_forward(*this, out.dtype, out, lse, qkv, kv, qpos, qseg, kpos, kseg, NH, NKV, HD);
@@ -65,7 +65,7 @@ void CudaOps::attention_block_forward_impl(Tensor out, Tensor lse, Tensor qkv, T
 
 void CudaOps::attention_block_backward_impl(Tensor dqkv, Tensor dkv, Tensor dout, Tensor qkv, Tensor kv, Tensor out,
                                        Tensor lse, Tensor qpos, Tensor qseg, Tensor kpos, Tensor kseg, int NH, int NKV,
-                                       int HD) {
+                                            int HD) {
   // dqkv (B,Tq,(NH+2*NKV)*HD): query columns accumulate; dkv (B,Tk,2*NKV*HD) accumulates;
   // dout, out (B,Tq,NH*HD) and lse (B,NH,Tq) are the FINAL (merged) ones; the rest as the forward.
   fused_attention_backward(*this, dqkv.dtype, dqkv, dkv, dout, qkv, kv, out, lse, qpos, qseg, kpos, kseg, NH, NKV, HD);

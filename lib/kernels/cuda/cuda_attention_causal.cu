@@ -87,7 +87,7 @@ void CudaOps::attention_forward_impl(Tensor out, Tensor saved, Tensor qkv, int N
 }
 
 void CudaOps::attention_backward_impl(Tensor dqkv, Tensor dout, Tensor qkv, Tensor out, Tensor saved, int NH, int NKV,
-                                 int HD) {
+                                      int HD) {
   // dqkv (B,T,(NH+2*NKV)*HD) overwritten, dout and out (B,T,NH*HD), qkv as forward, saved = lse (B,NH,T)
   const char* op = "attention_backward";
   const DType dt = dqkv.dtype;

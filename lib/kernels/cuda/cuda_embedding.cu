@@ -103,7 +103,7 @@ __global__ void embedding_backward_kernel(float* dwte, float* dwpe, const T* __r
 }  // namespace
 
 void CudaOps::embedding_forward_impl(Tensor out, Tensor tokens, Tensor positions, Tensor wte, Tensor wpe,
-                                int64_t vocab_start) {
+                                     int64_t vocab_start) {
   // out (N,C), tokens (N) i32, positions (N) i32 (with wpe), wte (rows,C) = vocabulary rows
   // [vocab_start, vocab_start+rows), wpe (maxT,C) optional
   const char* op = "embedding_forward";
@@ -132,7 +132,7 @@ void CudaOps::embedding_forward_impl(Tensor out, Tensor tokens, Tensor positions
 }
 
 void CudaOps::embedding_backward_impl(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
-                                 int64_t vocab_start) {
+                                      int64_t vocab_start) {
   // dwte (rows,C) f32 += scatter of dout (N,C) rows by token; dwpe (maxT,C) f32 += scatter by position
   const char* op = "embedding_backward";
   const DType dt = dout.dtype;

@@ -290,8 +290,9 @@ Shard shard_of(const char* op, const Tensor& logits, int64_t vocab_start, int64_
 
 }  // namespace
 
-void CudaOps::crossentropy_forward_backward_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets, int64_t V,
-                                            float dloss) {
+void CudaOps::crossentropy_forward_backward_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets,
+                                                 int64_t V,
+                                                 float dloss) {
   // losses (N) f32 optional, dlogits (N,Vp) optional (may alias logits), logits (N,Vp), targets (N) i32;
   // softmax over [0, V)
   const char* op = "crossentropy_forward_backward";
@@ -332,7 +333,7 @@ void CudaOps::softmax_shard_max_impl(Tensor maxes, Tensor logits, int64_t vocab_
 }
 
 void CudaOps::softmax_shard_sums_impl(Tensor sumexp, Tensor target_logit, Tensor logits, Tensor maxes, Tensor targets,
-                                 int64_t vocab_start, int64_t V) {
+                                      int64_t vocab_start, int64_t V) {
   // sumexp (N), target_logit (N) f32, logits (N,Vl), maxes (N) f32 global, targets (N) i32 global ids
   const char* op = "softmax_shard_sums";
   const DType dt = logits.dtype;
@@ -356,8 +357,8 @@ void CudaOps::softmax_shard_sums_impl(Tensor sumexp, Tensor target_logit, Tensor
 }
 
 void CudaOps::crossentropy_shard_finish_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor maxes, Tensor sumexp,
-                                        Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
-                                        float dloss) {
+                                             Tensor target_logit, Tensor targets, int64_t vocab_start, int64_t V,
+                                             float dloss) {
   // losses (N) f32 optional, dlogits (N,Vl) optional (may alias logits), logits (N,Vl), maxes, sumexp,
   // target_logit (N) f32 global, targets (N) i32 global ids
   const char* op = "crossentropy_shard_finish";

@@ -20,6 +20,7 @@
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
 #include "lib/kernels/cuda/cuda_matmul.cuh"
 #include "lib/kernels/cuda/cuda_timing.cuh"
+#include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cuda {
 
@@ -154,18 +155,6 @@ void column_sums_accumulate(CudaOps& ops, float* dbias, const Tensor& x, int64_t
 }
 
 // ---- row-major products ------------------------------------------------------------------------
-
-struct Mat {
-  int64_t rows, cols;
-};
-// A tensor as a matrix: its last dimension are the columns, all others the rows (also when there
-// are no columns: an (N, 0) input of a linear layer still has N rows).
-Mat mat_of(const Tensor& t) {
-  if (t.ndim() == 0) return {1, 1};
-  int64_t rows = 1;
-  for (int i = 0; i + 1 < t.ndim(); ++i) rows *= t.size(i);
-  return {rows, t.size(-1)};
-}
 
 // Row-major, contiguous c (M,N) = alpha op(a) op(b) + beta c, with a stored (M,K) or (K,M) when
 // ta, b stored (K,N) or (N,K) when tb, as the column-major product cuBLASLt computes.
@@ -405,8 +394,9 @@ void CudaOps::linear_gelu_forward_impl(Tensor out, Tensor pre, Tensor inp, Tenso
   gelu_forward(out, pre);
 }
 
-void CudaOps::linear_backward_gelu_impl(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act, Tensor weight,
-                                   Tensor pre) {
+void CudaOps::linear_backward_gelu_impl(Tensor dpre, Tensor dweight, Tensor dbias, Tensor dout, Tensor act,
+                                        Tensor weight,
+                                        Tensor pre) {
   // dpre (N,IC) = (dout (N,OC) @ weight (OC,IC)) * gelu'(pre (N,IC)), overwritten, data dtype (bf16:
   // one cuBLASLt call with the DGELU epilogue); dweight, dbias f32 accumulate as in linear_backward.
   const char* op = "linear_backward_gelu";
@@ -419,7 +409,8 @@ void CudaOps::linear_backward_gelu_impl(Tensor dpre, Tensor dweight, Tensor dbia
   linear_backward(Tensor(), dweight, dbias, dout, act, Tensor());
 }
 
-void CudaOps::grouped_linear_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias, const int64_t* group_rows) {
+void CudaOps::grouped_linear_forward_impl(Tensor out, Tensor inp, Tensor weight, Tensor bias,
+                                          const int64_t* group_rows) {
   // out (M,OC), inp (M,IC), weight (G,OC,IC), bias (G,OC) optional, data dtype; group g is
   // group_rows[g] (host) consecutive rows through weight[g]
   const char* op = "grouped_linear_forward";
@@ -435,7 +426,7 @@ void CudaOps::grouped_linear_forward_impl(Tensor out, Tensor inp, Tensor weight,
 }
 
 void CudaOps::grouped_linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp,
-                                      Tensor weight, const int64_t* group_rows) {
+                                           Tensor weight, const int64_t* group_rows) {
   // dinp (M,IC) overwritten (optional), data dtype; dweight (G,OC,IC) and dbias (G,OC) f32 accumulate
   const char* op = "grouped_linear_backward";
   const DType dt = dout.dtype;

@@ -294,7 +294,7 @@ void check_slot_range(const char* op, const Tensor& rows, const Tensor& gates) {
 }  // namespace
 
 void CudaOps::moe_router_forward_impl(Tensor probs, Tensor topk, Tensor gates, Tensor lse, Tensor logits, bool sigmoid,
-                                 bool normalize) {
+                                      bool normalize) {
   // probs (N,E) f32, topk (N,K) i32, gates (N,K) f32, lse (N) f32 optional; logits (N,E)
   const char* op = "moe_router_forward";
   const DType dt = logits.dtype;
@@ -312,7 +312,7 @@ void CudaOps::moe_router_forward_impl(Tensor probs, Tensor topk, Tensor gates, T
 }
 
 void CudaOps::moe_router_backward_impl(Tensor dlogits, Tensor dgates, Tensor dprobs, Tensor dlse, Tensor logits,
-                                  Tensor probs, Tensor topk, bool sigmoid, bool normalize) {
+                                       Tensor probs, Tensor topk, bool sigmoid, bool normalize) {
   // dlogits (N,E) overwritten; dgates (N,K) f32; dprobs (N,E) f32 optional; dlse (N) f32 optional;
   // logits (N,E), probs (N,E) f32, topk (N,K) i32 from the forward
   const char* op = "moe_router_backward";
@@ -357,7 +357,8 @@ void CudaOps::moe_combine_impl(Tensor out, Tensor rows, Tensor slot, Tensor gate
   });
 }
 
-void CudaOps::moe_combine_backward_impl(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot, Tensor gates) {
+void CudaOps::moe_combine_backward_impl(Tensor drows, Tensor dgates, Tensor dout, Tensor rows, Tensor slot,
+                                        Tensor gates) {
   // drows (M,C) = gates.flat[slot] * dout[slot/K] (optional); dgates.flat[slot] = dout[slot/K] . rows[i]
   // (f32, optional, needs rows); dout (N,C), rows (M,C), slot (M) i32, gates (N,K) f32
   const char* op = "moe_combine_backward";

@@ -435,19 +435,19 @@ void backward_op(CudaOps& ops, const char* op, Tensor dinp, Tensor dweight, Tens
 }  // namespace
 
 void CudaOps::layernorm_forward_impl(Tensor out, Tensor mean, Tensor rstd, Tensor inp, Tensor weight, Tensor bias,
-                                float eps) {
+                                     float eps) {
   // out (N,C), mean (N), rstd (N) optional f32, inp (N,C), weight (C), bias (C) optional
   forward_op<true>(*this, "layernorm_forward", out, mean, rstd, inp, Tensor(), Tensor(), weight, bias, eps);
 }
 
 void CudaOps::residual_layernorm_forward_impl(Tensor sum, Tensor out, Tensor mean, Tensor rstd, Tensor a, Tensor b,
-                                         Tensor weight, Tensor bias, float eps) {
+                                              Tensor weight, Tensor bias, float eps) {
   // sum (N,C) = a + b (may alias either), then layernorm_forward of sum; one kernel
   forward_op<true>(*this, "residual_layernorm_forward", out, mean, rstd, a, b, sum, weight, bias, eps);
 }
 
 void CudaOps::layernorm_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Tensor dout, Tensor inp, Tensor mean,
-                                 Tensor rstd, Tensor weight) {
+                                      Tensor rstd, Tensor weight) {
   // dinp (N,C) +=, dweight (C) += f32, dbias (C) += f32; dout, inp (N,C); mean, rstd (N) f32; weight (C)
   backward_op<true>(*this, "layernorm_backward", dinp, dweight, dbias, dout, inp, mean, rstd, weight);
 }
@@ -458,7 +458,7 @@ void CudaOps::rmsnorm_forward_impl(Tensor out, Tensor rstd, Tensor inp, Tensor w
 }
 
 void CudaOps::residual_rmsnorm_forward_impl(Tensor sum, Tensor out, Tensor rstd, Tensor a, Tensor b, Tensor weight,
-                                       float eps) {
+                                            float eps) {
   // sum (N,C) = a + b (may alias either), then rmsnorm_forward of sum; one kernel
   forward_op<false>(*this, "residual_rmsnorm_forward", out, Tensor(), rstd, a, b, sum, weight, Tensor(), eps);
 }

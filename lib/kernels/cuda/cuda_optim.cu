@@ -179,7 +179,7 @@ AdamArgs adam_args(float lr, float beta1, float beta2, float eps, float weight_d
 }  // namespace
 
 void CudaOps::adamw_impl(Tensor param, Tensor grad, Tensor m, Tensor v, float lr, float beta1, float beta2, float eps,
-                    float weight_decay, int64_t step, float grad_scale) {
+                         float weight_decay, int64_t step, float grad_scale) {
   // param, grad, m, v (n) f32: the same flat range; one pass reads all four and writes three
   const int64_t n = param.numel();
   const AdamArgs a = adam_args(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
@@ -218,8 +218,9 @@ CudaOps::AdamTables& CudaOps::adam_tables() {
   return *adam_tables_;
 }
 
-void CudaOps::adamw_runs_impl(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs, float lr,
-                         float beta1, float beta2, float eps, int64_t step, float grad_scale) {
+void CudaOps::adamw_runs_impl(Tensor param, Tensor grad, Tensor m, Tensor v, const std::vector<AdamWRun>& runs,
+                              float lr,
+                              float beta1, float beta2, float eps, int64_t step, float grad_scale) {
   const AdamArgs a = adam_args(lr, beta1, beta2, eps, 0.0f, step, grad_scale);
   std::vector<int64_t> key;
   key.reserve(runs.size() * 4);
