@@ -1,28 +1,6 @@
-// CachingAllocator: a device-memory cache in front of a slow raw allocator (cudaMalloc/cudaFree),
-// in the manner of PyTorch's CUDA caching allocator, so that a training step that allocates and
-// releases the same pattern of temporaries every iteration calls the raw allocator only during the
-// first one. Plain C++ (the raw allocator is two callbacks), so it is tested on any machine.
-//
-// Layout: the raw allocator hands out "segments"; a segment is cut into blocks (a doubly linked
-// list in address order). release() returns a block to a free set and merges it with free
-// neighbours, so a segment whose blocks are all released becomes one free block again.
-//   - Sizes are rounded up to kRound (512 B), so every block is 512-byte aligned relative to its
-//     segment (cudaMalloc segments are 256-byte aligned, so blocks are too).
-//   - Two pools: requests of up to kSmallRequest (1 MiB) are served from 2 MiB segments of the
-//     small pool; larger ones from the large pool (20 MiB segments for requests under 10 MiB,
-//     otherwise a segment of the request rounded up to 2 MiB). Keeping the small, short-lived
-//     blocks apart stops them from pinning pieces of the big segments.
-//   - allocate() takes the best fit (the smallest free block that is large enough, lowest
-//     address on ties) of its pool and splits off the rest when the rest is worth keeping
-//     (>= 512 B in the small pool, > 1 MiB in the large pool).
-//   - When the raw allocator fails (returns nullptr), the cache is emptied (every fully free
-//     segment handed back) and the raw allocation retried; if the segment was padded beyond the
-//     request (a 20 MiB segment for a 2 MiB request), the exact size is tried last. allocate()
-//     returns nullptr only when all of that fails, and the caller reports out of memory.
-//
-// The cache assumes that a released block may be reused immediately, i.e. that all work on the
-// memory is ordered on one stream (the CUDA backend's) or has been synchronised by the caller.
-// Thread-safe (one mutex); the raw callbacks are called with it held.
+// CachingAllocator: a device-memory cache in front of a slow raw allocator (cudaMalloc/cudaFree), in
+// the manner of PyTorch's CUDA caching allocator, so that a training step's temporaries reach the raw
+// allocator only in the first step. Plain C++ (the raw allocator is two callbacks): tested anywhere.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -34,6 +12,15 @@
 
 namespace mpigpt {
 
+// The raw allocator hands out "segments"; a segment is cut into blocks (a doubly linked list in
+// address order), and a released block merges with its free neighbours, so a segment whose blocks
+// are all released becomes one free block again. Sizes round up to kRound, so every block is
+// 512-byte aligned relative to its segment (cudaMalloc segments are 256-byte aligned, so blocks are
+// too). Two pools: requests up to kSmallRequest come from kSmallSegment segments, larger ones from
+// the large pool (a kLargeSegment for requests under kMediumRequest, else the request rounded to
+// kLargeRound); keeping the small, short-lived blocks apart stops them pinning pieces of big segments.
+// A released block may be reused at once: all work on the memory must be ordered on one stream (the
+// CUDA backend's) or synchronised by the caller. Thread-safe (one mutex, held during the raw calls).
 class CachingAllocator {
  public:
   using RawAlloc = std::function<void*(size_t)>;  // nullptr when out of memory
@@ -69,6 +56,10 @@ class CachingAllocator {
 
   // A block of at least `bytes` (a distinct pointer also for 0 bytes), or nullptr when the raw
   // allocator cannot supply one even after emptying the cache. Contents are undefined.
+  // The best fit of its pool (smallest large-enough free block, lowest address on ties), with the
+  // rest split off when worth keeping (>= 512 B in the small pool, > 1 MiB in the large). When the
+  // raw allocator fails, every fully free segment is handed back and the raw allocation retried,
+  // and a segment padded beyond the request (20 MiB for 2 MiB) is tried at the exact size last.
   void* allocate(size_t bytes);
   // Return a block from allocate() to the cache; nullptr is ignored. Throws mpigpt::Error for a
   // pointer this allocator did not hand out (or already took back).

@@ -1,7 +1,6 @@
-// Tests of the CachingAllocator over a malloc-backed raw allocator with a byte budget: rounding,
-// reuse (a steady-state loop does no raw allocation after its first iteration), splitting and
-// merging, the statistics, the empty-cache-and-retry path when the raw allocator runs dry, errors
-// on pointers it does not own, and a randomised run checked against an interval model.
+// Tests of the CachingAllocator over a malloc-backed raw allocator with a byte budget: rounding, reuse,
+// splitting and merging, statistics, empty-cache-and-retry, pointers it does not own, and a
+// randomised run checked against an interval model.
 #include "lib/kernels/caching_allocator.h"
 
 #include <doctest/doctest.h>

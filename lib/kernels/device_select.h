@@ -1,7 +1,6 @@
-// Which GPU a rank computes on (one rank per GPU, as Megatron and llm.c run): the rank's index
-// among the ranks of its node (the local rank, from MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)),
-// which works the same under mpirun and srun. Only the choice and its errors live here; the
-// CUDA calls are in lib/kernels/cuda/device.h.
+// Which GPU a rank computes on: one rank per GPU (as Megatron and llm.c run), chosen by its local rank
+// (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)), the same under mpirun and srun. Only the choice and
+// its errors live here; the CUDA calls are in lib/kernels/cuda/device.h.
 #pragma once
 #include <string>
 

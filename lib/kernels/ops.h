@@ -1,13 +1,6 @@
-// The op interface: every numerical operation the model and optimizer need, filled by one
-// backend per device (cpu/ fp32 + OpenBLAS, the reference; cuda/ later). Model code calls only
-// this table and never branches on the backend (DESIGN principle 5).
-//
-// Dimension letters: B batch, T sequence, C channels, N = B*T rows, V vocab (Vp padded),
-// NH query heads, NKV key/value heads, HD head dim, F MLP hidden, OC/IC linear out/in features.
-// Argument order: outputs (gradients prefixed d), inputs, saved activations, weights, sizes.
-// Gradient conventions: weight/bias gradients always ACCUMULATE (+=, so micro-batches add up);
-// input gradients OVERWRITE unless the op says "accumulates" (norms add into the residual
-// stream gradient they are given). An undefined Tensor (ptr == nullptr) means "not wanted".
+// The op interface: every numerical operation the model and optimizer need, filled by one backend
+// per device (cpu/ fp32 + OpenBLAS, the reference; cuda/ bf16 or f32: cuBLASLt, cuDNN and builtin
+// kernels). Model code calls only this table and never branches on the backend (DESIGN principle 5).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -33,6 +26,12 @@ struct OpTime {
 
 // The ops are non-virtual fronts (ops*.cpp) that check each call's contract once for every backend,
 // time it when profiling, and call the backend's *_impl.
+// Dimension letters: B batch, T sequence, C channels, N = B*T rows, V vocab (Vp padded),
+// NH query heads, NKV key/value heads, HD head dim, F MLP hidden, OC/IC linear out/in features.
+// Argument order: outputs (gradients prefixed d), inputs, saved activations, weights, sizes.
+// Gradient conventions: weight/bias gradients always ACCUMULATE (+=, so micro-batches add up);
+// input gradients OVERWRITE unless the op says "accumulates" (norms add into the residual
+// stream gradient they are given). An undefined Tensor (ptr == nullptr) means "not wanted".
 class Ops {
  public:
   virtual ~Ops() = default;

@@ -1,16 +1,5 @@
 // The host emulator of the CUDA backend (docs/testing.md): kernel launches, run on the host with each
 // CUDA thread a fiber (the runtime API is emulator_runtime.cpp).
-//
-// A launch runs its blocks one after another. The threads of a block are fibers on the calling
-// thread (on x86-64 a six-register stack switch, elsewhere ucontext, whose every switch is a
-// system call), switched only at barriers: a fiber runs until it reaches __syncthreads (or a
-// warp barrier: __syncwarp, a shuffle, both sides of a vote) or returns; then the next runnable
-// fiber runs. A warp barrier opens when every live lane of the warp waits at it, a block barrier
-// when every live thread of the block does; threads that returned no longer count, as on the GPU.
-// Anything else (a barrier that some threads can never reach) is reported as a deadlock and aborts.
-// Shared memory is static storage (blocks never run at once) and dynamic shared memory a buffer
-// filled with 0xff bytes at each launch, as is device memory from cudaMalloc, so reading either
-// before writing it gives NaNs rather than plausible zeros.
 #include <ucontext.h>
 
 #include <algorithm>
@@ -38,6 +27,8 @@
 uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
+// The threads of a block are fibers on the calling thread: on x86-64 a six-register stack switch,
+// elsewhere ucontext, whose every switch is a system call.
 #if defined(__x86_64__)
 // mpigpt_emu_switch(&from, to): saves the callee-saved registers on the current stack, stores its
 // stack pointer to *from and resumes the context whose stack pointer is `to` (System V ABI).
@@ -154,6 +145,9 @@ std::function<void()>* body = nullptr;
 struct alignas(128) SmemChunk {
   float v[32];
 };
+// Shared memory is static storage (blocks never run at once); dynamic shared memory is this buffer,
+// filled with 0xff bytes at each launch, as is device memory from cudaMalloc, so reading either
+// before writing it gives NaNs rather than plausible zeros.
 std::vector<SmemChunk> smem;  // dynamic shared memory, 128-byte aligned as __align__(128) asks
 // [generation % 2][warp][lane][bytes]: shuffles and all-gathers. A lane writes its value, waits at
 // the warp barrier and reads; the next exchange writes the other buffer, and the one after reuses
@@ -180,6 +174,12 @@ void yield(State s) {
 }
 int linear(const uint3& t) { return int(t.x + blockDim.x * (t.y + blockDim.y * t.z)); }
 
+// A launch runs its blocks one after another, and a block's fibers switch only at barriers: a fiber
+// runs until it reaches __syncthreads (or a warp barrier: __syncwarp, a shuffle, both sides of a
+// vote) or returns; then the next runnable fiber runs. A warp barrier opens when every live lane of
+// the warp waits at it, a block barrier when every live thread of the block does; threads that
+// returned no longer count, as on the GPU. Anything else (a barrier that some threads can never
+// reach) is reported as a deadlock and aborts.
 void run_block() {
   for (int i = 0; i < nthreads; ++i) {
     Fiber& f = fibers[i];

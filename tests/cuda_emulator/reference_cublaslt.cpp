@@ -1,10 +1,5 @@
-// The host emulator's reference cuBLASLt (docs/testing.md, include/cublasLt.h): descriptors as
-// plain structs, the heuristic accepts every consistent product, and cublasLtMatmul computes
-// D = alpha op(A) op(B) + beta C with plain loops (double sums in order, rounded once to f32 as an fp32
-// accumulator would be), then the epilogue: + bias (per row of the column-major D), GELU (tanh
-// approximation, writing its input to the aux matrix), the GELU gradient (from the aux matrix), or
-// the bias gradient of B (BGRADB: the sums of op(B) over k, one per column of D, in D's dtype,
-// written to the bias pointer).
+// The host emulator's reference cuBLASLt (docs/testing.md, include/cublasLt.h): descriptors as plain
+// structs, a heuristic that accepts every consistent product, and products computed by plain loops.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -100,6 +95,8 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t, 
                                                     const void*, size_t) {
   return CUBLAS_STATUS_SUCCESS;
 }
+// The descriptors checked as cuBLASLt documents them: shapes, types, and the GELU input matrix's
+// leading dimension, so that CudaOps' row-major mapping onto column-major products is exercised.
 static bool shapes_ok(cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t A, cublasLtMatrixLayout_t B, cublasLtMatrixLayout_t C,
                       cublasLtMatrixLayout_t D) {
   const uint64_t m = D->rows, n = D->cols;
@@ -138,6 +135,11 @@ static double gelu_grad(double x) {
   const double k = 0.7978845608028654, t = std::tanh(k * (x + 0.044715 * x * x * x));
   return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x);
 }
+// D = alpha op(A) op(B) + beta C (double sums in order, rounded once to f32 as an fp32 accumulator
+// would be), then the epilogue: + bias (per row of the column-major D), GELU (tanh approximation,
+// writing its input to the aux matrix), the GELU gradient (from the aux matrix), or the bias
+// gradient of B (BGRADB: the sums of op(B) over k, one per column of D, in D's dtype, written to the
+// bias pointer).
 cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const void* alpha_p, const void* A,
                               cublasLtMatrixLayout_t la, const void* B, cublasLtMatrixLayout_t lb, const void* beta_p,
                               const void* C, cublasLtMatrixLayout_t lc, void* D, cublasLtMatrixLayout_t ld,

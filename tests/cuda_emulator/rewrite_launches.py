@@ -1,21 +1,18 @@
 #!/usr/bin/env python3
 """The host emulator's source rewrite (docs/testing.md): turns a CUDA source into C++ that the
-emulator headers compile.
-
-  kernel<<<grid, block, smem, stream>>>(args);  ->  emu::launch(emu::kernel_id(kernel), dim3(grid),
-                                                               dim3(block), smem, stream,
-                                                               [&] { kernel(args); });
-  (nullptr for the kernel when smem is 0; otherwise `kernel` must name one function, with its
-  template arguments spelled out, since the emulator checks its cudaFuncSetAttribute)
-  extern __shared__ T name[];                   ->  T* name = reinterpret_cast<T*>(emu::dyn_smem());
-  __shared__                                    ->  static (blocks run one at a time)
-
-Usage: rewrite_launches.py IN OUT
-"""
+emulator headers compile. Usage: rewrite_launches.py IN OUT"""
 import re
 import sys
 
 
+# The rewrites:
+#   kernel<<<grid, block, smem, stream>>>(args);  ->  emu::launch(emu::kernel_id(kernel), dim3(grid),
+#                                                                dim3(block), smem, stream,
+#                                                                [&] { kernel(args); });
+#   (nullptr for the kernel when smem is 0; otherwise `kernel` must name one function, with its
+#   template arguments spelled out, since the emulator checks its cudaFuncSetAttribute)
+#   extern __shared__ T name[];                   ->  T* name = reinterpret_cast<T*>(emu::dyn_smem());
+#   __shared__                                    ->  static (blocks run one at a time)
 def rewrite(src):
     src = re.sub(r'extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+(?:\s+[\w:]+)*?)\s+(\w+)\[\];',
                  r'\1* \2 = reinterpret_cast<\1*>(emu::dyn_smem());', src)

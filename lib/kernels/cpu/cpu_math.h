@@ -1,9 +1,4 @@
-// Vectorisable float exp/sigmoid for the CPU backend's inner loops.
-// glibc's expf is a scalar call unless the build uses -ffast-math, which the reference backend must
-// not; these inline, branch-free versions let GCC vectorise the softmax, cross-entropy, GELU and
-// SiLU loops while staying within a couple of ulp of the exact functions (tested in cpu_ops_test.cpp).
-// Branch-free matters: with the default -ftrapping-math GCC will not if-convert a select whose arms
-// compute, so only min/max-shaped selects appear below.
+// Vectorisable float exp, sigmoid and sqrt for the CPU backend's inner loops (tested in cpu_ops_test.cpp).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -20,6 +15,12 @@
 #endif
 
 namespace mpigpt::cpu {
+
+// glibc's expf is a scalar call unless the build uses -ffast-math, which the reference backend must
+// not; these inline, branch-free versions let GCC vectorise the softmax, cross-entropy, GELU and SiLU
+// loops while staying within a couple of ulp of the exact functions. Branch-free matters: with the
+// default -ftrapping-math GCC will not if-convert a select whose arms compute, so only min/max-shaped
+// selects appear below.
 
 // e^x: Cephes expf range reduction and polynomial (relative error ~1e-7 over the normal range).
 // The input is clamped to [-104, 89] and the scale 2^n applied as two factors 2^(n/2) 2^(n-n/2), so

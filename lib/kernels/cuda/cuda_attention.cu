@@ -1,41 +1,6 @@
-// CUDA backend: fused attention in the FlashAttention-2 manner (causal self-attention and the
-// blockwise, explicitly masked form of ring attention and packed documents): query and key tiles
-// pass through shared memory, the softmax is computed online in fp32 and the T x T matrix never
-// exists; the forward saves only the log-sum-exp (B,NH,T), from which the backward recomputes P.
-//
-// Layout of every kernel: 128 threads = 16 row groups x 8 column lanes. The block owns 64 "rows"
-// (queries in the forward and dQ kernels, keys in the dK/dV kernel) whose fp32 accumulators live
-// in registers (4 rows x HD/8 columns per thread) and streams the other side through shared
-// memory in tiles of 64 (forward) or 32 (backward) "columns", each thread computing a 4 x (tile/8)
-// block of scores. Tiles sit in shared memory as fp32 rows of HD + 4 floats (the padding keeps
-// the 128-bit reads of 8 consecutive rows on distinct banks), whatever the data dtype.
-//
-// Backward: a preprocessing kernel computes D = rowsum(dout * out); then one kernel per query
-// tile accumulates dQ over the key tiles and one kernel per key tile accumulates dK and dV over
-// the query tiles of all the query heads of its kv head. Both recompute the scores and dP (7
-// tile products instead of FlashAttention-2's 5) in exchange for no atomics and no fp32 dQ
-// scratch: every gradient element is summed by one thread in a fixed order, so the backward is
-// deterministic, and the blockwise backward can accumulate straight into dqkv and dkv. (A dQ
-// fused into the dK/dV kernel, 5 products, its shares summed in a fixed order through an fp32
-// scratch, measured slower on an H200 at T 1024-2048: docs/performance.md.)
-//
-// Masks: the causal kernels mask j > i and skip the key tiles past a query tile (and query tiles
-// before a key tile). The blockwise kernels take per-token positions and document ids; a tile
-// with no visible pair is skipped after a block-wide vote. Packed variable-length sequences (the
-// cu_seqlens of other libraries) are exactly this: one document id per packed sequence.
-//
-// Head dims: kernels are built for HD in {16, 32, 64, 80, 96, 128}; any other HD <= 128 runs in
-// the next larger one with zero-padded columns (the padding adds nothing to the dot products and
-// its output columns are not stored).
-//
-// Who runs the causal ops, these kernels or cuDNN's fused attention (both save the same
-// log-sum-exp), is engine.attention_backend's choice: cuda_attention_causal.cu.
-//
-// Files: cuda_attention_fma.cuh (the kernels' shared tiles and products), cuda_attention_fwd.cu and
-// cuda_attention_bwd.cu (the fp32-FMA kernels), cuda_attention_tc.cu and cuda_attention_tc_bwd.cu
-// (bf16 on tensor cores, HD 64 and 128; cuda_attention_tc_tiles.cuh). This file holds the entry
-// points (cuda_attention.cuh) that the causal ops and cuda_attention_block.cu's blockwise ops call
-// after checking their arguments.
+// CUDA backend: the builtin fused attention's entry points (cuda_attention.cuh): the bf16 tensor-core
+// kernels where they apply (cuda_attention_tc*.cu), the fp32-FMA ones elsewhere (cuda_attention_fwd.cu,
+// cuda_attention_bwd.cu), for the causal ops and cuda_attention_block.cu's blockwise ones.
 #include <cmath>
 #include <cstdint>
 

@@ -1,5 +1,5 @@
-// CUDA backend: the fp32-FMA fused attention backward (described in cuda_attention.cu): the
-// rowsum(dout * out) preprocessing, the dQ kernel and the dK/dV kernel, and their launchers.
+// CUDA backend: the fp32-FMA fused attention backward: the rowsum(dout * out) preprocessing, the dQ
+// kernel and the dK/dV kernel, and their launchers.
 #include <cmath>
 
 #include "lib/kernels/cuda/cuda_attention_fma.cuh"
@@ -9,6 +9,14 @@ namespace mpigpt::cuda::fma_attn {
 namespace {
 
 // ---- backward ---------------------------------------------------------------------------------
+// D = rowsum(dout * out) first; then one kernel per query tile accumulates dQ over the key tiles
+// and one kernel per key tile accumulates dK and dV over the query tiles of all the query heads of
+// its kv head. Both recompute the scores and dP (7 tile products instead of FlashAttention-2's 5)
+// in exchange for no atomics and no fp32 dQ scratch: every gradient element is summed by one thread
+// in a fixed order, so the backward is deterministic, and the blockwise backward can accumulate
+// straight into dqkv and dkv. (A dQ fused into the dK/dV kernel, 5 products, its shares summed in a
+// fixed order through an fp32 scratch, measured slower on an H200 at T 1024-2048:
+// docs/performance.md.)
 
 // D (B,NH,Tq) = rowsum(dout * out) per query head: one warp per (b, i, h).
 template <class T>

@@ -1,7 +1,6 @@
 // CUDA backend: the causal attention ops and who runs them (engine.attention_backend): cuDNN's fused
 // attention (cudnn_sdpa.cu) where it loads and runs the call, the builtin kernels (cuda_attention.cu)
-// elsewhere or when asked. Both save the same log-sum-exp, so a forward of one pairs with a backward
-// of the other.
+// elsewhere or when asked.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -73,6 +72,7 @@ std::string CudaOps::attention_kernels(int64_t B, int64_t T, int NH, int NKV, in
 
 std::vector<std::string> CudaOps::take_notes() { return std::exchange(notes_, {}); }
 
+// Both save the same log-sum-exp, so a forward of one pairs with a backward of the other.
 void CudaOps::attention_forward_impl(Tensor out, Tensor saved, Tensor qkv, int NH, int NKV, int HD) {
   // out (B,T,NH*HD), saved = lse (B,NH,T) f32, qkv (B,T,(NH+2*NKV)*HD)
   const char* op = "attention_forward";

@@ -1,7 +1,6 @@
-// CUDA backend, private: the parts of the fp32-FMA fused attention kernels that the forward
-// (cuda_attention_fwd.cu) and the backward (cuda_attention_bwd.cu) share: the problem, the block
-// layout, the shared-memory tiles and per-thread products, the launch helpers. cuda_attention.cu
-// describes the design and chooses between these kernels and the tensor-core ones.
+// CUDA backend, private: what the fp32-FMA fused attention's forward (cuda_attention_fwd.cu) and
+// backward (cuda_attention_bwd.cu) share: the problem, the block layout, the shared-memory tiles and
+// per-thread products, the launch helpers.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -11,6 +10,12 @@
 
 namespace mpigpt::cuda::fma_attn {
 
+// The tile kernels' layout: 128 threads = 16 row groups x 8 column lanes. The block owns 64 "rows"
+// (queries in the forward and dQ kernels, keys in the dK/dV kernel) whose fp32 accumulators live in
+// registers (4 rows x HD/8 columns per thread) and streams the other side through shared memory in
+// tiles of 64 (forward) or 32 (backward) "columns", each thread computing a 4 x (tile/8) block of
+// scores. Tiles sit in shared memory as fp32 rows of HD + 4 floats (the padding keeps the 128-bit
+// reads of 8 consecutive rows on distinct banks), whatever the data dtype.
 constexpr int kThreads = 128;     // 16 row groups (rg) x 8 column lanes (cg)
 constexpr int kRows = 64;         // register-resident rows per block, 4 per thread
 constexpr int kXLD = kRows + 4;   // row stride of the transposed score tiles in shared memory
@@ -252,7 +257,9 @@ void launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, const Pr
   MPIGPT_CUDA_LAUNCHED();
 }
 
-// Runs body(std::integral_constant<int, HDP>) for the kernels' head dim that holds p.HD.
+// Runs body(std::integral_constant<int, HDP>) for the kernels' head dim that holds p.HD. Any HD
+// <= 128 that is not one of them runs in the next larger one with zero-padded columns: the padding
+// adds nothing to the dot products, and its output columns are not stored.
 template <class F>
 void dispatch_head_dim(int HD, F&& body) {
   switch (HD <= 16 ? 16 : HD <= 32 ? 32 : HD <= 64 ? 64 : HD <= 80 ? 80 : HD <= 96 ? 96 : 128) {

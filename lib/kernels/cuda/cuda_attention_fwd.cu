@@ -1,5 +1,5 @@
-// CUDA backend: the fp32-FMA fused attention forward (FlashAttention-2 style, described in
-// cuda_attention.cu) and its launcher.
+// CUDA backend: the fp32-FMA fused attention forward (FlashAttention-2 style; its layout is in
+// cuda_attention_fma.cuh) and its launcher.
 #include <cmath>
 
 #include "lib/kernels/cuda/cuda_attention_fma.cuh"

@@ -9,7 +9,7 @@
 
 namespace mpigpt::cuda {
 
-// One forward problem, laid out as cuda_attention.cu's Problem: element d of query head h of token
+// One forward problem, laid out as fma_attn::Problem: element d of query head h of token
 // (b, i) is q[(b*Tq + i)*q_stride + h*HD + d]; key/value head kh of token (b, j) is at
 // k/v[(b*Tk + j)*kv_stride + kh*HD]; out is (B,Tq,NH*HD), lse (B,NH,Tq) f32 (natural log; -inf
 // and out 0 for a query that sees no key). The mask arrays (B,Tq) and (B,Tk) are used only when

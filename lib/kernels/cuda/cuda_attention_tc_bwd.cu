@@ -1,16 +1,6 @@
 // CUDA backend: the bf16 tensor-core attention's backward (causal and explicitly masked), head
 // dims 64 and 128; its layout and tiles are in cuda_attention_tc_tiles.cuh, the forward in
 // cuda_attention_tc.cu.
-//
-// A dQ kernel per query tile recomputes S and dP with queries as rows and sums dQ = dS K in
-// registers; a dK/dV kernel per key tile, summing over the query heads of its kv head, works on the
-// transposes S^T = K Q^T and dP^T = V dO^T (keys as rows), so that its products take their
-// register operand from an accumulator tile: dV = P^T dO, dK = dS^T Q with dS = P (dP - D). Seven
-// tile products per key and query tile where FlashAttention-2 has five, but every gradient element
-// is summed by one thread in a fixed order: the result does not depend on timing. (dQ fused into
-// the dK/dV kernel, its shares added in a fixed order through an fp32 scratch, ran slower on an
-// H200 at the models' shapes: docs/performance.md.)
-
 #include <cmath>
 #include <cstdint>
 
@@ -22,6 +12,15 @@ namespace mpigpt::cuda {
 namespace {
 
 using namespace tc;
+
+// A dQ kernel per query tile recomputes S and dP with queries as rows and sums dQ = dS K in
+// registers; a dK/dV kernel per key tile, summing over the query heads of its kv head, works on the
+// transposes S^T = K Q^T and dP^T = V dO^T (keys as rows), so that its products take their
+// register operand from an accumulator tile: dV = P^T dO, dK = dS^T Q with dS = P (dP - D). Seven
+// tile products per key and query tile where FlashAttention-2 has five, but every gradient element
+// is summed by one thread in a fixed order: the result does not depend on timing. (dQ fused into
+// the dK/dV kernel, its shares added in a fixed order through an fp32 scratch, ran slower on an
+// H200 at the models' shapes: docs/performance.md.)
 
 // dq (=, or +=) for the 64 queries [i0, i0+64) of head h, batch row b: dQ = dS K / sqrt(HD).
 // grid (ceil(Tq/64), NH, B).

@@ -1,17 +1,6 @@
 // CUDA backend, private: what the bf16 tensor-core attention's forward (cuda_attention_tc.cu) and
 // backward (cuda_attention_tc_bwd.cu) share: the block layout, the tile sizes, and the loads and
-// stores of shared-memory tiles. Same contract and algorithm as cuda_attention.cu's fp32-FMA
-// kernels (online softmax in fp32 and base 2, lse saved in natural log, -inf lse and 0 output for a
-// query with no visible key; the backward recomputes P from the lse), FlashAttention-2 style on
-// mma.sync (cuda_mma.cuh): the score, probability and output tiles stay in registers, and shared
-// memory holds only the bf16 Q, K, V (and dO) tiles that ldmatrix feeds to the products.
-//
-// Layout: 128 threads = 4 warps, each owning 16 rows of the block's 64 (queries in the masked
-// forward and the dQ kernel, keys in the dK/dV kernel), or two m-tiles of 16, 32 consecutive rows
-// of the block's 128 (the causal forward: kFwdRows). Lane l holds rows g = l/4 and g+8 of each
-// m-tile of 16, at columns 2t and 2t+1 (t = l%4) of every 8-column tile: the row max and sum of
-// the softmax reduce over the four lanes of a group. P is rounded to bf16 only as the operand of
-// the next product; the row sum l (hence lse) is taken over the fp32 P.
+// stores of shared-memory tiles.
 #pragma once
 
 #include <cuda_pipeline_primitives.h>
@@ -32,6 +21,17 @@ using mma::warp_abt_m;
 using mma::warp_acc_times;
 using mma::warp_acc_times_m;
 
+// Same contract and algorithm as the fp32-FMA kernels (online softmax in fp32 and base 2, lse saved
+// in natural log, -inf lse and 0 output for a query with no visible key; the backward recomputes P
+// from the lse), on mma.sync (cuda_mma.cuh): the score, probability and output tiles stay in
+// registers, and shared memory holds only the bf16 Q, K, V (and dO) tiles that ldmatrix feeds to
+// the products.
+// Layout: 128 threads = 4 warps, each owning 16 rows of the block's 64 (queries in the masked
+// forward and the dQ kernel, keys in the dK/dV kernel), or two m-tiles of 16, 32 consecutive rows
+// of the block's 128 (the causal forward: kFwdRows). Lane l holds rows g = l/4 and g+8 of each
+// m-tile of 16, at columns 2t and 2t+1 (t = l%4) of every 8-column tile: the row max and sum of
+// the softmax reduce over the four lanes of a group. P is rounded to bf16 only as the operand of
+// the next product; the row sum l (hence lse) is taken over the fp32 P.
 constexpr int kTcThreads = 128;  // 4 warps
 constexpr int kTcRows = 64;      // rows per block, 16 per warp
 constexpr float kTcLn2 = 0.6931471805599453f;

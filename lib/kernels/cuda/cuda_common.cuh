@@ -1,7 +1,6 @@
-// What every CUDA kernel file shares: the CHECK macros for CUDA and cuBLAS calls (a failure throws
-// mpigpt::Error naming file:line, the call and the library's message; app/ turns it into
-// MPI_Abort), float <-> storage conversion for the two data dtypes, a dtype dispatch, launch
-// helpers and the argument checks. Included only by lib/kernels/cuda/*.cu.
+// What every CUDA kernel file shares: the CHECK macros for CUDA and cuBLAS calls, float <-> storage
+// conversion for the two data dtypes, a dtype dispatch and launch helpers. Included only by
+// lib/kernels/cuda/*.cu.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -14,6 +13,8 @@
 
 namespace mpigpt::cuda {
 
+// A failed call throws mpigpt::Error naming file:line, the call and the library's message; app/
+// turns it into MPI_Abort.
 [[noreturn]] void cuda_failed(cudaError_t rc, const char* call, const char* file, int line);
 [[noreturn]] void cublas_failed(cublasStatus_t rc, const char* call, const char* file, int line);
 

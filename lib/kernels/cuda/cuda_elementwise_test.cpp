@@ -1,13 +1,6 @@
 // GPU tests (label gpu) of the CUDA backend's element-wise and row ops against the CPU backend on
-// random inputs: embedding, GELU, SwiGLU, rotary embedding, copy_cols, gather_rows and
-// scatter_add_rows, each with f32 and bf16 data, on shapes that take the 16-byte-pack path and
-// shapes that take the scalar path.
-//
-// Tolerances. F32: the GPU evaluates the CPU's fp32 formulas, but with the hardware exp (~2 ulp,
-// plus the rounding of the scaled argument: ~1e-6 relative for the arguments used here) and fused
-// multiply-adds, so 1e-5 relative is ~10x the expected difference. BF16: both sides see the same
-// bf16-rounded inputs, so the extra error is the GPU's final rounding of its fp32 result to bf16,
-// at most u = 2^-8 relative; 2u leaves room for the fp32 differences underneath.
+// random inputs, f32 and bf16 data, on shapes that take the 16-byte-pack path and shapes that take
+// the scalar path.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -24,6 +17,11 @@ using namespace mpigpt::testing;
 
 namespace {
 
+// Tolerances. F32: the GPU evaluates the CPU's fp32 formulas, but with the hardware exp (~2 ulp,
+// plus the rounding of the scaled argument: ~1e-6 relative for the arguments used here) and fused
+// multiply-adds, so 1e-5 relative is ~10x the expected difference. BF16: both sides see the same
+// bf16-rounded inputs, so the extra error is the GPU's final rounding of its fp32 result to bf16,
+// at most u = 2^-8 relative; 2u leaves room for the fp32 differences underneath.
 constexpr double kF32Rtol = 1e-5;
 const DType kDtypes[] = {DType::F32, DType::BF16};
 

@@ -1,7 +1,4 @@
-// CUDA backend: token (+ position) embedding lookup and its scatter-add backward. The backward adds
-// each dout row into the F32 gradient rows with float atomics (16-byte vector atomics on sm_90):
-// one pass over dout, no sort, but the order in which repeated tokens add up varies from run to
-// run, so dwte/dwpe are reproducible only to fp32 rounding (not bitwise, unlike the CPU backend).
+// CUDA backend: token (+ position) embedding lookup and its scatter-add backward.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -77,7 +74,9 @@ __device__ __forceinline__ void atomic_add_floats(float* d, const float (&v)[W])
 }
 
 // dwte (rows,C) += dout rows by token - vocab_start (rows outside [0, rows) skipped); dwpe (maxT,C)
-// += dout rows by position (out-of-range positions skipped). Either may be null.
+// += dout rows by position (out-of-range positions skipped). Either may be null. Float atomics: one
+// pass over dout, no sort, but the order in which repeated tokens add up varies from run to run, so
+// dwte/dwpe are reproducible only to fp32 rounding (not bitwise, unlike the CPU backend).
 template <class T, int W>
 __global__ void embedding_backward_kernel(float* dwte, float* dwpe, const T* __restrict__ dout,
                                           const int32_t* __restrict__ tokens, const int32_t* __restrict__ positions,

@@ -1,17 +1,6 @@
 // GPU tests (label gpu) of the CUDA backend's fused ops against the CPU backend, whose versions are
-// the separate ops in turn: linear + GELU (cuBLASLt's GELU_AUX_BIAS epilogue in bf16, the product
-// and the GELU kernel otherwise), the projection's backward with GELU's (the DGELU epilogue in bf16)
-// and the residual add fused into LayerNorm/RMSNorm.
-//
-// Tolerances (the reasoning of cuda_matmul_testing.h and cuda_norm_test.cpp):
-//  - f32: the GELU ops run the two f32 kernels, so they differ from the CPU only in summation order
-//    (atol 5e-7 sqrt(K) scale, rtol 1e-5), plus the GELU kernel's few ulps (covered by rtol).
-//  - bf16: the GPU rounds its result once to bf16 (2^-8 relative), and where the epilogue runs its
-//    GELU is evaluated from the fp32 accumulator, not from a rounded pre-activation: atol/rtol 1e-2
-//    (atol at the output's scale, for elements that cancel to near zero).
-//  - The residual norms must equal the GPU's own add followed by its norm bit for bit (the kernel
-//    rounds the sum as the add op does, then normalises the stored sum), and the CPU's in f32 to
-//    the norm tests' 1e-5.
+// the separate ops in turn: linear + GELU, the projection's backward with GELU's, and the residual add
+// fused into LayerNorm/RMSNorm.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -26,6 +15,18 @@ using namespace mpigpt;
 using namespace mpigpt::testing;
 
 namespace {
+
+// bf16 takes cuBLASLt's GELU_AUX_BIAS (forward) and DGELU (backward) epilogues where they apply, f32
+// and the rest the product and the GELU kernel. Tolerances (the reasoning of cuda_matmul_testing.h
+// and cuda_norm_test.cpp):
+//  - f32: the GELU ops run the two f32 kernels, so they differ from the CPU only in summation order
+//    (atol 5e-7 sqrt(K) scale, rtol 1e-5), plus the GELU kernel's few ulps (covered by rtol).
+//  - bf16: the GPU rounds its result once to bf16 (2^-8 relative), and where the epilogue runs its
+//    GELU is evaluated from the fp32 accumulator, not from a rounded pre-activation: atol/rtol 1e-2
+//    (atol at the output's scale, for elements that cancel to near zero).
+//  - The residual norms must equal the GPU's own add followed by its norm bit for bit (the kernel
+//    rounds the sum as the add op does, then normalises the stored sum), and the CPU's in f32 to
+//    the norm tests' 1e-5.
 
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 

@@ -1,13 +1,5 @@
 // CUDA backend: fused softmax + cross-entropy loss and its logits gradient, whole or as the three
-// per-shard steps of the vocabulary-parallel version. One block per row: the fused op reads the
-// row once for an online max / sum of exponentials (fp32, combined across threads by rescaling),
-// keeping it in shared memory when it fits, then writes the gradient in place from there (or
-// from a second read, through L2, when it does not fit).
-//
-// Targets: the CPU backend rejects a target >= V before it starts; here that would need a device
-// read and a host sync per call, so such a row instead gets a NaN loss and NaN gradients, which
-// the training loop's loss check reports loudly. Rows with a target < 0 are ignored (loss 0,
-// gradient 0), as the contract says.
+// per-shard steps of the vocabulary-parallel version.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -290,9 +282,12 @@ Shard shard_of(const char* op, const Tensor& logits, int64_t vocab_start, int64_
 
 }  // namespace
 
+// Targets: the CPU backend rejects a target >= V before it starts; here that would need a device
+// read and a host sync per call, so such a row instead gets a NaN loss and NaN gradients, which the
+// training loop's loss check reports loudly. Rows with a target < 0 are ignored (loss 0, gradient 0),
+// as the contract says.
 void CudaOps::crossentropy_forward_backward_impl(Tensor losses, Tensor dlogits, Tensor logits, Tensor targets,
-                                                 int64_t V,
-                                                 float dloss) {
+                                                 int64_t V, float dloss) {
   // losses (N) f32 optional, dlogits (N,Vp) optional (may alias logits), logits (N,Vp), targets (N) i32;
   // softmax over [0, V)
   const char* op = "crossentropy_forward_backward";

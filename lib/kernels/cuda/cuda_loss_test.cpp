@@ -1,15 +1,6 @@
-// GPU tests (label gpu) of the CUDA backend's softmax cross-entropy against the CPU backend, f32
-// and bf16 logits: the fused op (ignored rows, padded columns, a logit that overflows exp without
-// the max subtraction, a GPT-2-sized row staged in shared memory, a Llama-3-sized row that is not,
-// dlogits aliasing logits, either output alone) and the three vocabulary-parallel steps over 1 to
-// 4 shards (partly and wholly padded shards, targets in other shards, vocab_start > 0), joined by
+// GPU tests (label gpu) of the CUDA backend's softmax cross-entropy against the CPU backend, f32 and
+// bf16 logits: the fused op, and the three vocabulary-parallel steps over 1 to 4 shards joined by
 // host-side "all-reduces".
-//
-// Tolerances. Both sides see the same (bf16-rounded) logits; the GPU sums exponentials in fp32 with
-// the hardware exp2 (a few 1e-7 relative per term, ~1e-6 on a sum of 50k terms spread over 512
-// threads and a tree), the CPU in double. Losses (O(1)-O(10), log of that sum) are held to 2e-5
-// absolute + 1e-5 relative; softmax values to 1e-5 relative, i.e. the gradient to 1e-5 * dloss
-// absolute + 1e-5 relative in f32. bf16 gradients add their final rounding, u = 2^-8 (2u allowed).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -30,6 +21,11 @@ namespace {
 const DType kDtypes[] = {DType::F32, DType::BF16};
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
+// Tolerances. Both sides see the same (bf16-rounded) logits; the GPU sums exponentials in fp32 with
+// the hardware exp2 (a few 1e-7 relative per term, ~1e-6 on a sum of 50k terms spread over 512
+// threads and a tree), the CPU in double. Losses (O(1)-O(10), log of that sum) are held to 2e-5
+// absolute + 1e-5 relative; softmax values to 1e-5 relative, i.e. the gradient to 1e-5 * dloss
+// absolute + 1e-5 relative in f32. bf16 gradients add their final rounding, u = 2^-8 (2u allowed).
 double rtol_for(DType dt) { return dt == DType::BF16 ? 2 * kBf16U : 1e-5; }
 std::vector<float> in_dtype(std::vector<float> v, DType dt) {
   return dt == DType::BF16 ? rounded_bf16(std::move(v)) : v;

@@ -1,17 +1,6 @@
-// CUDA backend: matrix products through cuBLASLt (gemm, linear forward with the bias epilogue,
-// linear backward, the GELU epilogues of the GPT-2 MLP, grouped linear for the MoE experts), the
-// bias gradient in the weight gradient's product (cuBLASLt's BGRADB epilogue) and the deterministic
-// column-sum kernel it is measured against.
-//
-// Row-major on column-major: cuBLASLt is column-major, and a row-major (r, c) matrix is the same
-// memory as a column-major (c, r) one, its transpose. So row-major C = op(A) op(B) is computed as
-// column-major C^T = op(B)^T op(A)^T: swap the operands, keep each one's transpose flag, and
-// exchange M and N.
-//
-// Precision: compute type CUBLAS_COMPUTE_32F everywhere, also for f32 data (no TF32: the f32 path
-// must match the CPU reference to fp32 rounding). BF16 data: A/B bf16, C/D bf16 for activations
-// and dinp, C/D f32 for weight gradients (bf16 in, f32 out with 32F compute is one of cuBLASLt's
-// supported type combinations), so dweight accumulates in fp32 across micro-batches.
+// CUDA backend: matrix products through cuBLASLt (gemm, linear forward/backward, the GELU epilogues
+// of the GPT-2 MLP, grouped linear for the MoE experts), and the bias gradient either in the weight
+// gradient's product (BGRADB epilogue) or by the deterministic column-sum kernel.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -157,7 +146,10 @@ void column_sums_accumulate(CudaOps& ops, float* dbias, const Tensor& x, int64_t
 // ---- row-major products ------------------------------------------------------------------------
 
 // Row-major, contiguous c (M,N) = alpha op(a) op(b) + beta c, with a stored (M,K) or (K,M) when
-// ta, b stored (K,N) or (N,K) when tb, as the column-major product cuBLASLt computes.
+// ta, b stored (K,N) or (N,K) when tb, as the column-major product cuBLASLt computes. A row-major
+// (r, c) matrix is the same memory as a column-major (c, r) one, its transpose, so row-major
+// C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap, each keeps its
+// transpose flag, and M and N exchange.
 LtMatmul rowmajor_product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* a, const void* b, void* c,
                           DType ab, DType cd, float alpha, float beta) {
   LtMatmul mm;
@@ -368,7 +360,9 @@ void CudaOps::linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Te
                   nullptr, 1.0f, 0.0f);
   }
   const int64_t IC = dweight.defined() ? mat_of(inp).cols : 0;
-  // The product and the column sums, each where its gradient is asked for.
+  // The product and the column sums, each where its gradient is asked for. In bf16 the product reads
+  // bf16 and writes f32 (with 32F compute one of cuBLASLt's supported type combinations), so dweight
+  // accumulates in fp32 across micro-batches.
   auto separate = [&](float* dw, float* db) {
     if (dw)
       rowmajor_gemm(*this, op, true, false, OC, IC, N, dout.ptr, inp.ptr, dw, dt, DType::F32, nullptr, 1.0f, 1.0f);

@@ -1,8 +1,5 @@
-// CUDA backend: the cuBLASLt side of the matrix products (cuda_matmul.cuh). A plan per product
-// configuration (shape, transposes, dtypes, epilogue, pointer alignments) holds cuBLASLt's
-// descriptors and the algorithm chosen for it, so steady-state products do not query the heuristic
-// again. With autotuning on (engine.gemm_autotune), the first product of a large enough
-// configuration times the heuristic's candidates on its own operands and keeps the fastest.
+// CUDA backend: the cuBLASLt side of the matrix products (cuda_matmul.cuh): a plan per product
+// configuration with cuBLASLt's descriptors and the algorithm chosen for it, and GEMM autotuning.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -147,6 +144,8 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
   if (cache.plans.size() >= CudaOps::MatmulPlans::kMaxPlans) cache.clear(true);  // no Plan& is held here
   Plan& p = cache.plans[key];
 
+  // Compute type 32F for every product, f32 data included: no TF32, as the f32 path must match the CPU
+  // reference to fp32 rounding.
   MPIGPT_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const int32_t ta = mm.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = mm.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));

@@ -1,7 +1,6 @@
-// GPU test (CTest label gpu; exits 77, reported as skipped, without a GPU): the CUDA backend's
-// cuBLASLt products (gemm, linear forward/backward, grouped linear) against the CPU reference
-// backend on random inputs, in f32 and bf16, with shapes that are not multiples of 8 or 16, the
-// accumulate semantics of the weight and bias gradients, and an empty expert group.
+// GPU test (CTest label gpu; exits 77, reported as skipped, without a GPU): the CUDA backend's cuBLASLt
+// products against the CPU backend on random inputs, in f32 and bf16, with shapes that are not
+// multiples of 8 or 16.
 #include <doctest/doctest.h>
 
 #include <algorithm>

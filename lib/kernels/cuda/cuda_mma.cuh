@@ -1,16 +1,6 @@
 // CUDA backend, private: warp-level tensor-core primitives with a documented register layout (PTX
 // `mma.sync.m16n8k16` for bf16 with fp32 accumulators, and `ldmatrix`), for kernels that keep their
-// tiles in registers (the attention of cuda_attention_tc*.cu). nvcuda::wmma cannot: its fragment
-// layout is opaque, so every element-wise step between two products went through shared memory.
-//
-// The layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), for lane l
-// of a warp with g = l / 4 and t = l % 4; a register holds two bf16, the lower-indexed column in
-// its low 16 bits:
-//   A (16 x 16, row-major), four registers: a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
-//                                          a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]
-//   B (16 x 8), two registers:  b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]
-//   C, D (16 x 8 fp32), four floats: c[0], c[1] = C[g][2t, 2t+1], c[2], c[3] = C[g+8][2t, 2t+1]
-// The instructions themselves are in cuda_ptx.cuh.
+// tiles in registers (the attention of cuda_attention_tc*.cu).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +10,16 @@
 #include "lib/kernels/cuda/cuda_ptx.cuh"
 
 namespace mpigpt::cuda::mma {
+
+// nvcuda::wmma cannot serve these kernels: its fragment layout is opaque, so every element-wise step
+// between two products went through shared memory. The layouts (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16 with floating point type"), for lane l of a warp with g = l / 4 and t = l % 4; a
+// register holds two bf16, the lower-indexed column in its low 16 bits:
+//   A (16 x 16, row-major), four registers: a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
+//                                          a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]
+//   B (16 x 8), two registers:  b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]
+//   C, D (16 x 8 fp32), four floats: c[0], c[1] = C[g][2t, 2t+1], c[2], c[3] = C[g+8][2t, 2t+1]
+// The instructions themselves are in cuda_ptx.cuh.
 
 // (lo, hi) rounded to bf16 in one register, lo in the low half.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {

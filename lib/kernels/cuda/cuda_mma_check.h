@@ -1,8 +1,6 @@
-// The tensor-core primitives of cuda_mma.cuh (ldmatrix with and without .trans, mma.sync, the
-// accumulator-to-operand reuse) on one 16 x 16 x 16 problem, for a GPU test that compares them with
-// exact products: a mismatch between the documented fragment layouts and the hardware shows up
-// there by name, rather than as a wrong attention. Plain C++ (the test binary is not compiled by
-// nvcc).
+// The tensor-core primitives of cuda_mma.cuh on one 16 x 16 x 16 problem, for a GPU test that compares
+// them with exact products: a mismatch between the documented fragment layouts and the hardware shows
+// up there by name, not as a wrong attention. Plain C++ (the test binary is not compiled by nvcc).
 #pragma once
 
 namespace mpigpt::cuda {

@@ -1,11 +1,6 @@
 // CUDA backend: mixture-of-experts router (softmax or sigmoid, top-k, gates, log-sum-exp) and its
-// backward, and the weighted combine of routed rows back into tokens with its backward. The
-// router takes one warp per token row (E <= 256 experts: at most 8 per lane, in registers);
+// backward, and the weighted combine of routed rows back into tokens with its backward;
 // grouped_linear lives with the other GEMMs in cuda_matmul.cu.
-//
-// moe_combine adds up to K routed rows into each token row. Rather than atomics, it inverts the
-// (distinct) slots into a (N*K) map from slot to routed row and lets one thread own each output
-// element: no races, one rounding per element, and the same bits on every run.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -189,6 +184,9 @@ __global__ void router_backward_kernel(T* __restrict__ dlogits, const float* __r
 }
 
 // ---- combine ------------------------------------------------------------------------------------
+// moe_combine adds up to K routed rows into each token row. Rather than atomics, it inverts the
+// (distinct) slots into a (N*K) map from slot to routed row and lets one thread own each output
+// element: no races, one rounding per element, and the same bits on every run.
 
 // inv (N*K), preset to -1: inv[slot[i]] = i.
 __global__ void invert_slots_kernel(int32_t* __restrict__ inv, const int32_t* __restrict__ slot, int64_t M,

@@ -1,7 +1,5 @@
-// GPU tests (label gpu) of the CUDA backend's mixture-of-experts ops against the CPU backend on
-// random inputs: the router forward (softmax or sigmoid, normalised or not, ties, 8 to 256
-// experts) and backward (gates, probs and lse paths), and the weighted combine with its backward;
-// f32 and bf16 data (router logits, routed rows, token rows).
+// GPU tests (label gpu) of the CUDA backend's mixture-of-experts ops against the CPU backend on random
+// inputs: the router forward and backward and the weighted combine with its backward, f32 and bf16.
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -1,7 +1,4 @@
-// CUDA backend: LayerNorm and RMSNorm forward/backward. One block per row, fp32 statistics; the
-// weight/bias gradients go through per-block partial sums (shared memory, then an F32 scratch row
-// per block) that a second kernel adds in a fixed order: no float atomics, so the gradients are
-// the same bits on every run on a given GPU model.
+// CUDA backend: LayerNorm and RMSNorm forward/backward, one block per row, fp32 statistics.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -84,6 +81,9 @@ __global__ void norm_forward_kernel(T* out, float* mean, float* rstd, const T* i
 }
 
 // ---- backward -----------------------------------------------------------------------------------
+// The weight/bias gradients go through per-block partial sums (shared memory, then an F32 scratch
+// row per block) that later kernels add in a fixed order: no float atomics, so the gradients are the
+// same bits on every run on a given GPU model.
 
 // acc[0:W) += v, through float4 accesses when W allows (a warp's 32 x 16 bytes are then served
 // without bank conflicts; scalar accesses at a stride of W floats would conflict W/4-fold).

@@ -1,15 +1,6 @@
-// GPU tests (label gpu) of the CUDA backend's LayerNorm and RMSNorm against the CPU backend on
-// random inputs, f32 and bf16 data: forward outputs and saved statistics, backward dinp
-// (accumulating) and the accumulating F32 weight/bias gradients, each optional output left out in
-// turn, shapes for the 16-byte-pack and scalar paths, many rows per block, and C = 8192 (whose
-// LayerNorm partial sums need more than the default 48 KiB of shared memory).
-//
-// Tolerances. The GPU keeps row statistics in fp32 where the CPU uses double: mean and rstd agree
-// to ~1e-6 relative (fp32 sums of up to 8192 terms in a tree), so outputs and dinp (O(1) values,
-// O(4) terms) are held to 1e-5 absolute + 1e-5 relative in f32; bf16 outputs add their final
-// rounding, u = 2^-8 relative (2u allowed). The weight gradients sum N rows in fp32 per block and
-// then over blocks: bounded by (sum depth) * 2^-24 * sum |terms| per column; 2e-6 * sum |terms| is
-// that bound for depths up to ~30, well above the realistic error.
+// GPU tests (label gpu) of the CUDA backend's LayerNorm and RMSNorm against the CPU backend on random
+// inputs, f32 and bf16 data, forward and backward, on shapes for the 16-byte-pack and scalar paths and
+// C = 8192 (whose LayerNorm partial sums need more than the default 48 KiB of shared memory).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -28,6 +19,12 @@ namespace {
 
 const DType kDtypes[] = {DType::F32, DType::BF16};
 
+// Tolerances. The GPU keeps row statistics in fp32 where the CPU uses double: mean and rstd agree
+// to ~1e-6 relative (fp32 sums of up to 8192 terms in a tree), so outputs and dinp (O(1) values,
+// O(4) terms) are held to 1e-5 absolute + 1e-5 relative in f32; bf16 outputs add their final
+// rounding, u = 2^-8 relative (2u allowed). The weight gradients sum N rows in fp32 per block and
+// then over blocks: bounded by (sum depth) * 2^-24 * sum |terms| per column; 2e-6 * sum |terms| is
+// that bound for depths up to ~30, well above the realistic error.
 double rtol_for(DType dt) { return dt == DType::BF16 ? 2 * kBf16U : 1e-5; }
 std::vector<float> in_dtype(std::vector<float> v, DType dt) {
   return dt == DType::BF16 ? rounded_bf16(std::move(v)) : v;

@@ -1,7 +1,6 @@
-// CUDA backend: the factory, construction (device, architecture check, stream, cuBLASLt handle and
-// workspace), memory through the caching allocator, copies (host <-> device, device <-> device, and
-// f32 <-> bf16 conversion on the device), the element-wise ops fill/scale/add, and the CHECK
-// failure handlers that every cuda_*.cu file shares.
+// CUDA backend: the factory and construction (device, architecture check, stream, cuBLASLt), memory
+// through the caching allocator, copies (host <-> device, and f32 <-> bf16 on the device), the
+// element-wise ops fill/scale/add, and the CHECK failure handlers that every cuda_*.cu file shares.
 #include <fmt/format.h>
 
 #include <algorithm>

@@ -1,14 +1,5 @@
 // The CUDA backend's class. Its definitions are split by concept over cuda_*.cu; nothing outside
 // lib/kernels/cuda includes this header (the rest of the program sees only ops.h).
-//
-// Precision: every op takes its floating "data" tensors (inputs, outputs, their gradients,
-// activations, and the compute copies of weights) in ONE dtype per call, F32 or BF16 (mixed
-// precision trains with BF16 data and F32 master weights). Tensors that are always F32 whatever
-// the data dtype: weight and bias GRADIENTS (fp32 accumulation), saved statistics (norm mean/rstd,
-// attention lse and saved state, loss maxes/sumexp/target_logit), losses, router probs, gates and
-// their gradients, optimizer state and master weights. Kernels load to float, compute in float and
-// round once on store. Every kernel is queued on stream(); nothing synchronises the host except
-// the ops that return a value to it (sum, sum_squares) and copies into host memory.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -26,6 +17,14 @@
 
 namespace mpigpt::cuda {
 
+// Precision: every op takes its floating "data" tensors (inputs, outputs, their gradients,
+// activations, and the compute copies of weights) in ONE dtype per call, F32 or BF16 (mixed
+// precision trains with BF16 data and F32 master weights). Tensors that are always F32 whatever
+// the data dtype: weight and bias GRADIENTS (fp32 accumulation), saved statistics (norm mean/rstd,
+// attention lse and saved state, loss maxes/sumexp/target_logit), losses, router probs, gates and
+// their gradients, optimizer state and master weights. Kernels load to float, compute in float and
+// round once on store. Every kernel is queued on stream(); nothing synchronises the host except
+// the ops that return a value to it (sum, sum_squares) and copies into host memory.
 class CudaOps final : public Ops {
  public:
   explicit CudaOps(int device);  // cuda_ops.cu: sets the device, checks the architecture, creates the stream

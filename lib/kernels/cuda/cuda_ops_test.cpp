@@ -1,8 +1,6 @@
-// GPU test (CTest label gpu; exits 77, reported as skipped, without a GPU): the CUDA backend's
-// memory and element-wise ops: zero-filled allocation, copies in every direction and the
-// f32 <-> bf16 conversion (bit-exact against round_bf16), fill/scale/add in both data dtypes,
-// the caching allocator's steady state (no cudaMalloc after a warm-up step) and the out-of-memory
-// message.
+// GPU test (CTest label gpu; exits 77, reported as skipped, without a GPU): the CUDA backend's memory,
+// copy, f32 <-> bf16 conversion and element-wise ops, the caching allocator's steady state and the
+// out-of-memory message.
 #include <doctest/doctest.h>
 
 #include <algorithm>

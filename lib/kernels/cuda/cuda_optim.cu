@@ -1,7 +1,6 @@
 // CUDA backend: the fused AdamW update (one launch for a flat range, or for all the runs of an
 // optimizer step; 16-byte accesses where aligned) and the reductions that return a double to the
-// host (sum of squares for the gradient norm, sum). The reductions are two-stage with a block count that depends only on the element count and a fixed
-// combining order, so they give the same bits on every run.
+// host (sum of squares for the gradient norm, sum).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -89,6 +88,8 @@ __global__ void adamw_chunks_kernel(float* __restrict__ param, const float* __re
 }
 
 // ---- reductions ---------------------------------------------------------------------------------
+// Two stages, with a block count that depends only on the element count and a fixed combining
+// order, so they give the same bits on every run.
 
 __device__ __forceinline__ double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -1,7 +1,5 @@
 // GPU tests (label gpu) of the CUDA backend's AdamW update against the CPU backend over several
-// steps (vector path with a tail, a misaligned range that takes the scalar path; one range, and
-// many runs in one launch) and of sum / sum_squares against double loops (f32 and bf16 data),
-// including their run-to-run reproducibility.
+// steps, and of sum / sum_squares against double loops (f32 and bf16 data) with their reproducibility.
 #include <doctest/doctest.h>
 
 #include <cmath>

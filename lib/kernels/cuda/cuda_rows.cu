@@ -1,8 +1,5 @@
 // CUDA backend: row and column moves between row-major matrices (copy_cols, gather_rows) and the
-// scatter-add transpose of a gather. scatter_add_rows adds with atomics (F32: float, 16-byte vector
-// atomics on sm_90; BF16: bf16x2 atomics), so when indices repeat the order of the additions, and
-// for BF16 the rounding of each partial sum, varies from run to run; with distinct indices (a
-// permutation) the result is exact and reproducible.
+// scatter-add transpose of a gather.
 #include <algorithm>
 #include <cstdint>
 
@@ -84,7 +81,10 @@ __device__ __forceinline__ void atomic_add_pack(bf16* d, const Pack<bf16, W>& v)
   }
 }
 
-// dinp (N,C)[index[i]] += dout (M,C)[i]; indices outside [0, N) are skipped.
+// dinp (N,C)[index[i]] += dout (M,C)[i]; indices outside [0, N) are skipped. Atomics (F32: float,
+// 16-byte vector atomics on sm_90; BF16: bf16x2 atomics), so when indices repeat the order of the
+// additions, and for BF16 the rounding of each partial sum, varies from run to run; with distinct
+// indices (a permutation) the result is exact and reproducible.
 template <class T, int W>
 __global__ void scatter_add_rows_kernel(T* dinp, const T* __restrict__ dout, const int32_t* __restrict__ index,
                                         int64_t M, int64_t N, int64_t C) {

@@ -1,7 +1,6 @@
-// Helpers for the GPU tests (CTest label gpu): the CUDA backend or a skip (exit 77, which CTest
-// reports as skipped), host <-> device tensors in either data dtype, and bf16 rounding of host
-// data so that a CPU reference sees exactly the inputs the GPU sees. Header only, plain C++ (the
-// test binary is not compiled by nvcc).
+// Helpers for the GPU tests (CTest label gpu): the CUDA backend or a skip (exit 77), host <-> device
+// tensors in either data dtype, and bf16 rounding of host data so that a CPU reference sees exactly
+// the GPU's inputs. Header only, plain C++ (the test binary is not compiled by nvcc).
 #pragma once
 #include <doctest/doctest.h>
 

@@ -1,12 +1,11 @@
 // The cuDNN library, loaded at run time: dlopen("libcudnn.so.9") and a table of the graph-API
 // functions the fused attention uses (cudnn_sdpa.cu), so that the binary starts on machines
-// without cuDNN and engine.attention_backend = builtin never needs it. cudnn_graph.h supplies only
-// the types and enums. Builds whose toolkit lacks cuDNN's headers, and the host emulator, have no
-// table (MPIGPT_HAVE_CUDNN undefined) and cudnn_load_error() says so. Included only by
-// lib/kernels/cuda/*.cu.
+// without cuDNN and engine.attention_backend = builtin never needs it. Included only by cuda/*.cu.
 #pragma once
 #include <string>
 
+// cudnn_graph.h supplies only the types and enums. Builds whose toolkit lacks cuDNN's headers, and
+// the host emulator, have no table (MPIGPT_HAVE_CUDNN undefined) and cudnn_load_error() says so.
 #ifdef MPIGPT_HAVE_CUDNN
 #include <cudnn_graph.h>
 #endif

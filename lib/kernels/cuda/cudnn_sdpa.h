@@ -1,9 +1,5 @@
-// cuDNN's fused scaled-dot-product attention (flash attention: the T x T matrix never exists) for
-// the causal ops, built with cuDNN's graph (backend) API from matmul, pointwise and reduction
-// operations, the way cuDNN's own frontend builds its SDPA node. CudaOps runs it for bf16 data
-// when engine.attention_backend is cudnn or auto (cuda_attention.cu); the saved state is the same
-// log-sum-exp (B,NH,T) as the builtin kernels', so either forward pairs with either backward.
-//
+// cuDNN's fused scaled-dot-product attention (flash attention: the T x T matrix never exists) for the
+// causal ops, built with cuDNN's graph (backend) API as cuDNN's own frontend builds its SDPA node.
 // Plain C++ (no CUDA or cuDNN types): the tests include it.
 #pragma once
 #include <array>
@@ -111,7 +107,10 @@ struct SdpaPlans {
 // not take the shape (cuDNN's version limits).
 SdpaPlans cudnn_sdpa_plan_for_device(const SdpaShape& shape, const std::string& device_json);
 
-// A cuDNN handle on one stream and the execution plans per shape.
+// A cuDNN handle on one stream and the execution plans per shape. CudaOps runs the causal ops of bf16
+// data through it wherever it plans the shape, unless engine.attention_backend = builtin
+// (cuda_attention_causal.cu); the saved state is the builtin kernels' log-sum-exp (B,NH,T), so
+// either forward pairs with either backward.
 class CudnnSdpa {
  public:
   // On the current device, every call queued on stream (a cudaStream_t). Throws when cuDNN is

@@ -1,16 +1,6 @@
-// What cuDNN's fused attention graphs compute, checked without a GPU. Each graph's operations, with
-// every tensor as cuDNN's finalized descriptor holds it (cudnn_sdpa_describe_graph), are evaluated
-// by a host interpreter of cuDNN's operations on the tests' small shapes, rounding to bf16 wherever
-// a tensor is bf16; the forward's output and log-sum-exp and the backward's gradients must match
-// the CPU backend and the log-sum-exp reference. So a wrong stride, scale, mask, statistic or
-// gradient formula in the graphs fails here on any machine with cuDNN's library (a test below shows
-// the interpreter tells a wrong mask apart). The tensors are bound where the GPU execution binds
-// them (cudnn_sdpa_bindings, the variant packs' source), so a wrong offset there fails too. The
-// interpreter's reading of cuDNN's operations: matmuls batch over the first two dims, and an
-// operand with fewer heads serves consecutive groups of them (grouped-query attention as cuDNN and
-// the builtin kernels define it); a reshape is the same storage seen through other strides and held
-// in another dtype (cuDNN's transposes). Whether cuDNN's fused engines run exactly what the graphs
-// say is for the GPU (cudnn_sdpa_test.cpp).
+// What cuDNN's fused attention graphs compute, checked without a GPU: a host interpreter evaluates them
+// as cuDNN holds them, against the CPU backend, on any machine with cuDNN's library. Whether cuDNN's
+// fused engines run exactly what the graphs say is for the GPU (cudnn_sdpa_test.cpp).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -92,6 +82,11 @@ float stored(const std::string& dtype, double v) {
 // Evaluates a described graph on the host. User tensors are bound to host arrays of floats (their
 // first element; bf16 ones hold bf16 values) and by-value tensors to scalars; virtual tensors get
 // storage of their own when first written. Anything the interpreter does not know fails loudly.
+// Its reading of cuDNN's operations: a result rounds to bf16 wherever its tensor is bf16; matmuls
+// batch over the first two dims, and an operand with fewer heads serves consecutive groups of them
+// (grouped-query attention as cuDNN and the builtin kernels define it); a reshape is the same storage
+// seen through other strides and held in another dtype (cuDNN's transposes). So a wrong stride,
+// scale, mask, statistic or gradient formula in the graphs fails the tests below.
 class Interpreter {
  public:
   // A user tensor's first element is v[first]; its strides must stay within v.

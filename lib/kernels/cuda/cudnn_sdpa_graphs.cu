@@ -1,22 +1,5 @@
 // The operation graphs of cuDNN's fused attention (cudnn_sdpa.cu plans and runs them), and, for the
 // tests, their description with every tensor as cuDNN holds it (cudnn_sdpa_describe_graph).
-//
-// cuDNN 9 runs fused flash attention for a pattern of matmul, pointwise and reduction operations
-// (its single attention operations take a causal mask only from 9.21 on, and the backward one is
-// chosen by the heuristics only from 9.27): the graphs below are that pattern, built as cuDNN's
-// own frontend builds them for causal training (bf16 in and out, fp32 softmax statistics):
-//
-// forward   S = scale * Q K^T, masked to -inf above the diagonal (GEN_INDEX rows and columns,
-//           CMP_GE, BINARY_SELECT); M = rowmax S, Z = rowsum exp(S - M); lse = M + log Z (the
-//           natural-log log-sum-exp, (B,NH,T) fp32: the builtin kernels' saved state);
-//           O = bf16(exp(S - M) / Z) V.
-// backward  D = rowsum(dO * O) (into an fp32 tensor in our workspace); P = exp(masked S - lse);
-//           dV = bf16(P)^T dO; dS = scale * P * (dO V^T - D); dK = bf16(dS)^T Q; dQ = dS K,
-//           summed in fp32 (a workspace tensor) and converted to bf16. With grouped-query heads
-//           dK and dV are formed per query head and summed over each kv head's group.
-//
-// Layouts are strides: Q, K, V, dQ, dK, dV are column blocks of the (B,T,(NH+2*NKV)*HD) qkv rows,
-// O and dO (B,T,NH*HD) rows; K^T and V^T are the same memory with the last two strides swapped.
 #include <fmt/format.h>
 
 #include "lib/core/error.h"
@@ -42,7 +25,9 @@ void check(cudnnStatus_t rc, const std::string& what) {
 
 namespace {
 
-// The tensors both graphs share, for shape s.
+// The tensors both graphs share, for shape s. Layouts are strides: Q, K, V, dQ, dK, dV are column
+// blocks of the (B,T,(NH+2*NKV)*HD) qkv rows, O and dO (B,T,NH*HD) rows; K^T and V^T are the same
+// memory with the last two strides swapped.
 struct Layout {
   int64_t B, T, NH, NKV, HD, W;
   explicit Layout(const SdpaShape& s)
@@ -107,6 +92,13 @@ void kv_gradient(Graph& g, const Layout& l, const char* m_name, const Desc& m, c
 
 }  // namespace
 
+// cuDNN 9 runs fused flash attention for a pattern of matmul, pointwise and reduction operations
+// (its single attention operations take a causal mask only from 9.21 on, and the backward one is
+// chosen by the heuristics only from 9.27): these graphs are that pattern, built as cuDNN's own
+// frontend builds them for causal training (bf16 in and out, fp32 softmax statistics).
+// S = scale * Q K^T, masked to -inf above the diagonal (GEN_INDEX rows and columns, CMP_GE,
+// BINARY_SELECT); M = rowmax S, Z = rowsum exp(S - M); lse = M + log Z (the natural-log
+// log-sum-exp, (B,NH,T) fp32: the builtin kernels' saved state); O = bf16(exp(S - M) / Z) V.
 void build_forward(Graph& g, const SdpaShape& s) {
   const Layout l(s);
   const Desc& q = g.tensor("Q", l.heads(l.NH), l.qkv_strides(), kBF16, kSdpaQ);
@@ -134,6 +126,10 @@ void build_forward(Graph& g, const SdpaShape& s) {
   g.matmul("P V", p, v, o);
 }
 
+// D = rowsum(dO * O) (into an fp32 tensor in our workspace); P = exp(masked S - lse);
+// dV = bf16(P)^T dO; dS = scale * P * (dO V^T - D); dK = bf16(dS)^T Q; dQ = dS K, summed in fp32 (a
+// workspace tensor) and converted to bf16. With grouped-query heads dK and dV are formed per query
+// head and summed over each kv head's group.
 void build_backward(Graph& g, const SdpaShape& s) {
   const Layout l(s);
   const Desc& q = g.tensor("Q", l.heads(l.NH), l.qkv_strides(), kBF16, kSdpaQ);

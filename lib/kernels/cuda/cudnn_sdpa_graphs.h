@@ -1,7 +1,6 @@
-// The operation graphs of cuDNN's fused attention, shared by the file that builds them
-// (cudnn_sdpa_graphs.cu) and the one that plans and runs them (cudnn_sdpa.cu): an owned backend
-// descriptor, a graph under construction and the user tensors' ids. Needs cuDNN's headers; only
-// lib/kernels/cuda/cudnn_sdpa*.cu include it.
+// The operation graphs of cuDNN's fused attention, shared by cudnn_sdpa_graphs.cu (builds them) and
+// cudnn_sdpa.cu (plans and runs them): an owned backend descriptor, a graph under construction and the
+// user tensors' ids. Needs cuDNN's headers: only lib/kernels/cuda/cudnn_sdpa*.cu include it.
 #pragma once
 #ifdef MPIGPT_HAVE_CUDNN
 #include <fmt/format.h>

@@ -1,7 +1,6 @@
-// Tests of cuDNN's fused attention (engine.attention_backend). Without a GPU: the graphs finalize in
-// cuDNN and its device-less planning compiles them for an H100/H200. With one: the causal ops through
-// cuDNN against the CPU backend, each pass paired with the builtin kernels' other. Everywhere: an
-// explicit cudnn it cannot honour is an error naming why, the default runs the builtin kernels there.
+// Tests of cuDNN's fused attention (engine.attention_backend). Without a GPU: the graphs finalize and
+// device-less planning compiles them for an H100/H200. With one: the causal ops through cuDNN against
+// the CPU backend. Everywhere: an explicit cudnn it cannot honour is an error naming why.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 

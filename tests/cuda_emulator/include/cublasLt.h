@@ -1,9 +1,6 @@
 // The host emulator's stand-in for cublasLt.h (docs/testing.md): the cuBLASLt subset CudaOps uses,
-// served by reference_cublaslt.cpp: column-major D = alpha op(A) op(B) + beta C in f32 or bf16
-// with the bias and GELU epilogues, computed by plain loops. It checks the descriptors as cuBLASLt
-// documents them (shapes, types, the GELU input matrix's leading dimension), so CudaOps' row-major
-// mapping onto column-major products is exercised; it says nothing about cuBLASLt's own speed or
-// which algorithms it offers.
+// served by reference_cublaslt.cpp, which checks the descriptors as cuBLASLt documents them and
+// computes the products and epilogues with plain loops.
 #pragma once
 #include <cstddef>
 #include <cstdint>
