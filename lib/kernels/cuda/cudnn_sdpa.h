@@ -124,8 +124,6 @@ class CudnnSdpa {
   // plans (both, so that a shape never pairs a cuDNN forward with a builtin backward by chance)
   // and keeps them; when either cannot be built, false with cuDNN's reason in *why.
   bool prepare(const SdpaShape& shape, std::string* why);
-  // Whether prepare(shape) was called before (and so planned it or gave up on it).
-  bool tried(const SdpaShape& shape) const { return plans_.count(shape) || unsupported_.count(shape); }
   // How the shape's plans were made (after prepare returned true).
   SdpaPlans plans(const SdpaShape& shape) const;
   // Device workspace the shape's forward or backward needs (after prepare).
