@@ -10,7 +10,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "io/io_test_util.h"
+#include "io/io_testing.h"
 #include "lib/core/error.h"
 
 using namespace mpigpt;

@@ -10,7 +10,7 @@
 
 #include "io/data/indexed_dataset.h"
 #include "io/data/llmc_tokens.h"
-#include "io/io_test_util.h"
+#include "io/io_testing.h"
 #include "lib/core/error.h"
 
 using namespace mpigpt;

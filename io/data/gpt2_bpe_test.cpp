@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/data/tokenizer.h"
-#include "io/io_test_util.h"
+#include "io/io_testing.h"
 #include "lib/core/error.h"
 
 using namespace mpigpt;

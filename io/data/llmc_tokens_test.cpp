@@ -3,7 +3,7 @@
 
 #include <doctest/doctest.h>
 
-#include "io/io_test_util.h"
+#include "io/io_testing.h"
 #include "lib/core/error.h"
 
 using namespace mpigpt;

@@ -5,7 +5,7 @@
 
 #include "io/data/indexed_dataset.h"
 #include "io/data/tokenizer.h"
-#include "io/io_test_util.h"
+#include "io/io_testing.h"
 #include "lib/core/error.h"
 
 using namespace mpigpt;

@@ -16,7 +16,7 @@
 #include <fstream>
 #include <random>
 
-#include "io/io_test_util.h"
+#include "io/io_testing.h"
 #include "lib/core/error.h"
 #include "lib/kernels/ops.h"
 #include "lib/model/gpt.h"

@@ -10,7 +10,7 @@
 #include <random>
 
 #include "io/formats/hf_format.h"
-#include "io/io_test_util.h"
+#include "io/io_testing.h"
 #include "lib/core/error.h"
 
 using namespace mpigpt;

@@ -12,7 +12,7 @@
 #include <limits>
 #include <random>
 
-#include "io/io_test_util.h"
+#include "io/io_testing.h"
 #include "lib/core/error.h"
 
 using namespace mpigpt;
