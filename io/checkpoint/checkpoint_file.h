@@ -1,9 +1,6 @@
-// The checkpoint file: one HDF5 file written and read collectively by all ranks with parallel
-// HDF5 (MPI-IO, collective transfers). Every tensor is one dataset with its *global* shape;
-// each rank writes or reads exactly the boxes (hyperslabs) it owns, so a file written by one
-// layout is read by any other (DESIGN principle 6). Root attributes carry the metadata, each
-// dataset a checksum that does not depend on who wrote which part. Knows nothing of the GPT:
-// lib/train maps parameters and optimizer state to names and boxes.
+// The checkpoint file: one HDF5 file that all ranks write and read collectively with parallel
+// HDF5, every tensor a dataset of its *global* shape of which each rank moves the boxes it owns,
+// so a file written by one layout is read by any other (DESIGN principle 6).
 #pragma once
 #include <mpi.h>
 
@@ -35,6 +32,8 @@ struct Piece {
 // buffer (a distributed-optimizer shard) becomes hyperslabs.
 std::vector<Box> flat_range_boxes(int64_t rows, int64_t cols, int64_t begin, int64_t end);
 
+// Writer and reader know nothing of the GPT: lib/train maps parameters and optimizer state to
+// names and boxes. Root attributes carry the metadata; each dataset has a checksum.
 class CheckpointWriter {
  public:
   // Creates (truncates) `path` collectively over `comm`.
@@ -75,7 +74,8 @@ class CheckpointReader {
   // Recompute a dataset's checksum collectively (each rank reads a share of its rows) and
   // compare with the stored one; error naming file and dataset on mismatch.
   void verify(const std::string& name);
-  uint64_t checksum(const std::string& name) const;  // the stored value
+  // The stored value; it does not depend on which rank wrote which part.
+  uint64_t checksum(const std::string& name) const;
   std::string attr_string(const std::string& key) const;
   int64_t attr_int(const std::string& key) const;
   double attr_double(const std::string& key) const;

@@ -1,8 +1,6 @@
-// The checkpoint file on four ranks: tensors written under one ownership layout (row blocks,
-// column blocks, TP-style QKV row shards, distributed-optimizer flat ranges, interleaved columns
-// with an idle rank, a checkerboard) are read back exactly under every other layout, with the
-// same checksum whoever wrote what; errors reach every rank together; a 64 MiB tensor reports
-// the achieved bandwidth.
+// The checkpoint file on four ranks: tensors written under one ownership layout are read back
+// exactly under every other, with the same checksum whoever wrote what; errors reach every rank
+// together; a 64 MiB tensor reports the achieved bandwidth.
 #include <doctest/doctest.h>
 #include <hdf5.h>
 #include <unistd.h>
@@ -101,6 +99,8 @@ std::pair<int64_t, int64_t> part(int64_t n, int r) {
   return {cut[r], cut[r + 1]};
 }
 
+// Those of training (row blocks, column blocks, TP-style QKV row shards, distributed-optimizer
+// flat ranges) and irregular ones (interleaved columns with an idle rank, a checkerboard).
 std::vector<Named> layouts() {
   return {
       {"row blocks", [](int64_t R, int64_t C, int r) {

@@ -1,7 +1,6 @@
 // Collective I/O of boxes of global tensors over parallel HDF5, the plumbing under the checkpoint
-// file: owned HDF5 ids and their error messages, the agreement that makes every rank leave a
-// collective call the same way (never some ranks inside it), the plan that turns a rank's boxes
-// into HDF5's element order, the one collective transfer, and the order-independent checksum.
+// file: owned HDF5 ids and their errors, the agreement that makes every rank leave a collective
+// call the same way, the plan from boxes to HDF5's element order, the transfer, the checksum.
 #pragma once
 #include <hdf5.h>
 #include <mpi.h>
@@ -70,6 +69,8 @@ struct Vote {
   uint64_t hash_max, not_hash_max, first_bad, count, sum;
 };
 
+// Makes every rank leave a collective call the same way (all return or all throw), never some
+// ranks inside it while others left.
 class Agreement {
  public:
   explicit Agreement(MPI_Comm comm);  // duplicates comm: our messages never meet the caller's

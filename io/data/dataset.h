@@ -1,7 +1,5 @@
 // Training data: a corpus of token documents (TokenSource, from either on-disk format) and the
-// fixed-length samples cut from it (GptDataset). Sample i is a pure function of (seed, i), so the
-// data order depends only on the global sample index, never on the rank layout (DESIGN
-// principle 3), and a resumed run continues with exactly the samples it would have seen.
+// fixed-length samples cut from it (GptDataset).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -42,7 +40,9 @@ class TokenSource {
 
 enum class Split { Train, Valid };
 
-// Fixed-length training samples from one split of a TokenSource.
+// Fixed-length training samples from one split of a TokenSource. Sample i is a pure function of
+// (seed, i), so the data order depends only on the global sample index, never on the rank layout
+// (DESIGN principle 3), and a resumed run continues with exactly the samples it would have seen.
 //
 // Split: the documents are put in one order drawn from `seed`; the last `valid_fraction` of them
 // (at least one when valid_fraction > 0, at most all but one) are the validation split, the rest

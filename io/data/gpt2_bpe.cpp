@@ -1,7 +1,5 @@
-// GPT-2 byte-level BPE, a faithful port of OpenAI's gpt-2/src/encoder.py: the text is split by
-// the pre-tokenizer pattern, each piece's UTF-8 bytes are spelled with the printable stand-ins of
-// bytes_to_unicode(), and the piece is merged pair by pair, always the pair of lowest rank,
-// every occurrence left to right, until no ranked pair is left.
+// GPT-2 byte-level BPE, a faithful port of OpenAI's gpt-2/src/encoder.py: the pre-tokenizer
+// pattern splits the text, then the bytes of each piece are merged by the ranks of merges.txt.
 #include <unicode/uchar.h>
 #include <unicode/utf8.h>
 
@@ -254,6 +252,9 @@ class Gpt2Tokenizer final : public Tokenizer {
     int32_t rank, id;
   };
 
+  // encoder.py's bpe(): the piece's UTF-8 bytes, spelled with the printable stand-ins of
+  // bytes_to_unicode(), are merged pair by pair, always the pair of lowest rank, every occurrence
+  // left to right, until no ranked pair is left.
   std::vector<int32_t> bpe(std::string_view piece) const {
     std::vector<int32_t> word(piece.size());
     for (size_t i = 0; i < piece.size(); ++i) word[i] = byte_id_[static_cast<unsigned char>(piece[i])];

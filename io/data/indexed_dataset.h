@@ -1,18 +1,6 @@
 // Megatron-compatible indexed dataset ("MMIDIDX"): PREFIX.bin holds the tokens of every sequence
 // back to back, PREFIX.idx says where each one starts. Files written here are read by
 // Megatron-LM's megatron/core/datasets/indexed_dataset.py and the other way round.
-//
-// PREFIX.idx, all little-endian, no padding (so the arrays sit at unaligned offsets):
-//   char[9]  "MMIDIDX\0\0"
-//   uint64   version = 1
-//   uint8    dtype code of the .bin tokens (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16)
-//   uint64   S = number of sequences
-//   uint64   D = number of document indices = documents + 1 (a leading 0, as Megatron writes it)
-//   int32    sequence_lengths[S]     tokens per sequence
-//   int64    sequence_pointers[S]    byte offset of each sequence in PREFIX.bin
-//   int64    document_indices[D]     0, then the sequence index that ends each document
-// prepare-data writes one sequence per document; Megatron's GPT dataset, and ours, treats each
-// sequence as a document, so multi-sequence documents read as consecutive documents.
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -25,6 +13,15 @@
 
 namespace mpigpt {
 
+// PREFIX.idx, all little-endian, no padding (so the arrays sit at unaligned offsets):
+//   char[9]  "MMIDIDX\0\0"
+//   uint64   version = 1
+//   uint8    dtype code of the .bin tokens (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16)
+//   uint64   S = number of sequences
+//   uint64   D = number of document indices = documents + 1 (a leading 0, as Megatron writes it)
+//   int32    sequence_lengths[S]     tokens per sequence
+//   int64    sequence_pointers[S]    byte offset of each sequence in PREFIX.bin
+//   int64    document_indices[D]     0, then the sequence index that ends each document
 inline constexpr char kMmidxMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
 inline constexpr uint64_t kMmidxVersion = 1;
 inline constexpr uint8_t kMmidxUint16 = 8;  // Megatron's DType.uint16
@@ -68,6 +65,8 @@ class IndexedDatasetWriter {
 };
 
 // Read-only view of PREFIX.bin/.idx, validated on open: every sequence lies inside the .bin.
+// prepare-data writes one sequence per document; Megatron's GPT dataset, and ours (TokenSource),
+// treats each sequence as a document, so multi-sequence documents read as consecutive documents.
 class IndexedDataset {
  public:
   explicit IndexedDataset(const std::string& prefix);

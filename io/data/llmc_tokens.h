@@ -1,7 +1,6 @@
 // llm.c token files (dev/data/*.bin from Karpathy's llm.c): a 1024-byte header of 256 int32
-// (magic 20240520, version, token count, zeros) followed by the tokens, uint16 for version 1
-// (GPT-2) and uint32 for version 2 (Llama 3). Such a file is one long token stream in which
-// documents are separated by the EOT token.
+// (magic 20240520, version, token count, zeros), then one long token stream, documents separated
+// by the EOT token: uint16 tokens for version 1 (GPT-2), uint32 for version 2 (Llama 3).
 #pragma once
 #include <cstdint>
 #include <memory>

@@ -83,7 +83,8 @@ ModelConfig resolved_for_hf(const ModelConfig& in) {
 
 // One HF tensor: rows [row0, row0 + rows) of our tensor `ours`, transposed for GPT-2's Conv1D.
 // A 3-D expert tensor (E, rows, cols) is seen as its (E * rows, cols) row view, so expert e's
-// block of it is rows [e * rows + r0, ...).
+// block of it is rows [e * rows + r0, ...). Renames, row splits and transposes only, so a round
+// trip is bit-identical.
 struct Link {
   std::string hf, ours;
   int64_t row0 = 0, rows = 0;
@@ -128,6 +129,8 @@ std::vector<Link> links(const ModelConfig& m, int vocab) {
     add("transformer.ln_f.weight", "final_norm.weight", 0, C);
     add("transformer.ln_f.bias", "final_norm.bias", 0, C);
   } else {
+    // No q/k permutation: HF stores Llama's weights for rotate_half (element i of a head pairs
+    // with i + HD/2), which is how our kernels rotate.
     add("model.embed_tokens.weight", "embedding.word.weight", 0, vocab, false, true);
     for (int l = 0; l < m.num_layers; ++l) {
       const std::string h = "model.layers." + std::to_string(l) + ".", p = "layers." + std::to_string(l) + ".";

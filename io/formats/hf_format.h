@@ -1,10 +1,6 @@
-// Hugging Face model interchange: mpigpt's parameters (layout-independent names, global shapes,
-// vocabulary padded to Vp rows) <-> the tensors of transformers' GPT2LMHeadModel,
-// LlamaForCausalLM and (llama-family mixture of experts) MixtralForCausalLM, and our ModelConfig
-// <-> their config.json. Pure renames, row splits and (GPT-2's Conv1D) transposes, so a round
-// trip is bit-identical. RoPE needs no q/k permutation:
-// HF Llama weights are stored for rotate_half (element i pairs with i + HD/2), as our kernels
-// rotate; see docs/checkpoint-format.md (model interchange) for the tensor tables.
+// Hugging Face model interchange: our parameters (layout-independent names, global shapes, Vp
+// vocabulary rows) <-> transformers' GPT2LMHeadModel, LlamaForCausalLM and MixtralForCausalLM,
+// and ModelConfig <-> config.json; docs/checkpoint-format.md (model interchange) has the tables.
 #pragma once
 #include <nlohmann/json.hpp>
 

@@ -1,11 +1,6 @@
-// Hugging Face interchange: our tensor table agrees with lib/model's (dense and MoE), ours -> HF
-// -> ours is bit-identical for GPT-2, Llama and Mixtral (llama-family MoE), config.json
-// translation, errors naming the tensor or field (MoE models Mixtral cannot represent among
-// them), and an independent oracle: io/formats/testdata/make_hf_tiny.py (numpy only) writes tiny HF
-// models with reference logits, and computes the logits of the models we export. Our CPU forward
-// must match it to 1e-4 absolute on logits of magnitude ~5 (fp32 against a float64 reference).
-// For Mixtral the oracle also reports the router margin (smallest gap between the k-th and
-// (k+1)-th router logit); it is kept above 1e-3 so that fp32 rounding cannot flip a top-k choice.
+// Hugging Face interchange: our tensor table agrees with lib/model's, round trips are bit-identical
+// for GPT-2, Llama and Mixtral, config.json translation, errors that name the tensor or field, and
+// an independent numpy oracle (testdata/make_hf_tiny.py) for the logits both ways.
 #include "io/formats/hf_format.h"
 
 #include <doctest/doctest.h>
@@ -148,6 +143,9 @@ std::string python_with_numpy() {
 
 std::string oracle_script() { return (repo_root() / "io" / "formats" / "testdata" / "make_hf_tiny.py").string(); }
 
+// io/formats/testdata/make_hf_tiny.py (numpy only) writes tiny HF models with reference logits
+// and computes the logits of the models we export. Our CPU forward must match it to 1e-4 absolute
+// on logits of magnitude ~5 (fp32 against a float64 reference).
 constexpr double kLogitTol = 1e-4;
 
 void compare_logits(const std::vector<float>& ours, const std::vector<double>& ref) {
@@ -616,8 +614,9 @@ TEST_CASE("hf: a numpy forward of the models we export matches ours (oracle)") {
     TempDir tmp;
     std::ofstream(tmp / "tokens.i32", std::ios::binary)
         .write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * 4));
-    // A MoE model's random weights are drawn again until the oracle's router margin shows no
-    // top-k choice that fp32 rounding could flip (dense models: margin inf at once).
+    // A MoE model's random weights are drawn again until the oracle's router margin (the smallest
+    // gap between the k-th and (k+1)-th router logit) exceeds 1e-3, so that no top-k choice can
+    // be flipped by fp32 rounding (dense models: margin inf at once).
     TensorMap ours;
     double margin = 0;
     for (uint32_t seed = 9; seed < 29 && !(margin > 1e-3); ++seed) {

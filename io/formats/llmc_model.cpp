@@ -1,4 +1,4 @@
-// llm.c GPT-2 model file reader and writer (format in llmc_model.h).
+// llm.c GPT-2 model file reader and writer.
 #include "io/formats/llmc_model.h"
 
 #include <bit>
@@ -16,6 +16,12 @@ namespace mpigpt {
 
 namespace {
 
+// The file: a header of 256 int32 (magic 20240326, version 3 = fp32 or 5 = bf16, max_seq_len,
+// vocab_size, num_layers, num_heads, channels, padded_vocab_size, zeros), then the parameters in
+// this order, each stacked over layers, PyTorch nn.Linear (out, in) layout: wte (Vp,C), wpe
+// (maxT,C), ln1w, ln1b (L,C), qkvw (L,3C,C), qkvb (L,3C), attprojw (L,C,C), attprojb (L,C),
+// ln2w, ln2b (L,C), fcw (L,4C,C), fcb (L,4C), fcprojw (L,C,4C), fcprojb (L,C), lnfw, lnfb (C).
+// The output head is tied to wte; wte's rows [V, Vp) are zero.
 constexpr size_t kHeaderBytes = 256 * sizeof(int32_t);
 
 // Our per-layer tensors in llm.c's order (each stacked over the layers in the file).

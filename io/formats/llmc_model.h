@@ -1,10 +1,6 @@
-// llm.c GPT-2 model files (gpt2_124M.bin from Karpathy's llm.c train_gpt2.py): a header of 256
-// int32 (magic 20240326, version 3 = fp32 or 5 = bf16, max_seq_len, vocab_size, num_layers,
-// num_heads, channels, padded_vocab_size, zeros), then the parameters in this order, each
-// stacked over layers, PyTorch nn.Linear (out, in) layout: wte (Vp,C), wpe (maxT,C), ln1w, ln1b
-// (L,C), qkvw (L,3C,C), qkvb (L,3C), attprojw (L,C,C), attprojb (L,C), ln2w, ln2b (L,C),
-// fcw (L,4C,C), fcb (L,4C), fcprojw (L,C,4C), fcprojb (L,C), lnfw, lnfb (C). The output head is
-// tied to wte; wte's rows [V, Vp) are zero. llm.c's Llama 3 files are not supported.
+// llm.c GPT-2 model files (gpt2_124M.bin from Karpathy's llm.c train_gpt2.py) <-> our parameters;
+// the byte layout is in llmc_model.cpp and docs/checkpoint-format.md. llm.c's Llama 3 files are
+// not supported.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -1,5 +1,4 @@
-// safetensors reader and writer, single files and sharded models with an index (format in
-// safetensors.h).
+// safetensors reader and writer, single files and sharded models with an index.
 #include "io/formats/safetensors.h"
 
 #include <nlohmann/json.hpp>
@@ -24,6 +23,12 @@ static_assert(std::endian::native == std::endian::little, "safetensors data is l
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+// A file: an 8-byte little-endian header length N, N bytes of JSON {name: {"dtype", "shape",
+// "data_offsets": [begin, end]}, "__metadata__": {str: str}} (padded with spaces so the data
+// starts 8-byte aligned), then the raw little-endian tensor bytes, offsets relative to the data
+// start. A model above a size threshold is split into `model-00001-of-0000K.safetensors` shards
+// listed by `model.safetensors.index.json` {"metadata": {"total_size": bytes}, "weight_map":
+// {name: shard file}}.
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the reference implementation's limit

@@ -1,10 +1,6 @@
-// safetensors, the Hugging Face weight format: an 8-byte little-endian header length N, N bytes
-// of JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}
-// (padded with spaces so the data starts 8-byte aligned), then the raw little-endian tensor
-// bytes, offsets relative to the data start. A model above a size threshold is split into
-// `model-00001-of-0000K.safetensors` shards listed by `model.safetensors.index.json`
-// {"metadata": {"total_size": bytes}, "weight_map": {name: shard file}}. We write F32 and read
-// F32, BF16, F16 and F64 into fp32; every other dtype is listed but refused when read.
+// safetensors, the Hugging Face weight format: single files and sharded model directories, read
+// and written (byte layout in safetensors.cpp and docs/checkpoint-format.md). We write F32 and
+// read F32, BF16, F16 and F64 into fp32; every other dtype is listed but refused when read.
 #pragma once
 #include <cstdint>
 #include <map>
