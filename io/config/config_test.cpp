@@ -332,7 +332,7 @@ TEST_CASE("config: valid layouts pass") {
   CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--seq_len=8", "--global_batch=8"}).validate(4));
 }
 
-TEST_CASE("config: validate names the field, the value and the fix") {
+TEST_CASE("config: validate names the field, the value and the fix: ranges, enumerations, the order") {
   SUBCASE("sizes must be positive") {
     for (const char* name : {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep",
                              "parallel.expert_tp", "model.num_layers", "model.hidden", "model.num_heads",
@@ -391,6 +391,9 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_FAILS(parsed({"--order=tp,cp,ep,dp,pp"}).validate(1), "'tp,cp,ep,dp,pp' is not an axis");
     CHECK_FAILS(parsed({"--order=tp-cp-ep-dp-pp-"}).validate(1), "'' is not an axis");
   }
+}
+
+TEST_CASE("config: validate names the field, the value and the fix: grid, engine, batches, model") {
   SUBCASE("the world size and the rank grids") {
     Config c = parsed({"--tp=2", "--pp=2"});
     CHECK_FAILS(c.validate(6), "parallel.tp * parallel.pp * parallel.cp = 2*2*1 = 4 does not divide the world size 6; "
@@ -486,65 +489,66 @@ TEST_CASE("config: validate names the field, the value and the fix") {
     CHECK_FAILS(parsed({"--save_interval=10"}).validate(1), "checkpoint.save_interval = 10 but checkpoint.save is empty");
     CHECK_NOTHROW(parsed({"--save_interval=10", "--save=ckpt"}).validate(1));
   }
-  SUBCASE("mixture of experts") {
-    CHECK_NOTHROW(parsed({"--num_experts=4", "--moe_top_k=2"}).validate(1));
-    CHECK_NOTHROW(parsed({"--num_experts=4", "--tp=2", "--sequence_parallel", "--moe_layers=every:2"}).validate(2));
-    CHECK_NOTHROW(parsed({"--num_experts=4", "--moe_layers=0,3", "--moe_capacity_factor=1.25",
-                          "--moe_drop_policy=position", "--moe_router=sigmoid"}).validate(1));
-    CHECK_NOTHROW(parsed({"--moe_top_k=9"}).validate(1));  // MoE options are inert without experts
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_top_k=5"}).validate(1),
-                "model.moe_top_k = 5 exceeds model.num_experts = 4; each token is routed to K distinct experts: set "
-                "moe_top_k <= 4");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_top_k=0"}).validate(1), "model.moe_top_k = 0 must be at least 1");
-    CHECK_FAILS(parsed({"--num_experts=-1"}).validate(1), "model.num_experts = -1 must be at least 0");
-    CHECK_FAILS(parsed({"--num_experts=3", "--ep=2", "--global_batch=8"}).validate(2),
-                "model.num_experts = 3 is not divisible by parallel.ep = 2");
-    CHECK_FAILS(parsed({"--ep=2", "--global_batch=8"}).validate(2),
-                "parallel.ep = 2 and parallel.expert_tp = 1 split the experts of a mixture-of-experts model, but "
-                "model.num_experts = 0 (dense)");
-    CHECK_FAILS(parsed({"--num_experts=4", "--expert_tp=2", "--ffn_hidden=6", "--moe_ffn_hidden=5",
-                        "--global_batch=8"}).validate(2),
-                "model.moe_ffn_hidden = 5 is not divisible by parallel.expert_tp = 2");
-    // EP with CP where the expert grid cannot re-divide a pipeline stage: ep 4 over cp 2 x dp 2
-    // works with pp last, but with pp between cp and the rest an expert group would span stages.
-    CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--pp=2", "--num_layers=2", "--seq_len=8",
-                          "--global_batch=8"}).validate(8));
-    CHECK_FAILS(parsed({"--num_experts=4", "--ep=2", "--cp=2", "--pp=2", "--num_layers=2", "--seq_len=8",
-                        "--order=cp-pp-tp-ep-dp", "--global_batch=8"}).validate(8),
-                "parallel.order = cp-pp-tp-ep-dp cannot hold expert parallelism here: the axes before pp (cp) span 2 "
-                "ranks of the dense grid (tp 1, cp 2, dp 2) but 1 of the expert grid (expert_tp 1, ep 2, expert-dp 2)");
-    CHECK_FAILS(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--global_batch=8", "--seq_len=8"}).validate(2),
-                "parallel.expert_tp * parallel.ep = 1*4 = 4 does not divide the 2 ranks of a pipeline stage "
-                "(world size 2 / parallel.pp 1 = tp 1 x cp 2 x dp 1)");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_capacity_factor=-1"}).validate(1),
-                "model.moe_capacity_factor = -1 must not be negative; set 0 for dropless routing");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_capacity_factor=0", "--moe_drop_policy=position"}).validate(1),
-                "model.moe_drop_policy = position is set but model.moe_capacity_factor = 0 means dropless routing");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_drop_policy=random"}).validate(1),
-                "model.moe_drop_policy = 'random' is not one of probs | position");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_router=topk"}).validate(1),
-                "model.moe_router = 'topk' is not one of softmax | sigmoid");
-    CHECK_FAILS(parsed({"--moe_dispatcher=flex"}).validate(1),
-                "parallel.moe_dispatcher = 'flex' is not one of alltoall | allgather");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_aux_loss_coeff=-0.1"}).validate(1),
-                "model.moe_aux_loss_coeff = -0.1 must not be negative");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_z_loss_coeff=-1"}).validate(1),
-                "model.moe_z_loss_coeff = -1 must not be negative");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=1,4"}).validate(1),
-                "model.moe_layers = '1,4' names layer 4 but model.num_layers = 4 (layers 0..3)");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:x"}).validate(1),
-                "model.moe_layers = 'every:x': 'x' is not a non-negative integer; write all, every:N");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=1;2"}).validate(1),
-                "model.moe_layers = '1;2': '1;2' is not a non-negative integer");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:0"}).validate(1),
-                "model.moe_layers = 'every:0': N must be at least 1");
-    CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:8"}).validate(1),
-                "model.moe_layers = 'every:8' selects no layer of model.num_layers = 4");
-    CHECK_FAILS(parsed({"--num_experts=4", "--tp=2"}).validate(2),
-                "model.num_experts = 4 with parallel.tp = 2 needs parallel.sequence_parallel = true");
-    const std::vector<bool> every2 = mpigpt::parse_moe_layers("every:2", 4), list = mpigpt::parse_moe_layers("0,2", 4);
-    CHECK(every2 == std::vector<bool>{false, true, false, true});
-    CHECK(list == std::vector<bool>{true, false, true, false});
-    CHECK(mpigpt::parse_moe_layers("all", 3) == std::vector<bool>{true, true, true});
-  }
+}
+
+TEST_CASE("config: validate names the field, the value and the fix: mixture of experts") {
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--moe_top_k=2"}).validate(1));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--tp=2", "--sequence_parallel", "--moe_layers=every:2"}).validate(2));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--moe_layers=0,3", "--moe_capacity_factor=1.25",
+                        "--moe_drop_policy=position", "--moe_router=sigmoid"}).validate(1));
+  CHECK_NOTHROW(parsed({"--moe_top_k=9"}).validate(1));  // MoE options are inert without experts
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_top_k=5"}).validate(1),
+              "model.moe_top_k = 5 exceeds model.num_experts = 4; each token is routed to K distinct experts: set "
+              "moe_top_k <= 4");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_top_k=0"}).validate(1), "model.moe_top_k = 0 must be at least 1");
+  CHECK_FAILS(parsed({"--num_experts=-1"}).validate(1), "model.num_experts = -1 must be at least 0");
+  CHECK_FAILS(parsed({"--num_experts=3", "--ep=2", "--global_batch=8"}).validate(2),
+              "model.num_experts = 3 is not divisible by parallel.ep = 2");
+  CHECK_FAILS(parsed({"--ep=2", "--global_batch=8"}).validate(2),
+              "parallel.ep = 2 and parallel.expert_tp = 1 split the experts of a mixture-of-experts model, but "
+              "model.num_experts = 0 (dense)");
+  CHECK_FAILS(parsed({"--num_experts=4", "--expert_tp=2", "--ffn_hidden=6", "--moe_ffn_hidden=5",
+                      "--global_batch=8"}).validate(2),
+              "model.moe_ffn_hidden = 5 is not divisible by parallel.expert_tp = 2");
+  // EP with CP where the expert grid cannot re-divide a pipeline stage: ep 4 over cp 2 x dp 2
+  // works with pp last, but with pp between cp and the rest an expert group would span stages.
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--pp=2", "--num_layers=2", "--seq_len=8",
+                        "--global_batch=8"}).validate(8));
+  CHECK_FAILS(parsed({"--num_experts=4", "--ep=2", "--cp=2", "--pp=2", "--num_layers=2", "--seq_len=8",
+                      "--order=cp-pp-tp-ep-dp", "--global_batch=8"}).validate(8),
+              "parallel.order = cp-pp-tp-ep-dp cannot hold expert parallelism here: the axes before pp (cp) span 2 "
+              "ranks of the dense grid (tp 1, cp 2, dp 2) but 1 of the expert grid (expert_tp 1, ep 2, expert-dp 2)");
+  CHECK_FAILS(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--global_batch=8", "--seq_len=8"}).validate(2),
+              "parallel.expert_tp * parallel.ep = 1*4 = 4 does not divide the 2 ranks of a pipeline stage "
+              "(world size 2 / parallel.pp 1 = tp 1 x cp 2 x dp 1)");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_capacity_factor=-1"}).validate(1),
+              "model.moe_capacity_factor = -1 must not be negative; set 0 for dropless routing");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_capacity_factor=0", "--moe_drop_policy=position"}).validate(1),
+              "model.moe_drop_policy = position is set but model.moe_capacity_factor = 0 means dropless routing");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_drop_policy=random"}).validate(1),
+              "model.moe_drop_policy = 'random' is not one of probs | position");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_router=topk"}).validate(1),
+              "model.moe_router = 'topk' is not one of softmax | sigmoid");
+  CHECK_FAILS(parsed({"--moe_dispatcher=flex"}).validate(1),
+              "parallel.moe_dispatcher = 'flex' is not one of alltoall | allgather");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_aux_loss_coeff=-0.1"}).validate(1),
+              "model.moe_aux_loss_coeff = -0.1 must not be negative");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_z_loss_coeff=-1"}).validate(1),
+              "model.moe_z_loss_coeff = -1 must not be negative");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=1,4"}).validate(1),
+              "model.moe_layers = '1,4' names layer 4 but model.num_layers = 4 (layers 0..3)");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:x"}).validate(1),
+              "model.moe_layers = 'every:x': 'x' is not a non-negative integer; write all, every:N");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=1;2"}).validate(1),
+              "model.moe_layers = '1;2': '1;2' is not a non-negative integer");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:0"}).validate(1),
+              "model.moe_layers = 'every:0': N must be at least 1");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:8"}).validate(1),
+              "model.moe_layers = 'every:8' selects no layer of model.num_layers = 4");
+  CHECK_FAILS(parsed({"--num_experts=4", "--tp=2"}).validate(2),
+              "model.num_experts = 4 with parallel.tp = 2 needs parallel.sequence_parallel = true");
+  const std::vector<bool> every2 = mpigpt::parse_moe_layers("every:2", 4), list = mpigpt::parse_moe_layers("0,2", 4);
+  CHECK(every2 == std::vector<bool>{false, true, false, true});
+  CHECK(list == std::vector<bool>{true, false, true, false});
+  CHECK(mpigpt::parse_moe_layers("all", 3) == std::vector<bool>{true, true, true});
 }

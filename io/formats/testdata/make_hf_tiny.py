@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent oracle for io/formats/hf_format_test.cpp: tiny Hugging Face models and their
+"""Independent oracle for io/formats/hf_oracle_test.cpp: tiny Hugging Face models and their
 logits, with nothing but numpy (no torch, no transformers).
 
   make_hf_tiny.py make {gpt2,llama,mixtral} OUTDIR [--dtype F32|BF16|F16] [--shards N] [--hub-style]
