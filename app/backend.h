@@ -3,7 +3,7 @@
 #include <memory>
 #include <string>
 
-#include "io/config.h"
+#include "io/config/config.h"
 #include "lib/kernels/ops.h"
 #include "parallel/mesh.h"
 #include "parallel/mpi_env.h"

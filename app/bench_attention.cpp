@@ -10,7 +10,7 @@
 
 #include "app/backend.h"
 #include "app/commands.h"
-#include "io/config.h"
+#include "io/config/config.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
 #include "lib/kernels/buffer.h"

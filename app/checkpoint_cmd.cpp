@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include "app/commands.h"
-#include "io/checkpoint_file.h"
+#include "io/checkpoint/checkpoint_file.h"
 #include "lib/core/error.h"
 #include "lib/train/checkpointing.h"
 

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "build_info.h"
-#include "io/prepare_data.h"
+#include "io/data/prepare_data.h"
 #include "lib/core/error.h"
 #ifdef MPIGPT_WITH_CUDA
 #include "lib/kernels/cuda/device.h"

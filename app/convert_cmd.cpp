@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include "app/commands.h"
-#include "io/hf_format.h"
-#include "io/llmc_model.h"
+#include "io/formats/hf_format.h"
+#include "io/formats/llmc_model.h"
 #include "lib/core/error.h"
 #include "lib/core/log.h"
 #include "lib/model/gpt_dims.h"

@@ -7,9 +7,9 @@
 
 #include "app/backend.h"
 #include "app/commands.h"
-#include "io/config.h"
-#include "io/hf_format.h"
-#include "io/llmc_model.h"
+#include "io/config/config.h"
+#include "io/formats/hf_format.h"
+#include "io/formats/llmc_model.h"
 #include "lib/core/log.h"
 #include "lib/train/layout.h"
 #include "lib/train/trainer.h"

@@ -103,10 +103,10 @@ done
 echo "bundle check: mpirun -np 2: $(wc -l <<<"$loaded") objects loaded, all inside the bundle or the system/CUDA set"
 
 if [ -e bin/mpigpt_tests ]; then
-  out=$("${CLEAN[@]}" "$B/run" mpigpt_tests --source-file='*io/tokenizer_test.cpp' --no-version=true 2>&1) ||
+  out=$("${CLEAN[@]}" "$B/run" mpigpt_tests --source-file='*io/data/tokenizer_test.cpp' --no-version=true 2>&1) ||
     fail "the tokenizer tests fail on the bundle:"$'\n'"$out"
   grep -q 'Status: SUCCESS' <<<"$out" || fail "the tokenizer tests did not pass:"$'\n'"$out"
-  echo "bundle check: mpigpt_tests io/tokenizer_test.cpp passes on the bundle's ICU"
+  echo "bundle check: mpigpt_tests io/data/tokenizer_test.cpp passes on the bundle's ICU"
 fi
 glibc=$(sed -n 's/^NEED_CORE=\([0-9.]*\).*/\1/p' "$B/run")
 cd / && rm -rf "$W"  # kept when a check fails, for a look

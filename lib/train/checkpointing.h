@@ -8,9 +8,9 @@
 #include <utility>
 #include <vector>
 
-#include "io/checkpoint_file.h"
-#include "io/config.h"
-#include "io/tensor_map.h"
+#include "io/checkpoint/checkpoint_file.h"
+#include "io/config/config.h"
+#include "io/formats/tensor_map.h"
 #include "lib/model/params.h"
 #include "lib/train/model_runner.h"
 

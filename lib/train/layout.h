@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "io/config/config.h"
 #include "parallel/rank_grid.h"
 
 namespace mpigpt {

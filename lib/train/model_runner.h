@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-#include "io/config.h"
+#include "io/config/config.h"
 #include "lib/kernels/ops.h"
 #include "lib/model/gpt.h"
 #include "lib/optim/adamw.h"

@@ -8,10 +8,10 @@
 #include <csignal>
 #include <cmath>
 
-#include "io/dataset.h"
-#include "io/hf_format.h"
-#include "io/llmc_model.h"
-#include "io/tokenizer.h"
+#include "io/data/dataset.h"
+#include "io/data/tokenizer.h"
+#include "io/formats/hf_format.h"
+#include "io/formats/llmc_model.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
 #include "lib/optim/adamw.h"

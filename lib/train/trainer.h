@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "io/config.h"
+#include "io/config/config.h"
 #include "lib/kernels/ops.h"
 #include "lib/model/gpt_dims.h"
 #include "lib/train/checkpointing.h"

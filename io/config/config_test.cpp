@@ -1,0 +1,554 @@
+// Tests of the configuration layer: files and overrides, bare keys, flags, typed errors with
+// file:line, "did you mean" hints, --help, the to_ini round trip, family defaults and one test per
+// validate() rule that checks the message names the fields.
+#include "io/config/config.h"
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "lib/core/error.h"
+
+namespace {
+
+using mpigpt::Config;
+using mpigpt::ConfigOption;
+using mpigpt::Error;
+using mpigpt::parse_config_args;
+namespace fs = std::filesystem;
+
+#define CHECK_FAILS(expr, text) \
+  CHECK_THROWS_WITH_AS(expr, doctest::Contains(std::string(text).c_str()), Error)
+
+// A scratch INI file named like the user's (messages show the path), removed at scope end.
+struct TempIni {
+  fs::path path;
+  TempIni(const std::string& name, const std::string& text)
+      : path(fs::temp_directory_path() / fmt::format("mpigpt_config_test_{}_{}", getpid(), name)) {
+    std::ofstream(path) << text;
+  }
+  ~TempIni() { fs::remove(path); }
+  std::string str() const { return path.string(); }
+};
+
+Config parsed(const std::vector<std::string>& args) { return parse_config_args(args).config; }
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST_CASE("config: files in order, then command-line overrides") {
+  TempIni a("a.ini",
+            "# first file\n[training]\nlr = 1e-3\nseed = 7\n\n[model]\nnum_layers = 6  # inline comment\n"
+            "[parallel]\ntp = 2\norder = \"tp-cp-ep-dp-pp\"\n");
+  TempIni b("b.ini", "[training]\nlr = 2e-3\n");
+
+  Config one = parsed({"--config", a.str()});
+  CHECK(one.training.lr == 1e-3);
+  CHECK(one.training.seed == 7);
+  CHECK(one.model.num_layers == 6);
+  CHECK(one.parallel.tp == 2);
+  CHECK(one.sources == std::vector<std::string>{a.str()});
+
+  Config two = parsed({"--config", a.str(), "--config=" + b.str()});
+  CHECK(two.training.lr == 2e-3);  // the later file wins
+  CHECK(two.model.num_layers == 6);
+  CHECK(two.sources == std::vector<std::string>{a.str(), b.str()});
+
+  // The command line beats every file, wherever --config stands, in both spellings.
+  Config cli = parsed({"--training.lr", "5e-4", "--config", a.str(), "--model.num_layers=8", "--config", b.str()});
+  CHECK(cli.training.lr == 5e-4);
+  CHECK(cli.model.num_layers == 8);
+  CHECK(cli.training.seed == 7);
+  // Of two overrides the last wins; a negative number is a value, not an option.
+  CHECK(parsed({"--training.lr", "1", "--training.lr", "-2"}).training.lr == -2);
+  CHECK(parsed({}).training.lr == Config{}.training.lr);
+}
+
+TEST_CASE("config: bare keys on the command line and in a file without section") {
+  Config c = parsed({"--lr", "1e-3", "--tp=2", "--num_layers", "3", "--family", "llama"});
+  CHECK(c.training.lr == 1e-3);
+  CHECK(c.parallel.tp == 2);
+  CHECK(c.model.num_layers == 3);
+  CHECK(c.model.family == "llama");
+  CHECK(parsed({"--comm", "mpi"}).engine.comm == "mpi");  // the switch away from NCCL, as the errors suggest it
+  // Megatron-LM's dashed spellings name the same keys.
+  Config m = parsed({"--save", "ck", "--save-interval", "5", "--checkpoint.keep-last", "2", "--micro-batch=2"});
+  CHECK(m.checkpoint.save == "ck");
+  CHECK(m.checkpoint.save_interval == 5);
+  CHECK(m.checkpoint.keep_last == 2);
+  CHECK(m.training.micro_batch == 2);
+  TempIni f("bare.ini", "seed = 99\n[model]\nhidden = 512\n");
+  Config d = parsed({"--config", f.str()});
+  CHECK(d.training.seed == 99);
+  CHECK(d.model.hidden == 512);
+
+  // Today no key is in two sections, so ambiguity is checked on a made-up table.
+  std::vector<ConfigOption> two{{"a", "x", "int", "", {}}, {"b", "x", "int", "", {}}, {"b", "y", "int", "", {}}};
+  CHECK(mpigpt::resolve_option_name("y", two, "") == "b.y");
+  CHECK(mpigpt::resolve_option_name("a.x", two, "") == "a.x");
+  CHECK_FAILS(mpigpt::resolve_option_name("x", two, "command line", "--"),
+              "command line: option '--x' is ambiguous: it may mean '--a.x' or '--b.x'; write the full section.key name");
+}
+
+TEST_CASE("config: boolean spellings") {
+  for (std::string w : {"true", "1", "yes", "on", "TRUE", "On"}) {
+    CAPTURE(w);
+    CHECK(parsed({"--parallel.sequence_parallel", w}).parallel.sequence_parallel);
+    CHECK(parsed({"--parallel.sequence_parallel=" + w}).parallel.sequence_parallel);
+    TempIni f("bool.ini", "[parallel]\nsequence_parallel = " + w + "\n");
+    CHECK(parsed({"--config", f.str()}).parallel.sequence_parallel);
+  }
+  for (std::string w : {"false", "0", "no", "off"}) {
+    CAPTURE(w);
+    CHECK_FALSE(parsed({"--sequence_parallel=true", "--parallel.sequence_parallel", w}).parallel.sequence_parallel);
+    CHECK_FALSE(parsed({"--sequence_parallel=on", "--sequence_parallel=" + w}).parallel.sequence_parallel);
+  }
+  // Alone it means true, and a following word that is no boolean stays positional.
+  auto p = parse_config_args({"a.txt", "--engine.distributed_optimizer", "b.txt", "--overlap_grad_reduce"});
+  CHECK(p.config.engine.distributed_optimizer);
+  CHECK(p.config.engine.overlap_grad_reduce);
+  CHECK(p.positional == std::vector<std::string>{"a.txt", "b.txt"});
+  Config q = parsed({"--sequence_parallel", "--lr", "1"});
+  CHECK(q.parallel.sequence_parallel);
+  CHECK(q.training.lr == 1);
+  CHECK_FAILS(parsed({"--sequence_parallel=maybe"}),
+              "parallel.sequence_parallel = 'maybe' is not a boolean; write true/false, 1/0, yes/no or on/off");
+}
+
+TEST_CASE("config: a value of the wrong type names file:line, option, value and fix") {
+  TempIni f("tiny.ini", "[model]\nhidden = 64\nnum_layers = four\n");
+  CHECK_FAILS(parsed({"--config", f.str()}), "tiny.ini:3: model.num_layers = 'four' is not an integer; write a whole number");
+  CHECK_FAILS(parsed({"--training.lr", "abc"}), "command line: training.lr = 'abc' is not a finite number; write a decimal");
+  CHECK_FAILS(parsed({"--model.hidden=3000000000"}), "model.hidden = '3000000000' is out of range for an int");
+  CHECK_FAILS(parsed({"--training.seed=-1"}), "training.seed = '-1' is not a non-negative integer");
+  CHECK_FAILS(parsed({"--model.hidden=4.5"}), "model.hidden = '4.5' is not an integer");
+  CHECK_FAILS(parsed({"--model.num_layers"}), "command line: the required argument for option '--model.num_layers' is missing");
+  TempIni g("broken.ini", "[model]\nhidden 64\n");
+  CHECK_FAILS(parsed({"--config", g.str()}), "broken.ini:2: expected 'key = value' or '[section]', found 'hidden 64'");
+  TempIni h("quote.ini", "[data]\npath = \"abc\n");
+  CHECK_FAILS(parsed({"--config", h.str()}), "quote.ini:2: the quoted value \"abc has no closing '\"'");
+  CHECK_FAILS(parsed({"--config", "/nonexistent/x.ini"}), "cannot read config file '/nonexistent/x.ini'");
+  TempIni twice("twice.ini", "[training]\nlr = 1\nseed = 2\nlr = 3\n");
+  CHECK_FAILS(parsed({"--config", twice.str()}), "twice.ini:4: training.lr is set twice in");
+}
+
+TEST_CASE("config: unknown keys suggest the closest option") {
+  TempIni f("tiny.ini", "[training]\nlearning_rate = 1e-3\n");
+  CHECK_FAILS(parsed({"--config", f.str()}),
+              "tiny.ini:2: unknown option 'training.learning_rate'; did you mean 'training.lr'?");
+  TempIni g("typo.ini", "[model]\nnum_layer = 2\n");
+  CHECK_FAILS(parsed({"--config", g.str()}), "typo.ini:2: unknown option 'model.num_layer'; did you mean 'model.num_layers'?");
+  TempIni s("section.ini", "[trainig]\nlr = 1\n");
+  CHECK_FAILS(parsed({"--config", s.str()}), "section.ini:1: unknown section [trainig]; the sections are [parallel], [engine], [training]");
+
+  CHECK_FAILS(parsed({"--training.num_layers", "3"}),
+              "command line: unknown option '--training.num_layers'; did you mean '--model.num_layers'?");
+  CHECK_FAILS(parsed({"--lr_shedule=cosine"}), "did you mean '--training.lr_schedule'?");
+  CHECK_FAILS(parsed({"--tensor-model-parallel-size", "2"}), "did you mean '--parallel.tp'?");
+  CHECK_FAILS(parsed({"--micro-batch-size=2"}), "did you mean '--training.micro_batch'?");
+  CHECK_FAILS(parsed({"--sede", "1"}), "did you mean '--training.seed'?");
+  CHECK_FAILS(parsed({"--layers", "1"}), "did you mean '--model.num_layers'?");
+  CHECK_FAILS(parsed({"--distributed-backend=nccl"}), "did you mean '--engine.comm'?");
+  CHECK_FAILS(parsed({"--distributed-timeout-minutes=10"}), "did you mean '--engine.comm_timeout'?");
+  CHECK_FAILS(parsed({"--zzzzzzzz", "1"}), "unknown option '--zzzzzzzz'; run with --help to list the options");
+  CHECK_FAILS(parsed({"-x"}), "command line: unknown option '-x'");
+  CHECK_FAILS(parsed({"--data.path", "--lr", "1"}),
+              "command line: option '--data.path' is missing its value (the next word '--lr' is an option)");
+  CHECK(parsed({"--data.path=--odd"}).data.path == "--odd");
+}
+
+TEST_CASE("config: subcommand flags and positional words") {
+  auto p = parse_config_args({"a.txt", "--dry-run", "--bench-steps", "5", "--lr", "1", "b.txt", "--bench-steps=7"},
+                             {"dry-run!", "bench-steps"});
+  CHECK(p.positional == std::vector<std::string>{"a.txt", "b.txt"});
+  using Flags = std::vector<std::pair<std::string, std::string>>;
+  CHECK(p.flags == Flags{{"dry-run", "true"}, {"bench-steps", "5"}, {"bench-steps", "7"}});
+  CHECK(p.config.training.lr == 1);
+  CHECK_FAILS(parse_config_args({"--dry-run"}), "unknown option '--dry-run'");
+  // A flag named like a bare key is the flag; the option stays reachable by its full name.
+  auto q = parse_config_args({"--seed", "3", "--training.seed", "4"}, {"seed"});
+  CHECK(q.flags == Flags{{"seed", "3"}});
+  CHECK(q.config.training.seed == 4);
+}
+
+TEST_CASE("config: --help lists every option in its section with default and description") {
+  auto p = parse_config_args({"--lr", "1", "--help"}, {"dry-run!"});
+  REQUIRE(p.help);
+  const std::string& h = p.help_text;
+  CHECK(h.find("--dry-run") != std::string::npos);
+  CHECK(h.find("--config FILE") != std::string::npos);
+  std::vector<size_t> headers;
+  for (const auto& [section, description] : mpigpt::config_sections()) {
+    const size_t at = h.find(fmt::format("[{}] {}:", section, description.substr(0, description.size() - 1)));
+    CHECK_MESSAGE(at != std::string::npos, "no group for section ", section);
+    headers.push_back(at);
+  }
+  CHECK(std::is_sorted(headers.begin(), headers.end()));
+  headers.push_back(h.size());
+  const auto& sections = mpigpt::config_sections();
+  for (const ConfigOption& o : mpigpt::config_options()) {
+    CAPTURE(o.name());
+    const size_t s = std::find_if(sections.begin(), sections.end(), [&](auto& x) { return x.first == o.section; }) -
+                     sections.begin();
+    const size_t at = h.find("--" + o.name() + " ");
+    REQUIRE(at != std::string::npos);
+    CHECK(at > headers[s]);
+    CHECK(at < headers[s + 1]);
+    // Boost wraps long descriptions; compare their first words.
+    CHECK(h.find(o.description.substr(0, 30), at) < headers[s + 1]);
+  }
+  CHECK(h.find("--training.lr NUM (=0.0003)") != std::string::npos);
+  CHECK(h.find("--parallel.sequence_parallel BOOL (=false)") != std::string::npos);
+  CHECK(h.find("--training.metrics_file STR (=\"\")") != std::string::npos);
+}
+
+TEST_CASE("config: the option table is exactly the fields and comments of config.h") {
+  const std::string header = read_text(MPIGPT_TEST_DATA_DIR "/../io/config/config.h");
+  std::istringstream in(header);
+  const std::regex struct_re(R"(^struct (\w+) \{)"), member_re(R"(^\s+(\w+Config) (\w+);)"),
+      field_re(R"(^\s+[\w:<>]+\s+(\w+)(\s*=\s*[^;]*)?;\s*//\s?(.*?)\s*$)");
+  std::map<std::string, std::string> struct_comment;
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> fields;
+  std::vector<std::pair<std::string, std::string>> members;  // (struct, section)
+  std::string line, previous, current;
+  std::smatch m;
+  while (std::getline(in, line)) {
+    if (std::regex_search(line, m, struct_re)) {
+      current = m[1];
+      if (previous.rfind("// ", 0) == 0) struct_comment[current] = previous.substr(3);
+    } else if (line == "};") {
+      current.clear();
+    } else if (current == "Config" && std::regex_search(line, m, member_re)) {
+      members.emplace_back(m[1], m[2]);
+    } else if (!current.empty() && std::regex_search(line, m, field_re)) {
+      fields[current].emplace_back(m[1], m[3]);
+    }
+    previous = line;
+  }
+  std::vector<std::pair<std::string, std::string>> want_sections, want_options, got_options;
+  for (const auto& [type, section] : members) {
+    want_sections.emplace_back(section, struct_comment[type]);
+    for (const auto& [key, comment] : fields[type]) want_options.emplace_back(section + "." + key, comment);
+  }
+  for (const ConfigOption& o : mpigpt::config_options()) got_options.emplace_back(o.name(), o.description);
+  REQUIRE(want_sections.size() == 6);
+  CHECK(want_options.size() > 60);
+  CHECK(mpigpt::config_sections() == want_sections);
+  CHECK(got_options == want_options);
+}
+
+TEST_CASE("config: to_ini reads back to the same configuration") {
+  // Every option at a value unlike its default, strings with characters INI treats specially.
+  Config c;
+  const auto& options = mpigpt::config_options();
+  for (size_t i = 0; i < options.size(); ++i) {
+    const ConfigOption& o = options[i];
+    std::string v;
+    if (o.type == "bool") v = mpigpt::config_get(c, o.name()) == "true" ? "false" : "true";
+    else if (o.type == "double") v = fmt::format("{}", 0.001 * double(i + 1) + 1e-9);
+    else if (o.type == "string") v = fmt::format(" v{} # ; \"q\" \\ x= ", i);
+    else v = std::to_string(1000 + i);
+    mpigpt::config_set(c, o.name(), v);
+  }
+  const std::string ini = c.to_ini();
+  TempIni f("round.ini", ini);
+  Config back = parsed({"--config", f.str()});
+  for (const ConfigOption& o : options) {
+    CAPTURE(o.name());
+    CHECK(mpigpt::config_get(back, o.name()) == mpigpt::config_get(c, o.name()));
+    CHECK(mpigpt::config_get(back, o.name()) != mpigpt::config_get(Config{}, o.name()));
+  }
+  CHECK(back.to_ini() == ini);
+
+  // A resolved llama configuration keeps its family defaults through the round trip.
+  Config llama = parsed({"--family", "llama", "--hidden", "128"});
+  TempIni g("llama.ini", llama.to_ini());
+  Config again = parsed({"--config", g.str()});
+  CHECK(again.to_ini() == llama.to_ini());
+  CHECK_FALSE(again.model.tie_embeddings);
+  CHECK(ini.find("[checkpoint]") != std::string::npos);
+}
+
+TEST_CASE("config: the full example lists every option at its default") {
+  const std::string path = MPIGPT_TEST_DATA_DIR "/example_full.ini";
+  Config c = parsed({"--config", path});
+  for (const ConfigOption& o : mpigpt::config_options()) CHECK_MESSAGE(c.user_set.count(o.name()), o.name(), " is missing from ", path);
+  CHECK(c.to_ini() == parsed({}).to_ini());
+}
+
+TEST_CASE("config: resolve_defaults per family") {
+  Config g = parsed({"--hidden", "256", "--num_heads", "8", "--seq_len", "512"});
+  CHECK(g.model.num_kv_heads == 8);
+  CHECK(g.model.ffn_hidden == 1024);
+  CHECK(g.model.max_position == 512);
+  CHECK(g.model.tie_embeddings);
+  CHECK_FALSE(parsed({"--tie_embeddings=false"}).model.tie_embeddings);
+
+  Config l = parsed({"--family", "llama", "--hidden", "256", "--num_kv_heads", "2"});
+  CHECK(l.model.ffn_hidden == 704);  // 8*256/3 = 682 -> 704
+  CHECK(l.model.num_kv_heads == 2);
+  CHECK_FALSE(l.model.tie_embeddings);
+  CHECK(parsed({"--family", "llama", "--hidden", "4096"}).model.ffn_hidden == 11008 - 64);  // 10922 -> 10944
+  CHECK(parsed({"--family", "llama", "--hidden", "192"}).model.ffn_hidden == 512);  // 512 exactly
+  CHECK(parsed({"--family", "llama", "--ffn_hidden", "100"}).model.ffn_hidden == 100);
+  CHECK(parsed({"--family", "llama", "--tie_embeddings"}).model.tie_embeddings);
+  CHECK(parsed({"--family", "llama"}).model.vocab_size == 0);
+
+  Config plain;  // built in code: the family decides unless user_set names the option
+  plain.model.family = "llama";
+  plain.resolve_defaults();
+  CHECK_FALSE(plain.model.tie_embeddings);
+}
+
+TEST_CASE("config: valid layouts pass") {
+  Config c = parsed({});
+  CHECK_NOTHROW(c.validate(1));
+  CHECK(c.dp(1) == 1);
+  Config big = parsed({"--tp=2", "--pp=2", "--vpp=2", "--num_layers=8", "--micro_batch=1", "--global_batch=8",
+                       "--sequence_parallel", "--distributed_optimizer", "--overlap_grad_reduce",
+                       "--overlap_param_gather", "--order=pp-dp-ep-cp-tp"});
+  CHECK_NOTHROW(big.validate(8));
+  CHECK(big.dp(8) == 2);
+  CHECK_NOTHROW(parsed({"--distributed_optimizer"}).validate(1));                 // dp = 1 is allowed
+  CHECK_NOTHROW(parsed({"--sequence_parallel"}).validate(1));                     // a no-op at tp = 1
+  CHECK_NOTHROW(parsed({"--precision=bf16", "--backend=cuda"}).validate(1));
+  CHECK_NOTHROW(parsed({"--family=llama", "--max_position=16"}).validate(1));     // RoPE needs no table
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=2", "--tp=2", "--sequence_parallel", "--global_batch=8"}).validate(4));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=2", "--expert_tp=2", "--tp=2", "--sequence_parallel", "--global_batch=8"})
+                    .validate(4));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--seq_len=8", "--global_batch=8"}).validate(4));
+}
+
+TEST_CASE("config: validate names the field, the value and the fix: ranges, enumerations, the order") {
+  SUBCASE("sizes must be positive") {
+    for (const char* name : {"parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep",
+                             "parallel.expert_tp", "model.num_layers", "model.hidden", "model.num_heads",
+                             "model.num_kv_heads", "model.ffn_hidden", "model.seq_len", "model.max_position",
+                             "model.vocab_multiple", "training.micro_batch", "training.global_batch",
+                             "training.train_iters", "training.log_interval", "engine.bucket_size"}) {
+      CAPTURE(name);
+      Config c = parsed({});
+      mpigpt::config_set(c, name, "-1");
+      CHECK_FAILS(c.validate(1), fmt::format("{} = -1 must be at least 1", name));
+    }
+    for (const char* name : {"training.warmup_iters", "training.decay_iters", "training.eval_interval",
+                             "checkpoint.save_interval", "checkpoint.keep_last", "engine.threads", "model.vocab_size"}) {
+      CAPTURE(name);
+      CHECK_FAILS(parsed({fmt::format("--{}=-1", name)}).validate(1), fmt::format("{} = -1 must be at least 0", name));
+    }
+    CHECK_FAILS(parsed({"--eval_iters=0"}).validate(1), "training.eval_iters = 0 must be at least 1");
+    CHECK_NOTHROW(parsed({"--eval_iters=0", "--eval_interval=0"}).validate(1));
+  }
+  SUBCASE("real-valued ranges") {
+    CHECK_FAILS(parsed({"--lr=-1", "--min_lr=-2"}).validate(1), "training.lr = -1 must not be negative");
+    CHECK_FAILS(parsed({"--min_lr=-1"}).validate(1), "training.min_lr = -1 must not be negative");
+    CHECK_FAILS(parsed({"--lr=1e-4", "--min_lr=1e-3"}).validate(1), "training.min_lr = 0.001 exceeds training.lr = 0.0001");
+    CHECK_FAILS(parsed({"--beta1=1"}).validate(1), "training.beta1 = 1 must lie in [0, 1)");
+    CHECK_FAILS(parsed({"--beta2=-0.1"}).validate(1), "training.beta2 = -0.1 must lie in [0, 1)");
+    CHECK_FAILS(parsed({"--eps=0"}).validate(1), "training.eps = 0 must be positive");
+    CHECK_FAILS(parsed({"--clip_grad=-1"}).validate(1), "training.clip_grad = -1 must not be negative");
+    CHECK_FAILS(parsed({"--weight_decay=-0.5"}).validate(1), "training.weight_decay = -0.5 must not be negative");
+    CHECK_FAILS(parsed({"--valid_fraction=1"}).validate(1), "data.valid_fraction = 1 must lie in [0, 1)");
+    CHECK_FAILS(parsed({"--valid_fraction=-0.1"}).validate(1), "data.valid_fraction = -0.1 must lie in [0, 1)");
+    CHECK_NOTHROW(parsed({"--valid_fraction=0", "--lr=0", "--clip_grad=0", "--beta1=0"}).validate(1));
+    CHECK_FAILS(parsed({"--peak_tflops=-1"}).validate(1), "training.peak_tflops = -1 must not be negative");
+    CHECK_FAILS(parsed({"--comm_timeout=-1"}).validate(1), "engine.comm_timeout = -1 must be a number of seconds");
+    CHECK_FAILS(parsed({"--comm_timeout=inf"}), "engine.comm_timeout = 'inf' is not a finite number");
+    CHECK_NOTHROW(parsed({"--comm_timeout=0"}).validate(1));  // waits never time out
+    CHECK(parsed({"--comm_timeout=0.5"}).engine.comm_timeout == 0.5);
+    CHECK_FAILS(parsed({"--norm_eps=0"}).validate(1), "model.norm_eps = 0 must be positive");
+    CHECK_FAILS(parsed({"--rope_theta=0"}).validate(1), "model.rope_theta = 0 must be positive");
+    CHECK_FAILS(parsed({"--init_std=-0.02"}).validate(1), "model.init_std = -0.02 must not be negative");
+  }
+  SUBCASE("enumerations") {
+    for (const char* name : {"model.family", "training.lr_schedule", "engine.recompute", "engine.grad_accum_dtype",
+                             "training.precision", "engine.backend", "engine.comm", "engine.attention_backend",
+                             "data.tokenizer"}) {
+      CAPTURE(name);
+      CHECK_FAILS(parsed({fmt::format("--{}=bogus", name)}).validate(1), fmt::format("{} = 'bogus' is not one of", name));
+    }
+    CHECK_FAILS(parsed({"--recompute=partial"}).validate(1), "engine.recompute = 'partial' is not one of none | selective | full");
+    CHECK_FAILS(parsed({"--no_decay=norms,bias"}).validate(1), "training.no_decay = 'norms,bias': 'bias' is not a parameter kind");
+    CHECK_NOTHROW(parsed({"--no_decay", ""}).validate(1));
+  }
+  SUBCASE("the order string is a permutation of the five axes") {
+    CHECK_FAILS(parsed({"--order=tp-cp-dp-pp"}).validate(1), "parallel.order = 'tp-cp-dp-pp' lacks the axis ep");
+    CHECK_FAILS(parsed({"--order=tp-cp-ep-dp-pp-tp"}).validate(1), "parallel.order = 'tp-cp-ep-dp-pp-tp' names the axis tp twice");
+    CHECK_FAILS(parsed({"--order=tp-xp-ep-dp-pp"}).validate(1), "parallel.order = 'tp-xp-ep-dp-pp': 'xp' is not an axis");
+    CHECK_FAILS(parsed({"--order=tp,cp,ep,dp,pp"}).validate(1), "'tp,cp,ep,dp,pp' is not an axis");
+    CHECK_FAILS(parsed({"--order=tp-cp-ep-dp-pp-"}).validate(1), "'' is not an axis");
+  }
+}
+
+TEST_CASE("config: validate names the field, the value and the fix: grid, engine, batches, model") {
+  SUBCASE("the world size and the rank grids") {
+    Config c = parsed({"--tp=2", "--pp=2"});
+    CHECK_FAILS(c.validate(6), "parallel.tp * parallel.pp * parallel.cp = 2*2*1 = 4 does not divide the world size 6; "
+                               "launch a multiple of 4 ranks or change the sizes");
+    CHECK_FAILS(c.dp(6), "does not divide the world size 6");
+    CHECK_FAILS(c.validate(0), "the world size 0 must be at least 1");
+    CHECK_FAILS(c.dp(0), "the world size 0 must be at least 1");
+    CHECK_FAILS(parsed({"--cp=0"}).dp(1), "parallel.tp, parallel.pp and parallel.cp must be at least 1 (they are 1, 1, 0)");
+    CHECK_FAILS(parsed({"--ep=3", "--micro_batch=1"}).validate(4),
+                "parallel.expert_tp * parallel.ep = 1*3 = 3 does not divide the 4 ranks of a pipeline stage");
+    CHECK_FAILS(parsed({"--ep=2", "--expert_tp=2", "--pp=2", "--num_layers=4", "--micro_batch=1"}).validate(4),
+                "parallel.expert_tp * parallel.ep = 2*2 = 4 does not divide the 2 ranks");
+  }
+  SUBCASE("engine combinations") {
+    CHECK_FAILS(parsed({"--overlap_param_gather", "--overlap_grad_reduce"}).validate(1),
+                "engine.overlap_param_gather = true needs engine.distributed_optimizer = true and "
+                "engine.overlap_grad_reduce = true (they are false and true)");
+    CHECK_FAILS(parsed({"--overlap_param_gather", "--distributed_optimizer"}).validate(1),
+                "(they are true and false)");
+    CHECK_FAILS(parsed({"--precision=bf16", "--grad_accum_dtype=bf16"}).validate(1),
+                "training.precision = bf16 needs engine.grad_accum_dtype = fp32 (it is bf16)");
+    CHECK_NOTHROW(parsed({"--grad_accum_dtype=bf16"}).validate(1));
+    // engine.comm: NCCL moves device memory only; auto and mpi suit either backend.
+    CHECK_FAILS(parsed({"--comm=nccl"}).validate(1),
+                "engine.comm = nccl needs engine.backend = cuda (it is cpu)");
+    CHECK_NOTHROW(parsed({"--comm=nccl", "--backend=cuda"}).validate(1));
+    for (const char* backend : {"cpu", "cuda"})
+      for (const char* comm : {"auto", "mpi"}) CHECK_NOTHROW(parsed({"--backend", backend, "--comm", comm}).validate(1));
+    // engine.attention_backend = cudnn: bf16 causal attention on the GPU; builtin and unset suit any run.
+    auto cudnn_with = [&](std::vector<std::string> more) {
+      std::vector<std::string> args = {"--attention_backend=cudnn", "--backend=cuda", "--precision=bf16"};
+      args.insert(args.end(), more.begin(), more.end());
+      return parsed(args);
+    };
+    CHECK_NOTHROW(cudnn_with({}).validate(1));
+    CHECK_FAILS(cudnn_with({"--backend=cpu"}).validate(1),
+                "engine.attention_backend = cudnn, but engine.backend = cpu: cuDNN runs on the GPU; set "
+                "engine.attention_backend = builtin, or leave it unset");
+    CHECK_FAILS(cudnn_with({"--precision=fp32"}).validate(1),
+                "engine.attention_backend = cudnn, but training.precision = fp32: cuDNN's fused attention takes bf16");
+    CHECK_FAILS(cudnn_with({"--cp=2", "--micro_batch=1", "--global_batch=1"}).validate(2),
+                "engine.attention_backend = cudnn, but parallel.cp = 2: context parallelism runs the blockwise");
+    CHECK_FAILS(cudnn_with({"--sequence_packing"}).validate(1),
+                "engine.attention_backend = cudnn, but engine.sequence_packing = true");
+    for (const char* removed : {"auto", "wgmma", "builtin,cudnn", "flash"})
+      CHECK_FAILS(parsed({"--backend=cuda", "--attention_backend", removed}).validate(1),
+                  fmt::format("engine.attention_backend = '{}' is not one of cudnn | builtin", removed));
+    CHECK_FAILS(parsed({"--nccl_init=shared"}).validate(1), "init_rank | split");
+    CHECK(parsed({"--nccl_init=split"}).engine.nccl_init == "split");
+    for (const char* backend : {"cpu", "cuda"})
+      for (const char* ab : {"", "builtin"})
+        CHECK_NOTHROW(parsed({"--backend", backend, "--attention_backend", ab}).validate(1));
+  }
+  SUBCASE("batch sizes") {
+    CHECK_FAILS(parsed({"--micro_batch=4", "--global_batch=4"}).validate(2),
+                "training.global_batch = 4 is not divisible by training.micro_batch * dp = 4*2 = 8");
+    CHECK_FAILS(parsed({"--micro_batch=3", "--global_batch=4"}).validate(1), "training.micro_batch * dp = 3*1 = 3");
+  }
+  SUBCASE("the model divides over the grid") {
+    CHECK_FAILS(parsed({"--pp=3", "--micro_batch=1", "--global_batch=1"}).validate(3),
+                "model.num_layers = 4 is not divisible by parallel.pp * parallel.vpp = 3*1 = 3");
+    CHECK_FAILS(parsed({"--pp=2", "--vpp=4"}).validate(2), "model.num_layers = 4 is not divisible by parallel.pp * parallel.vpp = 2*4 = 8");
+    CHECK_FAILS(parsed({"--tp=3"}).validate(3), "model.num_heads = 4 is not divisible by parallel.tp = 3");
+    CHECK_FAILS(parsed({"--tp=4", "--num_heads=8", "--num_kv_heads=2"}).validate(4),
+                "model.num_kv_heads = 2 is not divisible by parallel.tp = 4");
+    CHECK_FAILS(parsed({"--tp=2", "--ffn_hidden=1001"}).validate(2),
+                "model.ffn_hidden = 1001 is not divisible by parallel.tp = 2");
+    CHECK_FAILS(parsed({"--num_heads=4", "--num_kv_heads=3"}).validate(1),
+                "model.num_heads = 4 is not divisible by model.num_kv_heads = 3");
+    CHECK_FAILS(parsed({"--hidden=250"}).validate(1), "model.hidden = 250 is not divisible by model.num_heads = 4");
+    CHECK_FAILS(parsed({"--family=llama", "--hidden=36"}).validate(1), "model.hidden / model.num_heads = 36/4 = 9 is odd");
+    CHECK_NOTHROW(parsed({"--hidden=36"}).validate(1));  // gpt2 has no RoPE
+    CHECK_FAILS(parsed({"--cp=2", "--seq_len=6"}).validate(2), "model.seq_len = 6 is not divisible by 2 * parallel.cp = 4");
+    CHECK_NOTHROW(parsed({"--seq_len=6"}).validate(1));
+    CHECK_FAILS(parsed({"--max_position=128"}).validate(1), "model.max_position = 128 is smaller than model.seq_len = 256");
+  }
+  SUBCASE("sequence parallelism") {
+    CHECK_FAILS(parsed({"--ep=2", "--tp=2", "--global_batch=8"}).validate(4),
+                "parallel.ep = 2 with parallel.tp = 2 needs parallel.sequence_parallel = true");
+    CHECK_FAILS(parsed({"--tp=2", "--sequence_parallel", "--seq_len=255"}).validate(2),
+                "model.seq_len = 255 is not divisible by parallel.tp = 2; parallel.sequence_parallel");
+    CHECK_NOTHROW(parsed({"--tp=2", "--seq_len=255"}).validate(2));
+    CHECK_FAILS(parsed({"--tp=4", "--cp=2", "--sequence_parallel", "--seq_len=12"}).validate(8),
+                "model.seq_len / parallel.cp = 12/2 = 6 is not divisible by parallel.tp = 4");
+  }
+  SUBCASE("interleaved pipeline") {
+    CHECK_FAILS(parsed({"--vpp=2"}).validate(1), "parallel.vpp = 2 needs parallel.pp > 1");
+    CHECK_FAILS(parsed({"--pp=2", "--vpp=2", "--micro_batch=1", "--global_batch=3"}).validate(2),
+                "(training.micro_batch * dp) = 3/(1*1) = 3, to be divisible by parallel.pp = 2");
+    CHECK_NOTHROW(parsed({"--pp=2", "--vpp=2", "--micro_batch=1", "--global_batch=4"}).validate(2));
+  }
+  SUBCASE("checkpoints") {
+    CHECK_FAILS(parsed({"--save_interval=10"}).validate(1), "checkpoint.save_interval = 10 but checkpoint.save is empty");
+    CHECK_NOTHROW(parsed({"--save_interval=10", "--save=ckpt"}).validate(1));
+  }
+}
+
+TEST_CASE("config: validate names the field, the value and the fix: mixture of experts") {
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--moe_top_k=2"}).validate(1));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--tp=2", "--sequence_parallel", "--moe_layers=every:2"}).validate(2));
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--moe_layers=0,3", "--moe_capacity_factor=1.25",
+                        "--moe_drop_policy=position", "--moe_router=sigmoid"}).validate(1));
+  CHECK_NOTHROW(parsed({"--moe_top_k=9"}).validate(1));  // MoE options are inert without experts
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_top_k=5"}).validate(1),
+              "model.moe_top_k = 5 exceeds model.num_experts = 4; each token is routed to K distinct experts: set "
+              "moe_top_k <= 4");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_top_k=0"}).validate(1), "model.moe_top_k = 0 must be at least 1");
+  CHECK_FAILS(parsed({"--num_experts=-1"}).validate(1), "model.num_experts = -1 must be at least 0");
+  CHECK_FAILS(parsed({"--num_experts=3", "--ep=2", "--global_batch=8"}).validate(2),
+              "model.num_experts = 3 is not divisible by parallel.ep = 2");
+  CHECK_FAILS(parsed({"--ep=2", "--global_batch=8"}).validate(2),
+              "parallel.ep = 2 and parallel.expert_tp = 1 split the experts of a mixture-of-experts model, but "
+              "model.num_experts = 0 (dense)");
+  CHECK_FAILS(parsed({"--num_experts=4", "--expert_tp=2", "--ffn_hidden=6", "--moe_ffn_hidden=5",
+                      "--global_batch=8"}).validate(2),
+              "model.moe_ffn_hidden = 5 is not divisible by parallel.expert_tp = 2");
+  // EP with CP where the expert grid cannot re-divide a pipeline stage: ep 4 over cp 2 x dp 2
+  // works with pp last, but with pp between cp and the rest an expert group would span stages.
+  CHECK_NOTHROW(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--pp=2", "--num_layers=2", "--seq_len=8",
+                        "--global_batch=8"}).validate(8));
+  CHECK_FAILS(parsed({"--num_experts=4", "--ep=2", "--cp=2", "--pp=2", "--num_layers=2", "--seq_len=8",
+                      "--order=cp-pp-tp-ep-dp", "--global_batch=8"}).validate(8),
+              "parallel.order = cp-pp-tp-ep-dp cannot hold expert parallelism here: the axes before pp (cp) span 2 "
+              "ranks of the dense grid (tp 1, cp 2, dp 2) but 1 of the expert grid (expert_tp 1, ep 2, expert-dp 2)");
+  CHECK_FAILS(parsed({"--num_experts=4", "--ep=4", "--cp=2", "--global_batch=8", "--seq_len=8"}).validate(2),
+              "parallel.expert_tp * parallel.ep = 1*4 = 4 does not divide the 2 ranks of a pipeline stage "
+              "(world size 2 / parallel.pp 1 = tp 1 x cp 2 x dp 1)");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_capacity_factor=-1"}).validate(1),
+              "model.moe_capacity_factor = -1 must not be negative; set 0 for dropless routing");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_capacity_factor=0", "--moe_drop_policy=position"}).validate(1),
+              "model.moe_drop_policy = position is set but model.moe_capacity_factor = 0 means dropless routing");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_drop_policy=random"}).validate(1),
+              "model.moe_drop_policy = 'random' is not one of probs | position");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_router=topk"}).validate(1),
+              "model.moe_router = 'topk' is not one of softmax | sigmoid");
+  CHECK_FAILS(parsed({"--moe_dispatcher=flex"}).validate(1),
+              "parallel.moe_dispatcher = 'flex' is not one of alltoall | allgather");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_aux_loss_coeff=-0.1"}).validate(1),
+              "model.moe_aux_loss_coeff = -0.1 must not be negative");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_z_loss_coeff=-1"}).validate(1),
+              "model.moe_z_loss_coeff = -1 must not be negative");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=1,4"}).validate(1),
+              "model.moe_layers = '1,4' names layer 4 but model.num_layers = 4 (layers 0..3)");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:x"}).validate(1),
+              "model.moe_layers = 'every:x': 'x' is not a non-negative integer; write all, every:N");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=1;2"}).validate(1),
+              "model.moe_layers = '1;2': '1;2' is not a non-negative integer");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:0"}).validate(1),
+              "model.moe_layers = 'every:0': N must be at least 1");
+  CHECK_FAILS(parsed({"--num_experts=4", "--moe_layers=every:8"}).validate(1),
+              "model.moe_layers = 'every:8' selects no layer of model.num_layers = 4");
+  CHECK_FAILS(parsed({"--num_experts=4", "--tp=2"}).validate(2),
+              "model.num_experts = 4 with parallel.tp = 2 needs parallel.sequence_parallel = true");
+  const std::vector<bool> every2 = mpigpt::parse_moe_layers("every:2", 4), list = mpigpt::parse_moe_layers("0,2", 4);
+  CHECK(every2 == std::vector<bool>{false, true, false, true});
+  CHECK(list == std::vector<bool>{true, false, true, false});
+  CHECK(mpigpt::parse_moe_layers("all", 3) == std::vector<bool>{true, true, true});
+}
