@@ -4,6 +4,7 @@
 // position in the global tensor (DESIGN principle 3), so every layout holds exactly the slices
 // of the single-rank model.
 #pragma once
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,6 +16,8 @@ namespace mpigpt {
 
 enum class ParamKind { Weight, Bias, Norm, Embedding };
 const char* param_kind_name(ParamKind k);
+// Parse training.no_decay, "norms,biases,embeddings" (any subset, or "none"), into parameter kinds.
+std::set<ParamKind> parse_no_decay(const std::string& list);
 
 // How a parameter is split over the tensor-parallel ranks.
 // For an expert parameter (ParamInfo::expert) the split is over the expert-tensor-parallel group.
