@@ -34,6 +34,10 @@ using Schedule = std::vector<std::vector<Action>>;
 // from the last rank's chunk c back to rank 0's chunk c+1.
 inline int virtual_stage(int pp, int pp_rank, int chunk) { return chunk * pp + pp_rank; }
 
+// Global layer indices held by pipeline rank `pp_rank`, per model chunk (virtual stage):
+// chunk v holds layer block v*pp + pp_rank of num_layers / (pp*vpp) consecutive layers.
+std::vector<std::vector<int>> layers_of_stage(int num_layers, int pp, int vpp, int pp_rank);
+
 // The 1F1B schedule of one step with m micro-batches over pp ranks holding vpp model chunks
 // each: plain 1F1B for vpp == 1 (any m >= 1), Megatron's interleaved 1F1B for vpp > 1 (m must
 // be a multiple of pp). Receives sit right before the compute that needs them and sends right

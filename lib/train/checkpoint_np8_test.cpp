@@ -9,7 +9,6 @@
 #include <cmath>
 #include <filesystem>
 
-#include "lib/train/layout.h"
 #include "lib/train/trainer.h"
 
 using namespace mpigpt;

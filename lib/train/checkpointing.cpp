@@ -15,7 +15,6 @@
 #include <fmt/format.h>
 
 #include "lib/core/error.h"
-#include "lib/train/layout.h"
 
 namespace mpigpt {
 

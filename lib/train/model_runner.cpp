@@ -7,7 +7,6 @@
 #include <set>
 #include <utility>
 
-#include "lib/train/layout.h"
 #include "parallel/pipeline_parallel.h"
 
 namespace mpigpt {

@@ -18,7 +18,6 @@
 #include "lib/core/rng.h"
 #include "lib/kernels/cuda/cuda_testing.h"
 #include "lib/train/checkpointing.h"
-#include "lib/train/layout.h"
 #include "lib/train/model_runner.h"
 #include "lib/train/trainer.h"
 
