@@ -3,6 +3,9 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 
 #include "app/backend.h"
@@ -15,6 +18,23 @@
 #include "lib/train/trainer.h"
 
 namespace mpigpt::app {
+
+namespace {
+
+// Fault injection for the interrupted-save test (cli/ckpt_kill_in_save_np2):
+// MPIGPT_FAULT_KILL_IN_SAVE=ITER:RANK kills world rank RANK (SIGKILL, no clean-up) halfway through
+// writing the save of iteration ITER.
+SaveHook fault_injection(int rank) {
+  const char* spec = std::getenv("MPIGPT_FAULT_KILL_IN_SAVE");
+  long long it = -1;
+  int r = -1;
+  if (!spec || std::sscanf(spec, "%lld:%d", &it, &r) != 2 || r != rank) return {};
+  return [it](int64_t iteration) {
+    if (iteration == it) std::raise(SIGKILL);
+  };
+}
+
+}  // namespace
 
 int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench) {
   ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "profile-ops!", "world-size"});
@@ -46,6 +66,7 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     if (*dst < (k == "bench-steps" ? 1 : 0)) fail("--{} = {} must be positive", k, v);
   }
   TrainOptions opts;
+  opts.in_save = fault_injection(mpi.rank());
   if (bench) {
     cfg.training.train_iters = steps + warmup;
     cfg.training.eval_interval = 0;
