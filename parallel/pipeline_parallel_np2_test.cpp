@@ -2,7 +2,7 @@
 // and must reproduce a serial single-process computation exactly; the fake stage records every
 // way the executor could misuse it (so these tests can fail), and run_schedule refuses
 // malformed action lists before sending anything.
-#include "parallel/pipeline_test_stage.h"
+#include "parallel/pipeline_parallel_testing.h"
 
 namespace {
 std::string joined(const std::vector<std::string>& lines) {

@@ -7,8 +7,8 @@
 #include <mpi.h>
 
 #include "lib/model/gpt.h"
-#include "lib/model/gpt_recompute_test_util.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_recompute_testing.h"
+#include "lib/model/gpt_testing.h"
 #include "parallel/context_parallel.h"
 
 using namespace mpigpt;

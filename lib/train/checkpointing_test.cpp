@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_testing.h"
 #include "lib/model/params.h"
 #include "lib/train/checkpointing.h"
 

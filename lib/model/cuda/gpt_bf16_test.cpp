@@ -11,7 +11,7 @@
 #include "lib/core/rng.h"
 #include "lib/kernels/cuda/cuda_testing.h"
 #include "lib/model/gpt.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_testing.h"
 
 using namespace mpigpt;
 using testing::round_bf16;

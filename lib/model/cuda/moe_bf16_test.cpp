@@ -13,7 +13,7 @@
 #include "lib/kernels/cuda/cuda_testing.h"
 #include "lib/kernels/testing.h"
 #include "lib/model/moe.h"
-#include "lib/model/moe_test_util.h"
+#include "lib/model/moe_testing.h"
 
 using namespace mpigpt;
 using namespace mpigpt::testing;
