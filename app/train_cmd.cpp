@@ -22,8 +22,8 @@ namespace mpigpt::app {
 namespace {
 
 // Fault injection for the interrupted-save test (cli/ckpt_kill_in_save_np2):
-// MPIGPT_FAULT_KILL_IN_SAVE=ITER:RANK kills world rank RANK (SIGKILL, no clean-up) halfway through
-// writing the save of iteration ITER.
+// MPIGPT_FAULT_KILL_IN_SAVE=ITER:RANK kills world rank RANK (SIGKILL, no clean-up) halfway
+// through writing the save of iteration ITER.
 SaveHook fault_injection(int rank) {
   const char* spec = std::getenv("MPIGPT_FAULT_KILL_IN_SAVE");
   long long it = -1;

@@ -1,7 +1,6 @@
-// Two ranks: the executor runs generated schedules through a fake stage, a chain of affine maps,
-// and must reproduce a serial single-process computation exactly; the fake stage records every
-// way the executor could misuse it (so these tests can fail), and run_schedule refuses
-// malformed action lists before sending anything.
+// Two ranks: the executor runs generated schedules through a fake stage (a chain of affine maps
+// that records every misuse, pipeline_parallel_testing.h) and must reproduce a serial
+// single-process computation exactly, and run_schedule refuses malformed action lists.
 #include "parallel/pipeline_parallel_testing.h"
 
 namespace {

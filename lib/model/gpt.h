@@ -1,12 +1,6 @@
 // The GPT: embedding, L transformer blocks, final norm and output head, forward and backward
 // written once against ops.h. Both families (GPT-2 and Llama) share this code; they differ in
 // the norm (LayerNorm/RMSNorm), positions (learned/RoPE), MLP (GELU/SwiGLU), biases and tying.
-//
-// One GPT object is what one rank holds: its tensor-parallel shard of the layers of its model
-// chunks (virtual pipeline stages), the embedding on the first stage and the head on the last.
-// Each chunk runs forward and backward per micro-batch; a chunk keeps one set of activations
-// per micro-batch in flight (pipeline schedules run several forwards before their backwards);
-// activation recomputation (Recompute) shrinks what each set keeps.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -71,6 +65,11 @@ struct MicroBatchInput {
   const int32_t* token_index = nullptr;
 };
 
+// One GPT object is what one rank holds: its tensor-parallel shard of the layers of its model
+// chunks (virtual pipeline stages), the embedding on the first stage and the head on the last.
+// Each chunk runs forward and backward per micro-batch; a chunk keeps one set of activations
+// per micro-batch in flight (pipeline schedules run several forwards before their backwards);
+// activation recomputation (Recompute) shrinks what each set keeps.
 class GPT {
  public:
   // The whole model on one rank; activations sized for micro-batches of B sequences of d.T.

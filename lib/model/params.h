@@ -1,8 +1,6 @@
 // The parameter table of a GPT: every weight's global name, global shape, kind, the part of it
 // this rank holds (tensor-parallel shard, pipeline stage) and its place in the rank's flat
-// parameter buffer; and its initialisation from the counter-based RNG indexed by the element's
-// position in the global tensor (DESIGN principle 3), so every layout holds exactly the slices
-// of the single-rank model.
+// parameter buffer; and its layout-independent initialisation.
 #pragma once
 #include <set>
 #include <string>
@@ -78,7 +76,9 @@ struct ModelPlacement {
 // them). With the default placement: the whole single-rank model.
 std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement& pl = {});
 
-// Write the initial values of this rank's part of `p` into `dst` (host, p.numel() floats).
+// Write the initial values of this rank's part of `p` into `dst` (host, p.numel() floats), from
+// the counter-based RNG indexed by the element's position in the global tensor (DESIGN principle
+// 3), so every layout holds exactly the slices of the single-rank model.
 void init_param(const ParamInfo& p, uint64_t seed, float* dst);
 
 }  // namespace mpigpt

@@ -1,7 +1,6 @@
 // AdamW over a model's flat parameter buffer, or over the ranges of it this rank owns (the
-// distributed optimizer): fp32 moments, decoupled weight decay applied per parameter kind (by
-// default not to norms, biases and embeddings), bias correction, and clipping by the global
-// gradient norm.
+// distributed optimizer): fp32 moments, decoupled weight decay per parameter, bias correction,
+// and clipping by the global gradient norm.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -1,7 +1,6 @@
-// Four ranks, as one data-parallel group of 4 and as two groups of 2: several AdamW steps with the
-// distributed optimizer (reduce-scatter, clipped step on this rank's slices, all-gather) give the
-// same parameters as plain data parallelism (all-reduce, full AdamW) on a table of mixed decay
-// settings whose parameters the slices cut through; bit for bit when the gradient sums are exact.
+// Four ranks, as one data-parallel group of 4 and as two groups of 2: the distributed optimizer
+// (reduce-scatter, clipped step on this rank's slices, all-gather) gives the parameters of plain
+// data parallelism (all-reduce, full AdamW).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -80,6 +79,8 @@ struct Replica {
 
 }  // namespace
 
+// Several steps on a table of mixed decay settings whose parameters the slices cut through; bit for
+// bit when the gradient sums are exact.
 TEST_CASE("the distributed optimizer reproduces plain data-parallel AdamW") {
   auto ops = make_cpu_ops();
   AdamWConfig cfg;

@@ -1,7 +1,6 @@
-// Checkpoints of a training run (docs/checkpoint-format.md): which datasets and hyperslabs one
-// rank's model shard and optimizer slices are, saving a step into ROOT/iter_NNNNNNN/ with the
-// atomic `latest` pointer and retention, and loading any save into any layout (every rank
-// reads the boxes its layout owns).
+// Checkpoints of a training run (docs/checkpoint-format.md): saving a step into
+// ROOT/iter_NNNNNNN/ with the atomic `latest` pointer and retention, and loading any save into any
+// layout, every rank writing and reading the hyperslabs its model shard and optimizer slices own.
 #pragma once
 #include <cstdint>
 #include <functional>
