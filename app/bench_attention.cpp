@@ -1,7 +1,5 @@
 // `mpigpt bench-attention`: the causal attention of a configuration alone, forward and backward on
-// random data of its shape (training.micro_batch sequences of model.seq_len tokens, the model's
-// query and key/value heads and head dim), on the configured backend, precision and
-// engine.attention_backend: median time per call and TFLOP/s, one process.
+// random data of its shape: median time per call and TFLOP/s, one process.
 #include <fmt/format.h>
 #include <mpi.h>
 
@@ -64,6 +62,9 @@ double median_seconds(Ops& ops, int warmup, int runs, F&& f) {
 
 }  // namespace
 
+// The shape is the configuration's (training.micro_batch sequences of model.seq_len tokens, the
+// model's query and key/value heads and head dim), run on the configured backend, precision and
+// engine.attention_backend.
 int cmd_bench_attention(const std::vector<std::string>& args, const MpiEnv& mpi) {
   ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup"});
   if (parsed.help) {

@@ -10,7 +10,6 @@
 #include "lib/core/log.h"
 #include "lib/kernels/ops.h"
 #include "lib/train/checkpointing.h"
-#include "lib/train/layout.h"
 #include "lib/train/trainer.h"
 
 namespace mpigpt::app {

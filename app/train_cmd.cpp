@@ -3,6 +3,9 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 
 #include "app/backend.h"
@@ -15,6 +18,83 @@
 #include "lib/train/trainer.h"
 
 namespace mpigpt::app {
+
+namespace {
+
+// Fault injection for the interrupted-save test (cli/ckpt_kill_in_save_np2):
+// MPIGPT_FAULT_KILL_IN_SAVE=ITER:RANK kills world rank RANK (SIGKILL, no clean-up) halfway
+// through writing the save of iteration ITER.
+SaveHook fault_injection(int rank) {
+  const char* spec = std::getenv("MPIGPT_FAULT_KILL_IN_SAVE");
+  long long it = -1;
+  int r = -1;
+  if (!spec || std::sscanf(spec, "%lld:%d", &it, &r) != 2 || r != rank) return {};
+  return [it](int64_t iteration) {
+    if (iteration == it) std::raise(SIGKILL);
+  };
+}
+
+// `mpigpt bench`: the run's memory, communication, pipeline bubble and expert load, logged by
+// rank 0 (collective).
+void report_bench_resources(const Config& cfg, const TrainResult& r, const MpiEnv& mpi) {
+  // Memory and traffic differ per rank (pipeline stages, slices): report the largest.
+  std::vector<int64_t> v = {r.memory.params, r.memory.grads, r.memory.optimizer, r.activation_bytes, r.device_peak_bytes};
+  for (const auto& g : r.comm_bytes) v.push_back(g.second);
+  MPI_Allreduce(MPI_IN_PLACE, v.data(), int(v.size()), MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+  const double MiB = 1048576.0;
+  std::string comm;
+  for (size_t i = 0; i < r.comm_bytes.size(); ++i)
+    comm += fmt::format("{}{} {}", i ? ", " : "", r.comm_bytes[i].first,
+                        v[5 + i] >= 1048576 ? fmt::format("{:.2f} MiB", v[5 + i] / MiB)
+                                            : fmt::format("{:.1f} KiB", v[5 + i] / 1024.0));
+  if (mpi.rank() == 0) {
+    log_line("bench: per rank (max over ranks): parameters {:.1f} MiB, gradients {:.1f} MiB, optimizer state "
+             "{:.1f} MiB = {:.1f} MiB", v[0] / MiB, v[1] / MiB, v[2] / MiB, (v[0] + v[1] + v[2]) / MiB);
+    log_line("bench: activations per rank (max over ranks, engine.recompute = {}): {:.1f} MiB",
+             cfg.engine.recompute, v[3] / MiB);
+    if (v[4] > 0) log_line("bench: peak GPU memory per rank (max over ranks): {:.1f} MiB", v[4] / MiB);
+    log_line("bench: communication of one step per rank and group (max over ranks): {}", comm);
+    log_line("bench: pipeline bubble of the schedule (simulated, backward = 2 x forward): {:.1f}%", 100 * r.bubble);
+    if (!r.expert_loads.empty()) {  // the last tenth of the run (at least one step)
+      const size_t n = r.expert_loads.size(), k = std::max<size_t>(1, n / 10);
+      double last = 0;
+      for (size_t i = n - k; i < n; ++i) last += r.expert_loads[i] / double(k);
+      log_line("bench: expert load imbalance (max/mean top-k assignments per expert, mean over MoE layers and "
+               "micro-batches): step 1 {:.3f}, last {} step(s) {:.3f}; aux loss last step {:.4f}",
+               r.expert_loads.front(), k, last, r.aux_losses.back());
+    }
+  }
+}
+
+// `mpigpt bench` on rank 0: the step time after `warmup` steps, its FLOP rate and the per-op profile.
+void report_bench_speed(const Config& cfg, const TrainResult& r, int warmup, const MpiEnv& mpi) {
+  std::vector<double> t(r.step_ms.begin() + warmup, r.step_ms.end());
+  std::sort(t.begin(), t.end());
+  const double median = t.size() % 2 ? t[t.size() / 2] : 0.5 * (t[t.size() / 2 - 1] + t[t.size() / 2]);
+  // The trainer measured the GEMM peak and counted the FLOPs (per rank).
+  const double flops = r.flops_per_step * mpi.size(), peak = r.peak_flops;
+  const double tokens = double(cfg.training.global_batch) * cfg.model.seq_len;
+  log_line("bench: {} steps after {} warm-up: median {:.1f} ms/step (min {:.1f}, max {:.1f}), {:.0f} tok/s, "
+           "{:.1f} GFLOP/s model FLOPs",
+           t.size(), warmup, median, t.front(), t.back(), tokens / (median / 1e3), flops / (median / 1e3) / 1e9);
+  const bool gpu = cfg.engine.backend == "cuda";
+  log_line("bench: {:.1f} GFLOP per step; {} {:.3g} TFLOP/s per rank puts the GEMM-only floor at {:.1f} ms/step",
+           flops / 1e9, gpu ? "the GPU's dense bf16 peak" : "this machine's fp32 GEMM peak", peak / 1e12,
+           flops / (peak * mpi.size()) * 1e3);
+  for (const std::string& note : r.backend_notes) log_line("bench: {}", note);
+  log_line("bench: achieved {:.3g} TFLOP/s per rank, MFU {:.1f}% (training.precision = {}, engine.recompute = {}, "
+           "micro-batch {})", flops / mpi.size() / (median / 1e3) / 1e12,
+           100.0 * flops / (median / 1e3) / (peak * mpi.size()), cfg.training.precision, cfg.engine.recompute,
+           cfg.training.micro_batch);
+  // The profiled step synchronised after every op: its total exceeds the steps timed above.
+  double total = 0;
+  for (const OpTime& o : r.op_times) total += o.seconds;
+  for (const OpTime& o : r.op_times)
+    log_line("bench: op {:<32} {:9.3f} ms {:5.1f}% {:6} calls", o.op, o.seconds * 1e3, 100 * o.seconds / total,
+             o.calls);
+}
+
+}  // namespace
 
 int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench) {
   ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "profile-ops!", "world-size"});
@@ -46,6 +126,7 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     if (*dst < (k == "bench-steps" ? 1 : 0)) fail("--{} = {} must be positive", k, v);
   }
   TrainOptions opts;
+  opts.in_save = fault_injection(mpi.rank());
   if (bench) {
     cfg.training.train_iters = steps + warmup;
     cfg.training.eval_interval = 0;
@@ -87,59 +168,8 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
   if (mpi.rank() == 0) log_line("{}attention: {}", bench ? "bench: " : "", attention);
   TrainResult r = train(cfg, mesh, *ops, opts);
   if (bench) {
-    // Memory and traffic differ per rank (pipeline stages, slices): report the largest.
-    std::vector<int64_t> v = {r.memory.params, r.memory.grads, r.memory.optimizer, r.activation_bytes, r.device_peak_bytes};
-    for (const auto& g : r.comm_bytes) v.push_back(g.second);
-    MPI_Allreduce(MPI_IN_PLACE, v.data(), int(v.size()), MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-    const double MiB = 1048576.0;
-    std::string comm;
-    for (size_t i = 0; i < r.comm_bytes.size(); ++i)
-      comm += fmt::format("{}{} {}", i ? ", " : "", r.comm_bytes[i].first,
-                          v[5 + i] >= 1048576 ? fmt::format("{:.2f} MiB", v[5 + i] / MiB)
-                                              : fmt::format("{:.1f} KiB", v[5 + i] / 1024.0));
-    if (mpi.rank() == 0) {
-      log_line("bench: per rank (max over ranks): parameters {:.1f} MiB, gradients {:.1f} MiB, optimizer state "
-               "{:.1f} MiB = {:.1f} MiB", v[0] / MiB, v[1] / MiB, v[2] / MiB, (v[0] + v[1] + v[2]) / MiB);
-      log_line("bench: activations per rank (max over ranks, engine.recompute = {}): {:.1f} MiB",
-               cfg.engine.recompute, v[3] / MiB);
-      if (v[4] > 0) log_line("bench: peak GPU memory per rank (max over ranks): {:.1f} MiB", v[4] / MiB);
-      log_line("bench: communication of one step per rank and group (max over ranks): {}", comm);
-      log_line("bench: pipeline bubble of the schedule (simulated, backward = 2 x forward): {:.1f}%", 100 * r.bubble);
-      if (!r.expert_loads.empty()) {  // the last tenth of the run (at least one step)
-        const size_t n = r.expert_loads.size(), k = std::max<size_t>(1, n / 10);
-        double last = 0;
-        for (size_t i = n - k; i < n; ++i) last += r.expert_loads[i] / double(k);
-        log_line("bench: expert load imbalance (max/mean top-k assignments per expert, mean over MoE layers and "
-                 "micro-batches): step 1 {:.3f}, last {} step(s) {:.3f}; aux loss last step {:.4f}",
-                 r.expert_loads.front(), k, last, r.aux_losses.back());
-      }
-    }
-  }
-  if (bench && mpi.rank() == 0) {
-    std::vector<double> t(r.step_ms.begin() + warmup, r.step_ms.end());
-    std::sort(t.begin(), t.end());
-    const double median = t.size() % 2 ? t[t.size() / 2] : 0.5 * (t[t.size() / 2 - 1] + t[t.size() / 2]);
-    // The trainer measured the GEMM peak and counted the FLOPs (per rank).
-    const double flops = r.flops_per_step * mpi.size(), peak = r.peak_flops;
-    const double tokens = double(cfg.training.global_batch) * cfg.model.seq_len;
-    log_line("bench: {} steps after {} warm-up: median {:.1f} ms/step (min {:.1f}, max {:.1f}), {:.0f} tok/s, "
-             "{:.1f} GFLOP/s model FLOPs",
-             t.size(), warmup, median, t.front(), t.back(), tokens / (median / 1e3), flops / (median / 1e3) / 1e9);
-    const bool gpu = cfg.engine.backend == "cuda";
-    log_line("bench: {:.1f} GFLOP per step; {} {:.3g} TFLOP/s per rank puts the GEMM-only floor at {:.1f} ms/step",
-             flops / 1e9, gpu ? "the GPU's dense bf16 peak" : "this machine's fp32 GEMM peak", peak / 1e12,
-             flops / (peak * mpi.size()) * 1e3);
-    for (const std::string& note : r.backend_notes) log_line("bench: {}", note);
-    log_line("bench: achieved {:.3g} TFLOP/s per rank, MFU {:.1f}% (training.precision = {}, engine.recompute = {}, "
-             "micro-batch {})", flops / mpi.size() / (median / 1e3) / 1e12,
-             100.0 * flops / (median / 1e3) / (peak * mpi.size()), cfg.training.precision, cfg.engine.recompute,
-             cfg.training.micro_batch);
-    // The profiled step synchronised after every op: its total exceeds the steps timed above.
-    double total = 0;
-    for (const OpTime& o : r.op_times) total += o.seconds;
-    for (const OpTime& o : r.op_times)
-      log_line("bench: op {:<32} {:9.3f} ms {:5.1f}% {:6} calls", o.op, o.seconds * 1e3, 100 * o.seconds / total,
-               o.calls);
+    report_bench_resources(cfg, r, mpi);
+    if (mpi.rank() == 0) report_bench_speed(cfg, r, warmup, mpi);
   }
   return 0;
 }

@@ -1,32 +1,6 @@
 // Comm: the collective interface a component receives for the one group it talks to. Every call
 // is checked (a failure throws, and the job aborts) and counted: stats() gives the payload bytes
 // per kind of call, which is how the communication volume per group and step is measured.
-//
-// Three paths behind the same calls, chosen per call by where the tensors live:
-//   host tensors            MPI, as always.
-//   device tensors, NCCL    after use_nccl(): NCCL on a communication stream of this Comm, ordered
-//                           against the compute stream (Ops::stream()) by events and never by
-//                           host synchronisation: the comm stream waits for the compute work
-//                           queued before the call; a blocking call returns once the compute
-//                           stream waits for the result; a non-blocking one returns a Request
-//                           whose wait() does that. Results are thus visible to later ops, not
-//                           yet to the host.
-//   device tensors, staged  otherwise (engine.comm = mpi): device -> pinned host -> MPI ->
-//                           device, synchronously; non-blocking collectives complete before they
-//                           return (point-to-point stays non-blocking, see isend). bf16 is summed
-//                           in f32 on the host.
-// Point-to-point with NCCL: NCCL pairs sends and receives by order, not by tag, and runs a
-// communicator's operations one after another on its stream. A send finishes only once its
-// receive runs, so with sends and receives on one stream a send blocks the receives queued behind
-// it, which MPI's non-blocking sends never do; schedules that MPI runs then deadlock (interleaved
-// 1F1B does, also when each receive is grouped with the sends before it in one
-// ncclGroupStart/End). Sends and receives therefore go over directed links: 2-rank communicators
-// (sender -> receiver), each with its own stream, carrying one direction only, which behave like
-// MPI's non-blocking sends. A link matches its messages in the order they are posted, hence
-// THE RULE: every pair of ranks must receive its messages in the order they are sent (tags still
-// name them for MPI, but NCCL does not look at them). Links exist between ring neighbours
-// (rank +-1 mod size) of the groups set up with p2p links (the pipeline and context-parallel
-// groups), which is every point-to-point pattern of this program.
 #pragma once
 #include <mpi.h>
 
@@ -118,6 +92,19 @@ class Request {
 
 struct DeviceComm;  // how this Comm moves device tensors (comm_nccl.h)
 
+// Three paths behind the same calls, chosen per call by where the tensors live:
+//   host tensors            MPI, as always.
+//   device tensors, NCCL    after use_nccl(): NCCL on a communication stream of this Comm, ordered
+//                           against the compute stream (Ops::stream()) by events and never by
+//                           host synchronisation: the comm stream waits for the compute work
+//                           queued before the call; a blocking call returns once the compute
+//                           stream waits for the result; a non-blocking one returns a Request
+//                           whose wait() does that. Results are thus visible to later ops, not
+//                           yet to the host.
+//   device tensors, staged  otherwise (engine.comm = mpi): device -> pinned host -> MPI ->
+//                           device, synchronously; non-blocking collectives complete before they
+//                           return (point-to-point stays non-blocking, see isend). bf16 is summed
+//                           in f32 on the host.
 class Comm {
  public:
   explicit Comm(MPI_Comm comm);  // MPI_COMM_NULL: a rank outside the group (size 0)
@@ -129,7 +116,7 @@ class Comm {
   const CommStats& stats() const { return stats_; }
   void reset_stats() const { stats_ = {}; }
 
-  // ---- how device tensors move (see the top of this file) ---------------------------------
+  // ---- how device tensors move (the three paths above) -------------------------------------
   // Calling again rebinds the compute stream (and keeps NCCL communicators already made).
   // Staged path ordered against `compute_stream` (nullptr: synchronise the whole device).
   void use_staging(void* compute_stream);
@@ -154,6 +141,18 @@ class Comm {
   // out (size * n) = the concatenation of every rank's inp (n), in rank order.
   void all_gather(Tensor out, Tensor inp) const;
   void broadcast(Tensor t, int root) const;
+  // Point-to-point with NCCL: NCCL pairs sends and receives by order, not by tag, and runs a
+  // communicator's operations one after another on its stream. A send finishes only once its
+  // receive runs, so with sends and receives on one stream a send blocks the receives queued
+  // behind it, which MPI's non-blocking sends never do; schedules that MPI runs then deadlock
+  // (interleaved 1F1B does, also when each receive is grouped with the sends before it in one
+  // ncclGroupStart/End). Sends and receives therefore go over directed links: 2-rank
+  // communicators (sender -> receiver), each with its own stream, carrying one direction only,
+  // which behave like MPI's non-blocking sends. A link matches its messages in the order they are
+  // posted, hence THE RULE: every pair of ranks must receive its messages in the order they are
+  // sent (tags still name them for MPI, but NCCL does not look at them). Links exist between ring
+  // neighbours (rank +-1 mod size) of the groups set up with p2p links (the pipeline and
+  // context-parallel groups), which is every point-to-point pattern of this program.
   void send(Tensor t, int peer, int tag = 0) const;
   void recv(Tensor t, int peer, int tag = 0) const;
   // out gets recv_counts[r] elements from each rank r (concatenated), inp sends

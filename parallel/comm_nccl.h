@@ -1,7 +1,6 @@
 // The device side of Comm: NCCL communicators with their streams and events, and the pinned host
 // memory and copies of the staged path. comm_nccl.cpp is the one file of parallel/ that calls
 // CUDA and NCCL; this header is plain C++ so that comm.cpp and the mesh stay free of both.
-// Without the CUDA backend the functions fail with a message (no device tensor exists then).
 #pragma once
 #include <mpi.h>
 
@@ -17,6 +16,7 @@
 
 namespace mpigpt {
 
+// Without the CUDA backend the functions below fail with a message (no device tensor exists then).
 class NcclComm;    // one NCCL communicator and the stream its operations run on
 class PinnedPool;  // pinned host blocks, reused from call to call
 

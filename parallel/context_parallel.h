@@ -1,14 +1,6 @@
-// Context parallelism: the sequence of every micro-batch is cut over the cp group, and attention
-// runs across it. Which tokens a cp rank holds (load-balanced chunks, per document when sequences
-// are packed), attention over the whole sequence by ring (p2p) or by all-gather, and the
-// differentiable context_parallel_gather that reassembles the full sequence. With one rank (or
-// no group) the attention is plain masked attention over the local tokens, which is also how
-// packed sequences run without context parallelism.
-//
-// Masking is by per-token positions and document ids, never by the token's place in the local
-// array: query i sees key j iff they are in the same document and pos[j] <= pos[i]. So any
-// assignment of tokens to ranks gives exactly the single-rank attention, whatever order the
-// local tokens are in.
+// Context parallelism: the sequence of every micro-batch is cut over the cp group and attention
+// runs across it. Which tokens a cp rank holds, attention over the whole sequence by ring (p2p) or
+// by all-gather, and the differentiable context_parallel_gather that reassembles the sequence.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -55,6 +47,11 @@ struct CpMicroBatch {
 CpMicroBatch cp_split(int B, int T, int cp, int rank, const int32_t* tokens, const int32_t* targets,
                       const int32_t* pos);
 
+// With one rank (or no group) the attention is plain masked attention over the local tokens,
+// which is also how packed sequences run without context parallelism. Masking is by per-token
+// positions and document ids, never by the token's place in the local array: query i sees key j
+// iff they are in the same document and pos[j] <= pos[i]. So any assignment of tokens to ranks
+// gives exactly the single-rank attention, whatever order the local tokens are in.
 class ContextParallel {
  public:
   // cp: the context-parallel group (nullptr or one rank: local attention only).

@@ -1,30 +1,6 @@
 // Data parallelism: the flat parameter/gradient buffer cut into buckets, the gradient reduction
-// over the data-parallel group (all-reduce, or reduce-scatter for the distributed optimizer),
-// overlapped with the backward pass, and the all-gather of the updated parameters (ZeRO-1 as in
-// Megatron-Core's distributed optimizer: every rank keeps all parameters and gradients but
-// optimizer state, and updates, only for its 1/dp slice of every bucket).
-//
-// One step with the distributed optimizer, as the trainer drives it:
-//   forward  : wait_params(chunk range) before a model chunk's first use
-//   backward : grads_ready(range) in the LAST micro-batch whenever a range of gradients is final
-//   finish_grad_sync()                      owned ranges of grads now hold the sum over the group
-//   norm² = sum_over_owners(sum_squares_of(grads, intersect_ranges(owned, counted params)))
-//   optimizer step on owned_ranges()
-//   gather_params()                         every rank gets every slice back
-// In bf16 mixed precision the gather moves the bf16 compute copy instead of the f32 masters (half
-// the bytes, as Megatron-Core's distributed optimizer gathers the bf16 parameters): the caller
-// converts its owned slices into that copy before gather_params(), and the f32 masters outside
-// them are stale until gather_masters() (a checkpoint save calls it).
-// The group is the one gradients are summed over (dp x cp ranks for dense parameters).
-//
-// Device buffers: with NCCL every call here only queues work (comm.h). A bucket's reduction
-// starts on the communication stream once the compute work queued before grads_ready() is done,
-// so it runs while backward continues on the compute stream; every wait makes the compute
-// stream, not the host, wait, so the optimizer step, the gradient norm and the next forward are
-// queued behind the reductions and gathers they read. Nothing here touches the buffers from the
-// host, and no request carries host work: NCCL's in-place reduce-scatter leaves the result in
-// block rank() itself (MPI's detour through block 0 is a host `then` that only the host and
-// staged paths take, before the data returns to the device).
+// over the data-parallel group (all-reduce, or reduce-scatter for the distributed optimizer)
+// overlapped with the backward pass, and the all-gather of the updated parameters.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -96,6 +72,31 @@ struct GradSyncOptions {
   bool overlap_param_gather = false;   // gather_params() only starts; wait_params() completes
 };
 
+// The gradient reduction and parameter gather of one group, the one gradients are summed over
+// (dp x cp ranks for dense parameters). The distributed optimizer is ZeRO-1 as in Megatron-Core's:
+// every rank keeps all parameters and gradients but optimizer state, and updates, only for its
+// 1/dp slice of every bucket.
+//
+// One step with the distributed optimizer, as the trainer drives it:
+//   forward  : wait_params(chunk range) before a model chunk's first use
+//   backward : grads_ready(range) in the LAST micro-batch whenever a range of gradients is final
+//   finish_grad_sync()                      owned ranges of grads now hold the sum over the group
+//   norm² = sum_over_owners(sum_squares_of(grads, intersect_ranges(owned, counted params)))
+//   optimizer step on owned_ranges()
+//   gather_params()                         every rank gets every slice back
+// In bf16 mixed precision the gather moves the bf16 compute copy instead of the f32 masters (half
+// the bytes, as Megatron-Core's distributed optimizer gathers the bf16 parameters): the caller
+// converts its owned slices into that copy before gather_params(), and the f32 masters outside
+// them are stale until gather_masters() (a checkpoint save calls it).
+//
+// Device buffers: with NCCL every call here only queues work (comm.h). A bucket's reduction
+// starts on the communication stream once the compute work queued before grads_ready() is done,
+// so it runs while backward continues on the compute stream; every wait makes the compute
+// stream, not the host, wait, so the optimizer step, the gradient norm and the next forward are
+// queued behind the reductions and gathers they read. Nothing here touches the buffers from the
+// host, and no request carries host work: NCCL's in-place reduce-scatter leaves the result in
+// block rank() itself (MPI's detour through block 0 is a host `then` that only the host and
+// staged paths take, before the data returns to the device).
 class GradSync {
  public:
   // params and grads: this rank's flat f32 buffers (host or device) of layout.total elements,

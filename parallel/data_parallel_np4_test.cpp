@@ -1,8 +1,5 @@
-// Four ranks, as one data-parallel group of 4 and as two groups of 2: gradient buckets reduce to
-// the exact sum on the owned ranges with and without the distributed optimizer, with and
-// without overlap, whatever order and pieces grads_ready is called with on each rank; buckets
-// start last-to-first; the parameter all-gather (blocking and overlapped) restores every slice;
-// and the byte counters show reduce-scatter + all-gather instead of all-reduce.
+// Four ranks, as one data-parallel group of 4 and as two groups of 2: GradSync's gradient buckets
+// and parameter gather, with and without the distributed optimizer and overlap.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -56,6 +53,7 @@ std::vector<Range> random_pieces(int64_t total, std::mt19937_64& rng) {
 
 }  // namespace
 
+// The exact sum, whatever order and pieces grads_ready is called with on each rank.
 TEST_CASE("finish_grad_sync leaves the sum over the group on the owned ranges") {
   int world_rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);

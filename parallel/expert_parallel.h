@@ -1,24 +1,6 @@
 // Expert parallelism: the token dispatchers that move each kept (token, k) routing assignment of a
 // mixture-of-experts layer to the rank holding its expert and bring the expert outputs back,
-// weighted by the gate. The experts are split over the ep group: ep rank j holds experts
-// [j*E/ep, (j+1)*E/ep). Two strategies fill one interface, written as forward/backward pairs:
-//
-//   dispatch_forward:  token rows x (N,C) -> expert rows xe (M,C), grouped by local expert
-//   dispatch_backward: dxe (M,C) -> dx (N,C) ACCUMULATES (the transpose of dispatch_forward)
-//   combine_forward:   expert rows ye (M,C) -> y (N,C) ACCUMULATES sum_k gate * ye[row of (t,k)]
-//   combine_backward:  dy (N,C) -> dye (M,C) = gate * dy[t], dgates (N,K) = dy[t] . ye[row]
-//
-// AllToAllDispatcher (Megatron's "alltoall"): counts are exchanged over ep, rows are permuted by
-// (destination rank, local expert), all_to_all_v'd and regrouped by local expert; combine is the
-// exact reverse. Each rank's tokens stay its own: ep ranks may hold different micro-batches.
-// AllGatherDispatcher (Megatron's "allgather"): every rank of the group all-gathers the tokens and
-// routing of the whole group, runs its local experts on the assignments that hit them, and a
-// reduce-scatter returns each rank's share of the weighted sum (backward: all-gather of dy,
-// reduce-scatter of dx and of dgates). Its group is the ep group (experts split over all of it),
-// or expert_tp x ep, where each expert's hidden units are split over expert_tp: every member
-// computes its partial outputs for all the group's tokens and the reduce-scatter sums them.
-// Either with a null comm, or one rank, is a local permutation. Index maps and counts live on the
-// host; rows move only through ops (gather_rows, scatter_add_rows, moe_combine) and Comm.
+// weighted by the gate.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -65,6 +47,16 @@ struct DispatchState {
   }
 };
 
+// The experts are split over the ep group: ep rank j holds experts [j*E/ep, (j+1)*E/ep). Two
+// strategies fill this one interface, written as forward/backward pairs:
+//
+//   dispatch_forward:  token rows x (N,C) -> expert rows xe (M,C), grouped by local expert
+//   dispatch_backward: dxe (M,C) -> dx (N,C) ACCUMULATES (the transpose of dispatch_forward)
+//   combine_forward:   expert rows ye (M,C) -> y (N,C) ACCUMULATES sum_k gate * ye[row of (t,k)]
+//   combine_backward:  dy (N,C) -> dye (M,C) = gate * dy[t], dgates (N,K) = dy[t] . ye[row]
+//
+// Either with a null comm, or one rank, is a local permutation. Index maps and counts live on the
+// host; rows move only through ops (gather_rows, scatter_add_rows, moe_combine) and Comm.
 class TokenDispatcher {
  public:
   // ep: the expert-parallel group (nullptr = one rank); E experts in total, divisible by ep.
@@ -103,6 +95,9 @@ class TokenDispatcher {
   int owners_ = 1;  // distinct expert sets over the group (ep)
 };
 
+// Megatron's "alltoall": counts are exchanged over ep, rows are permuted by (destination rank,
+// local expert), all_to_all_v'd and regrouped by local expert; combine is the exact reverse. Each
+// rank's tokens stay its own: ep ranks may hold different micro-batches.
 class AllToAllDispatcher final : public TokenDispatcher {
  public:
   AllToAllDispatcher(Ops& ops, const Comm* ep, int num_experts) : TokenDispatcher(ops, ep, num_experts) {}
@@ -113,7 +108,13 @@ class AllToAllDispatcher final : public TokenDispatcher {
   void dispatch_backward(Tensor dx, Tensor dxe, DispatchState& s) const override;
 };
 
-// Every rank of the group must hold the same number of tokens N.
+// Megatron's "allgather": every rank of the group all-gathers the tokens and routing of the whole
+// group, runs its local experts on the assignments that hit them, and a reduce-scatter returns
+// each rank's share of the weighted sum (backward: all-gather of dy, reduce-scatter of dx and of
+// dgates). Its group is the ep group (experts split over all of it), or expert_tp x ep, where each
+// expert's hidden units are split over expert_tp: every member computes its partial outputs for
+// all the group's tokens and the reduce-scatter sums them. Every rank of the group must hold the
+// same number of tokens N.
 class AllGatherDispatcher final : public TokenDispatcher {
  public:
   AllGatherDispatcher(Ops& ops, const Comm* group, int num_experts, std::vector<int> member_ep = {})

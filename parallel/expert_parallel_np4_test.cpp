@@ -9,7 +9,7 @@
 
 #include "lib/kernels/testing.h"
 #include "lib/model/moe.h"
-#include "lib/model/moe_test_util.h"
+#include "lib/model/moe_testing.h"
 #include "parallel/expert_parallel.h"
 
 using namespace mpigpt;

@@ -1,10 +1,10 @@
 // The NCCL library, loaded at run time: dlopen("libnccl.so.2") and a table of the functions Comm
 // uses, so that the binary starts on machines without NCCL and engine.comm = mpi never needs it.
-// nccl.h supplies only the types and enums. Builds without CUDA, or whose toolkit lacks nccl.h,
-// have no table (MPIGPT_HAVE_NCCL undefined) and nccl_load_error() says so.
 #pragma once
 #include <string>
 
+// nccl.h supplies only the types and enums. Builds without CUDA, or whose toolkit lacks nccl.h,
+// have no table (MPIGPT_HAVE_NCCL undefined) and nccl_load_error() says so.
 #if defined(MPIGPT_WITH_CUDA) && __has_include(<nccl.h>)
 #include <nccl.h>
 #define MPIGPT_HAVE_NCCL 1

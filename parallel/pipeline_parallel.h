@@ -1,7 +1,5 @@
 // Pipeline parallelism: the executor that runs one rank's action list (schedule.h) over the
-// pipeline group, and the stage interface through which it drives the model. parallel/ never
-// knows the GPT: the trainer implements PipelineStage for its model chunks, and one executor
-// runs any schedule.
+// pipeline group, and the stage interface through which it drives the model.
 #pragma once
 #include <utility>
 #include <vector>
@@ -15,6 +13,8 @@ namespace mpigpt {
 class Ops;
 
 // The part of the model one pipeline rank holds (its vpp chunks), as the executor sees it.
+// parallel/ never knows the GPT: the trainer implements PipelineStage for its model chunks, and
+// one executor runs any schedule.
 // Every call names the micro-batch and this rank's model chunk. The stage keeps, per
 // (micro-batch, chunk), whatever its backward needs; the executor only moves tensors between
 // neighbouring stages. Virtual stage 0 reads its own tokens (no forward_input) and the last

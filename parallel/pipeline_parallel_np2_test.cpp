@@ -1,8 +1,7 @@
-// Two ranks: the executor runs generated schedules through a fake stage, a chain of affine maps,
-// and must reproduce a serial single-process computation exactly; the fake stage records every
-// way the executor could misuse it (so these tests can fail), and run_schedule refuses
-// malformed action lists before sending anything.
-#include "parallel/pipeline_test_stage.h"
+// Two ranks: the executor runs generated schedules through a fake stage (a chain of affine maps
+// that records every misuse, pipeline_parallel_testing.h) and must reproduce a serial
+// single-process computation exactly, and run_schedule refuses malformed action lists.
+#include "parallel/pipeline_parallel_testing.h"
 
 namespace {
 std::string joined(const std::vector<std::string>& lines) {

@@ -1,5 +1,5 @@
 // Four ranks: the executor against the serial reference for pp = 4, plain and interleaved.
-#include "parallel/pipeline_test_stage.h"
+#include "parallel/pipeline_parallel_testing.h"
 
 TEST_CASE("pp 4: the executor reproduces the serial computation for plain and interleaved 1F1B") {
   Comm comm(MPI_COMM_WORLD);

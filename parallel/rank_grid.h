@@ -13,6 +13,13 @@ struct MeshSizes {
   std::string order = "tp-cp-ep-dp-pp";
 };
 
+// The sizes of a parallel configuration (io's ParallelConfig; parallel/ includes nothing of io/,
+// so any struct with these fields will do).
+template <class ParallelConfig>
+MeshSizes mesh_sizes(const ParallelConfig& p) {
+  return MeshSizes{p.tp, p.pp, p.cp, p.ep, p.expert_tp, p.order};
+}
+
 class RankGrid {
  public:
   // axes: names in order (leftmost varies fastest), sizes: the matching extents.

@@ -139,6 +139,14 @@ void match_messages(const Schedule& schedule, int pp, SimResult& res) {
 
 }  // namespace
 
+std::vector<std::vector<int>> layers_of_stage(int num_layers, int pp, int vpp, int pp_rank) {
+  const int per_block = num_layers / (pp * vpp);
+  std::vector<std::vector<int>> chunks(vpp);
+  for (int v = 0; v < vpp; ++v)
+    for (int i = 0; i < per_block; ++i) chunks[v].push_back(virtual_stage(pp, pp_rank, v) * per_block + i);
+  return chunks;
+}
+
 Schedule make_schedule(int pp, int vpp, int m) {
   if (pp < 1) fail("parallel.pp = {} must be at least 1", pp);
   if (vpp < 1) fail("parallel.vpp = {} must be at least 1 (1 = plain 1F1B, > 1 = interleaved)", vpp);

@@ -1,8 +1,6 @@
 // Pipeline schedules as data (DESIGN principle 4): the pure function that lists, per pipeline
-// rank, the forwards, backwards and point-to-point messages of one training step (plain and
-// interleaved 1F1B, in Megatron-LM's order), and a simulator that replays such lists to measure
-// the bubble and the activation memory and to find deadlocks and unmatched messages without
-// running a model. The executor (pipeline_parallel.h) runs the same lists over MPI.
+// rank, the forwards, backwards and messages of one training step (plain and interleaved 1F1B),
+// the layers each model chunk holds, and a simulator that replays such lists.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -34,11 +32,15 @@ using Schedule = std::vector<std::vector<Action>>;
 // from the last rank's chunk c back to rank 0's chunk c+1.
 inline int virtual_stage(int pp, int pp_rank, int chunk) { return chunk * pp + pp_rank; }
 
+// Global layer indices held by pipeline rank `pp_rank`, per model chunk (virtual stage):
+// chunk v holds layer block v*pp + pp_rank of num_layers / (pp*vpp) consecutive layers.
+std::vector<std::vector<int>> layers_of_stage(int num_layers, int pp, int vpp, int pp_rank);
+
 // The 1F1B schedule of one step with m micro-batches over pp ranks holding vpp model chunks
-// each: plain 1F1B for vpp == 1 (any m >= 1), Megatron's interleaved 1F1B for vpp > 1 (m must
-// be a multiple of pp). Receives sit right before the compute that needs them and sends right
-// after the compute that produced them. Throws mpigpt::Error naming the config fields on bad
-// input.
+// each, in Megatron-LM's order: plain 1F1B for vpp == 1 (any m >= 1), Megatron's interleaved 1F1B
+// for vpp > 1 (m must be a multiple of pp). Receives sit right before the compute that needs them
+// and sends right after the compute that produced them. The executor (pipeline_parallel.h) runs
+// these lists over MPI. Throws mpigpt::Error naming the config fields on bad input.
 Schedule make_schedule(int pp, int vpp, int m);
 
 // Compact text for logs and docs: compute "F3.1" / "B3.1" (micro-batch 3, chunk 1), sends
@@ -74,10 +76,11 @@ struct SimResult {
   bool ok() const { return errors.empty(); }
 };
 
-// Replay `schedule` (pp ranks, vpp chunks each) on an idealised machine: compute takes its
-// cost, a send takes no time and its message arrives p2p_latency later, a receive waits for its
-// message. A message is identified by (sender, receiver, direction, micro-batch, virtual-stage
-// boundary), so each send must meet exactly one receive naming the same.
+// Replay `schedule` (pp ranks, vpp chunks each) on an idealised machine, which measures the bubble
+// and the activation memory and finds deadlocks and unmatched messages without running a model:
+// compute takes its cost, a send takes no time and its message arrives p2p_latency later, a
+// receive waits for its message. A message is identified by (sender, receiver, direction,
+// micro-batch, virtual-stage boundary), so each send must meet exactly one receive naming the same.
 SimResult simulate(const Schedule& schedule, int pp, int vpp, const SimCosts& costs);
 // The same with one forward and one backward cost for every virtual stage.
 SimResult simulate(const Schedule& schedule, int pp, int vpp, double forward_cost, double backward_cost,

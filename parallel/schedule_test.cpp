@@ -1,6 +1,6 @@
-// Pipeline schedules: Megatron's order on hand-checked cases, the structural properties every
-// generated schedule must have for pp 1..8 and vpp 1..4, the bubble and activation peaks the
-// simulator measures, and the simulator's diagnosis of deliberately broken schedules.
+// Pipeline schedules: each chunk's layers, Megatron's order on hand-checked cases, the structural
+// properties every generated schedule must have for pp 1..8 and vpp 1..4, the bubble and activation
+// peaks the simulator measures, and the simulator's diagnosis of deliberately broken schedules.
 #include "parallel/schedule.h"
 
 #include <doctest/doctest.h>
@@ -93,6 +93,19 @@ void check_structure(const Schedule& s, int pp, int vpp, int m) {
 }
 
 }  // namespace
+
+TEST_CASE("chunk v on pipeline rank p holds layer block v*pp+p; all layers exactly once") {
+  CHECK(layers_of_stage(8, 2, 2, 1) == std::vector<std::vector<int>>{{2, 3}, {6, 7}});
+  CHECK(layers_of_stage(8, 4, 1, 3) == std::vector<std::vector<int>>{{6, 7}});
+  for (int pp : {1, 2, 4})
+    for (int vpp : {1, 2}) {
+      std::multiset<int> all;
+      for (int p = 0; p < pp; ++p)
+        for (const auto& c : layers_of_stage(16, pp, vpp, p)) all.insert(c.begin(), c.end());
+      CHECK(all.size() == 16);
+      CHECK(std::set<int>(all.begin(), all.end()).size() == 16);
+    }
+}
 
 TEST_CASE("make_schedule rejects impossible layouts, naming the fields and the fix") {
   CHECK_THROWS_WITH_AS(make_schedule(0, 1, 4), doctest::Contains("parallel.pp = 0"), Error);

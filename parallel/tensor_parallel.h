@@ -1,15 +1,15 @@
 // Tensor (and sequence) parallelism: the communication around column- and row-parallel layers,
-// as forward/backward pairs over the tp group (Megatron's f/g and sequence-parallel g/ḡ).
-// Tokens are the rows of (N, C) activations; with sequence parallelism tp rank r holds rows
-// [r*N/tp, (r+1)*N/tp) of the flattened batch outside the tensor-parallel regions (norms,
-// residual), so an all-gather of the shards is the full activation in order. Every op returns
-// at once when the group has one rank.
+// as forward/backward pairs over the tp group (Megatron's f/g and sequence-parallel g/ḡ). Every
+// op returns at once when the group has one rank.
 #pragma once
 #include "lib/core/tensor.h"
 #include "parallel/comm.h"
 
 namespace mpigpt {
 
+// Tokens are the rows of (N, C) activations; with sequence parallelism tp rank r holds rows
+// [r*N/tp, (r+1)*N/tp) of the flattened batch outside the tensor-parallel regions (norms,
+// residual), so an all-gather of the shards is the full activation in order.
 class TensorParallel {
  public:
   // tp: the tensor-parallel group (nullptr: one rank); sp: sequence parallelism.

@@ -1,9 +1,6 @@
 // A shared library opened at run time (dlopen) for an optional dependency, so that the program
 // starts on machines without it and only the features that need it fail, with a message naming
-// the library, where it was searched and the fix. NCCL (parallel/nccl_loader.cpp) and cuDNN
-// (lib/kernels/cuda/cudnn_api.cu) are loaded this way. The library is opened RTLD_LOCAL (its
-// symbols stay out of the global namespace) and never closed: objects it made may be destroyed
-// late in the process.
+// the library, where it was searched and the fix.
 #pragma once
 #include <string>
 
@@ -18,6 +15,9 @@ struct RuntimeLibrarySpec {
   const char* missing;  // after "lacks the function NAME ": why and the fix
 };
 
+// NCCL (parallel/nccl_loader.cpp) and cuDNN (lib/kernels/cuda/cudnn_api.cu) are loaded this way.
+// The library is opened RTLD_LOCAL (its symbols stay out of the global namespace) and never
+// closed: objects it made may be destroyed late in the process.
 class RuntimeLibrary {
  public:
   // Opens spec.soname; when that fails, error() says so.

@@ -1,7 +1,5 @@
-// Tensor: a typed, shaped, non-owning view of memory on one device, and Buffer, the owner.
-// Layers keep their weights and activations as views into a few large buffers (one for all
-// parameters, one for all gradients, ...) so that communication and the optimizer can treat a
-// whole model as one flat range.
+// Tensor: a typed, shaped, non-owning view of memory on one device (the owner is a Buffer,
+// lib/kernels/buffer.h).
 #pragma once
 #include <array>
 #include <cstddef>
@@ -32,6 +30,9 @@ struct Shape {
   std::string str() const;  // "(4, 64, 768)"
 };
 
+// Layers keep their weights and activations as views into a few large buffers (one for all
+// parameters, one for all gradients, ...) so that communication and the optimizer can treat a
+// whole model as one flat range.
 struct Tensor {
   void* ptr = nullptr;
   Shape shape;

@@ -1,13 +1,6 @@
-// Waits that must end. A rank blocked on its peers (a collective, a message, the device finishing
-// work queued behind a collective) marks the wait with a Waiting scope. While a Watchdog runs, its
-// thread checks that no marked wait has lasted longer than the timeout; when one has, it calls
-// the watchdog's action once with a report of every wait in progress, oldest first. The trainer's
-// action prints the report and stops the whole job (parallel/mpi_env.h), so that a rank whose
-// peer never reaches the matching call fails loudly instead of hanging (the role of Megatron-LM's
-// --distributed-timeout-minutes and PyTorch's NCCL watchdog).
-//
-// Only time spent waiting counts: a long computation between waits never trips the watchdog,
-// but its peers' waits for it do. Without a running watchdog a scope costs one atomic load.
+// Waits that must end: a rank blocked on its peers marks the wait, and a watchdog stops the job
+// when one lasts too long, so that a rank whose peer never reaches the matching call fails loudly
+// instead of hanging (as Megatron-LM's --distributed-timeout-minutes and PyTorch's NCCL watchdog).
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -37,8 +30,10 @@ class WaitEntry {
 };
 
 // RAII: `const Waiting w([&] { return fmt::format("all-reduce of {} ...", n); });` marks the
-// enclosing block as a wait. The lambda runs only if the wait is reported, on the watchdog's
-// thread, while this scope is still alive; it must not block.
+// enclosing block as a wait on the rank's peers (a collective, a message, the device finishing
+// work queued behind a collective). The lambda runs only if the wait is reported, on the
+// watchdog's thread, while this scope is still alive; it must not block. Without a running
+// watchdog a scope costs one atomic load.
 template <class F>
 class Waiting {
  public:
@@ -50,6 +45,11 @@ class Waiting {
   WaitEntry entry_;  // and unregistered before it is destroyed
 };
 
+// While a Watchdog runs, its thread checks that no marked wait has lasted longer than the timeout;
+// when one has, it calls the action once with a report of every wait in progress, oldest first.
+// The trainer's action prints the report and stops the whole job (parallel/mpi_env.h). Only time
+// spent waiting counts: a long computation between waits never trips the watchdog, but its
+// peers' waits for it do.
 class Watchdog {
  public:
   // timeout_s > 0. Starts the checking thread; one watchdog at a time (a second throws).

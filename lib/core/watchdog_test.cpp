@@ -1,3 +1,4 @@
+// Tests of the watchdog: which waits it reports, when, and how.
 #include "lib/core/watchdog.h"
 
 #include <doctest/doctest.h>

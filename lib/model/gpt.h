@@ -1,12 +1,6 @@
 // The GPT: embedding, L transformer blocks, final norm and output head, forward and backward
 // written once against ops.h. Both families (GPT-2 and Llama) share this code; they differ in
 // the norm (LayerNorm/RMSNorm), positions (learned/RoPE), MLP (GELU/SwiGLU), biases and tying.
-//
-// One GPT object is what one rank holds: its tensor-parallel shard of the layers of its model
-// chunks (virtual pipeline stages), the embedding on the first stage and the head on the last.
-// Each chunk runs forward and backward per micro-batch; a chunk keeps one set of activations
-// per micro-batch in flight (pipeline schedules run several forwards before their backwards);
-// activation recomputation (Recompute) shrinks what each set keeps.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -71,6 +65,11 @@ struct MicroBatchInput {
   const int32_t* token_index = nullptr;
 };
 
+// One GPT object is what one rank holds: its tensor-parallel shard of the layers of its model
+// chunks (virtual pipeline stages), the embedding on the first stage and the head on the last.
+// Each chunk runs forward and backward per micro-batch; a chunk keeps one set of activations
+// per micro-batch in flight (pipeline schedules run several forwards before their backwards);
+// activation recomputation (Recompute) shrinks what each set keeps.
 class GPT {
  public:
   // The whole model on one rank; activations sized for micro-batches of B sequences of d.T.
@@ -178,7 +177,20 @@ class GPT {
   struct BlockActs {  // ... and the activations its backward needs
     Tensor n1, n1_mean, n1_rstd, n1_full, qkv, att_saved, att, mid, n2, n2_mean, n2_rstd, n2_full, fc, act;
   };
-  struct Slot;  // the activations of one micro-batch in one chunk
+  struct Slot {  // the activations of one micro-batch in one chunk
+    explicit Slot(Ops& ops) : arena(ops) {}
+    int mb = -1;
+    bool busy = false;
+    Arena arena;
+    Tensor tokens, targets, losses;  // (N): tokens on the embedding's chunk, targets on the head's
+    Tensor positions, pos_all, seg_all;  // masked attention: (N) own positions, (cp*N) every rank's
+    std::vector<Tensor> resid;       // resid[i]: input of the chunk's i-th layer; resid.back(): output
+    std::vector<BlockActs> a;        // per layer of the chunk (empty under full recomputation)
+    std::vector<std::unique_ptr<MoeActs>> moe;  // per layer of the chunk; null for dense layers (and under full)
+    std::vector<int32_t> moe_index;             // (Nl) token index of each local row in the micro-batch
+    Tensor xf, xf_mean, xf_rstd, xf_full, logits;  // head
+    bool have_grad_logits = false;
+  };
   struct Chunk {
     int first_layer = 0, end_layer = 0, first_param = 0, end_param = 0;
     bool embed = false, head = false;

@@ -1,13 +1,12 @@
-// Pipeline pieces of the GPT in one process: the model cut into chunks (on one rank, or on two
-// stage objects with the tied output embedding replicated on the last one), driven by hand the
-// way the pipeline executor drives them, reproduces the whole model's loss and gradients; and
-// several micro-batches can be in flight per chunk.
+// Pipeline pieces of the GPT in one process: the model cut into chunks, driven by hand the way the
+// pipeline executor drives them (several micro-batches in flight per chunk), reproduces the whole
+// model's loss and gradients.
 #include <doctest/doctest.h>
 
 #include <cmath>
 
 #include "lib/model/gpt.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_testing.h"
 
 using namespace mpigpt;
 

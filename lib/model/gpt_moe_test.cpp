@@ -9,7 +9,7 @@
 
 #include "lib/core/rng.h"
 #include "lib/model/gpt.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_testing.h"
 
 using namespace mpigpt;
 

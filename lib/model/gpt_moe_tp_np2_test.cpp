@@ -1,8 +1,5 @@
 // Mixture of experts under tensor + sequence parallelism on two ranks: each tp rank routes its own
-// half of the tokens through replicated experts; the loss, the MoE aux/z losses and, after the
-// tp sum of the token-local gradients (norms, router, experts), every gradient equal the
-// single-rank model's. With a capacity factor the dropped assignments are the same as on one
-// rank (decided over the whole micro-batch by global token index).
+// half of the tokens through replicated experts, and the results equal the single-rank model's.
 #include <doctest/doctest.h>
 #include <mpi.h>
 
@@ -10,7 +7,7 @@
 
 #include "lib/core/rng.h"
 #include "lib/model/gpt.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_testing.h"
 
 using namespace mpigpt;
 
@@ -83,10 +80,12 @@ void check_moe_tp(Family fam, float capacity, bool position) {
 
 }  // namespace
 
+// Every gradient after the tp sum of the token-local ones (norms, router, experts).
 TEST_CASE("MoE under tp=2 with sequence parallelism reproduces the single-rank loss, aux loss and gradients") {
   for (Family fam : {Family::GPT2, Family::Llama}) check_moe_tp(fam, 0.0f, false);
 }
 
+// Capacity is decided over the whole micro-batch, by global token index.
 TEST_CASE("MoE capacity under tp=2 SP drops the same assignments as one rank (probs and position)") {
   for (Family fam : {Family::GPT2, Family::Llama}) {
     check_moe_tp(fam, 1.0f, false);

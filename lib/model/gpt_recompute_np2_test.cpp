@@ -1,14 +1,12 @@
-// Activation recomputation on two ranks: under tensor + sequence parallelism (dense and MoE) and
-// under context parallelism (ring attention) the recomputed forwards re-issue the same
-// collectives in the same order on both ranks, and loss, MoE losses and gradients are
-// bit-identical to recompute = none on the same layout; activation memory shrinks by the
-// expected amounts (selective saves nothing on the ring-attention path, which keeps only lse).
+// Activation recomputation on two ranks: the recomputed forwards re-issue the same collectives in
+// the same order on both ranks, and loss, MoE losses and gradients are bit-identical to
+// recompute = none on the same layout.
 #include <doctest/doctest.h>
 #include <mpi.h>
 
 #include "lib/model/gpt.h"
-#include "lib/model/gpt_recompute_test_util.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_recompute_testing.h"
+#include "lib/model/gpt_testing.h"
 #include "parallel/context_parallel.h"
 
 using namespace mpigpt;

@@ -1,16 +1,13 @@
-// Activation recomputation on one rank: with engine.recompute = selective or full the loss, the
-// MoE aux/z losses and load statistics and every gradient are bit-identical to recompute = none
-// (the CPU backend is deterministic and recomputation repeats the same ops on the same inputs),
-// for both families, MoE models, packed sequences (the blockwise attention path) and a model
-// in two chunks with three micro-batches in flight; and the activation memory shrinks by what
-// each mode drops.
+// Activation recomputation on one rank: with engine.recompute = selective or full, loss, MoE losses
+// and statistics and every gradient are bit-identical to none (the CPU backend is deterministic),
+// and the activation memory shrinks by what each mode drops.
 #include <doctest/doctest.h>
 
 #include <memory>
 
 #include "lib/model/gpt.h"
-#include "lib/model/gpt_recompute_test_util.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_recompute_testing.h"
+#include "lib/model/gpt_testing.h"
 #include "parallel/context_parallel.h"
 
 using namespace mpigpt;

@@ -1,15 +1,16 @@
 // Gradient checks of the whole GPT (both families) against central finite differences: every
-// parameter tensor of every layer (embedding, norms, attention, MLP, head) is probed, so a wrong
-// backward anywhere shows up here. Also: init is layout-independent and deterministic.
+// parameter tensor of every layer is probed, so a wrong backward anywhere shows up here. Also:
+// init is layout-independent and deterministic; training.no_decay's parameter kinds parse.
 #include "lib/model/gpt.h"
 
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <set>
 #include <vector>
 
 #include "lib/core/rng.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_testing.h"
 
 using namespace mpigpt;
 
@@ -135,4 +136,10 @@ TEST_CASE("causality: logits at position t depend on tokens <= t and on no later
       else CHECK(diff > 1e-4);  // the changed token and every later position see it
     }
   }
+}
+
+TEST_CASE("no_decay parsing names the bad kind") {
+  CHECK(parse_no_decay("norms, biases") == std::set<ParamKind>{ParamKind::Norm, ParamKind::Bias});
+  CHECK(parse_no_decay("none").empty());
+  CHECK_THROWS_WITH_AS(parse_no_decay("norms,bias"), doctest::Contains("'bias'"), Error);
 }

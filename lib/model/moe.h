@@ -1,47 +1,6 @@
 // The mixture-of-experts (MoE) layer that replaces a transformer block's dense MLP: a router picks
-// the top-k of E experts per token, optional capacity drops assignments, the token dispatcher
-// (parallel/expert_parallel.h) moves rows to the ranks holding the experts, the local experts run
-// as one grouped GEMM per projection, and the gate-weighted outputs come back:
-//   y (N,C) = sum over the token's kept top-k experts e of gate_e * expert_e(x) (+ shared(x)).
-//
-// Layout invariance: the load-balancing statistics and the capacity decisions are taken over ALL
-// tokens of the micro-batch. `token_group` is the set of ranks holding the other tokens of the
-// same micro-batch (nullptr: this rank holds them all); every rank of it must hold the same
-// number of tokens, and the group must move host memory (an MPI Comm: routing metadata is small
-// and lives on the host). Ranks that hold the SAME tokens (tensor parallelism without sequence
-// parallelism) must not be in it: they would be counted twice.
-//
-// Losses (both already multiplied by their coefficients; T = tokens of the micro-batch over
-// token_group, p (T,E) the router probs: softmax, or the raw sigmoid scores):
-//   aux = aux_loss_coeff * E * sum_e f_e * P_e   (Switch / Megatron "aux_loss")
-//         f_e = (top-k assignments to e, counted BEFORE capacity dropping) / (T * K),
-//         P_e = (1/T) sum_t p_te; f_e is a constant (no gradient), the gradient flows through P_e.
-//   z   = z_loss_coeff * (1/T) sum_t logsumexp(logits_t)^2   (ST-MoE router z-loss)
-// Backward adds aux_scale * (their gradients) to the gradient coming from dy. The trainer passes
-// aux_scale = 1 / (micro-batches in the global batch) when its main loss is a mean over them.
-//
-// Gradients: weight gradients ACCUMULATE, dx is OVERWRITTEN. Each rank's router gradient covers
-// only its own tokens, and each expert's gradient only the tokens that reached it through this
-// rank's dispatcher: the trainer sums the router gradient over every rank holding other tokens
-// (data + token_group ranks, like a sequence-parallel norm) and expert gradients over the ranks
-// holding the same experts with other tokens (the expert-data-parallel group).
-//
-// Precision: x, y and every row the experts see are in the activations' dtype (f32, or bf16 with
-// bf16 compute weights); the router runs in its weight's dtype, and with bf16 activations the
-// caller passes the f32 master router (x is converted for it), so routing decisions, the gates,
-// the aux and z losses and their gradients stay in f32, as Megatron-Core's fp32 router does.
-// Weight gradients are f32 in either case.
-//
-// Expert tensor parallelism (expert_tp, size T > 1): the F hidden units of every routed expert are
-// split over the group (fc rows, proj columns), as Megatron-Core does. The ranks of expert_tp may
-// hold different tokens. With a dispatcher that spans expert_tp (allgather over expert_tp x ep)
-// every rank already sees the whole group's rows and its reduce-scatter sums the partial
-// outputs. Otherwise (alltoall over ep) the layer all-gathers the dispatched expert rows over
-// expert_tp, runs its hidden units on all of them and reduce-scatters the partial outputs back
-// (backward: all-gather of d(expert outputs), reduce-scatter of d(expert inputs)). Either way
-// every expert_tp rank computes the same proj-bias gradient (its rows are the whole group's),
-// each its own fc/proj slices' gradients; the shared expert is not split. Proj biases are added
-// by expert_tp rank 0.
+// the top-k of E experts per token, the token dispatcher (parallel/expert_parallel.h) moves rows to
+// the ranks holding the experts, and the gate-weighted expert outputs come back.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -86,6 +45,12 @@ struct MoeWeights {
   Tensor shared_proj, shared_proj_bias;  // (C, shared_hidden), (C)
 };
 
+// The router's losses, both already multiplied by their coefficients (T = tokens of the micro-batch
+// over token_group, p (T,E) the router probs: softmax, or the raw sigmoid scores):
+//   aux = aux_loss_coeff * E * sum_e f_e * P_e   (Switch / Megatron "aux_loss")
+//         f_e = (top-k assignments to e, counted BEFORE capacity dropping) / (T * K),
+//         P_e = (1/T) sum_t p_te; f_e is a constant (no gradient), the gradient flows through P_e.
+//   z   = z_loss_coeff * (1/T) sum_t logsumexp(logits_t)^2   (ST-MoE router z-loss)
 struct MoeLosses {
   double aux = 0.0, z = 0.0;  // coefficient * loss, identical on every rank of token_group
   // Expert load of this micro-batch: the most top-k assignments any expert got (before capacity
@@ -123,6 +88,34 @@ int64_t moe_capacity(const MoeConfig& cfg, int64_t T);
 std::vector<uint8_t> moe_capacity_keep(const int32_t* expert, const float* gate, const int32_t* token_index, int64_t T,
                                        int K, int E, int64_t capacity, MoeConfig::DropPolicy policy);
 
+// One MoE layer:
+//   y (N,C) = sum over the token's kept top-k experts e of gate_e * expert_e(x) (+ shared(x)),
+// where capacity, if set, drops assignments, and the local experts run as one grouped GEMM per
+// projection.
+//
+// Layout invariance: the load-balancing statistics and the capacity decisions are taken over ALL
+// tokens of the micro-batch. `token_group` is the set of ranks holding the other tokens of the
+// same micro-batch (nullptr: this rank holds them all); every rank of it must hold the same
+// number of tokens, and the group must move host memory (an MPI Comm: routing metadata is small
+// and lives on the host). Ranks that hold the SAME tokens (tensor parallelism without sequence
+// parallelism) must not be in it: they would be counted twice.
+//
+// Precision: x, y and every row the experts see are in the activations' dtype (f32, or bf16 with
+// bf16 compute weights); the router runs in its weight's dtype, and with bf16 activations the
+// caller passes the f32 master router (x is converted for it), so routing decisions, the gates,
+// the aux and z losses and their gradients stay in f32, as Megatron-Core's fp32 router does.
+// Weight gradients are f32 in either case.
+//
+// Expert tensor parallelism (expert_tp, size T > 1): the F hidden units of every routed expert are
+// split over the group (fc rows, proj columns), as Megatron-Core does. The ranks of expert_tp may
+// hold different tokens. With a dispatcher that spans expert_tp (allgather over expert_tp x ep)
+// every rank already sees the whole group's rows and its reduce-scatter sums the partial
+// outputs. Otherwise (alltoall over ep) the layer all-gathers the dispatched expert rows over
+// expert_tp, runs its hidden units on all of them and reduce-scatters the partial outputs back
+// (backward: all-gather of d(expert outputs), reduce-scatter of d(expert inputs)). Either way
+// every expert_tp rank computes the same proj-bias gradient (its rows are the whole group's),
+// each its own fc/proj slices' gradients; the shared expert is not split. Proj biases are added
+// by expert_tp rank 0.
 class MoeLayer {
  public:
   // C channels. dispatcher: nullptr = a local one (all E experts on this rank); otherwise its
@@ -141,8 +134,15 @@ class MoeLayer {
   // micro-batch (nullptr: token_group.rank() * N + t). Collective over token_group, the
   // dispatcher's group and expert_tp.
   MoeLosses forward(MoeActs& acts, Tensor y, Tensor x, const int32_t* token_index, const MoeWeights& w);
-  // dx (N,C) OVERWRITTEN; g ACCUMULATES. dy (N,C) the gradient of y; aux_scale scales the aux and
-  // z-loss gradients (see the top of this file).
+  // dx (N,C) OVERWRITTEN; the weight gradients g ACCUMULATE. dy (N,C) the gradient of y;
+  // backward adds aux_scale * (the gradients of the aux and z losses, MoeLosses) to what comes
+  // from dy. The trainer passes aux_scale = 1 / (micro-batches in the global batch) when its main
+  // loss is a mean over them.
+  // Each rank's router gradient covers only its own tokens, and each expert's gradient only the
+  // tokens that reached it through this rank's dispatcher: the trainer sums the router gradient
+  // over every rank holding other tokens (data + token_group ranks, like a sequence-parallel norm)
+  // and expert gradients over the ranks holding the same experts with other tokens (the
+  // expert-data-parallel group).
   void backward(Tensor dx, MoeActs& acts, Tensor dy, const MoeWeights& w, const MoeWeights& g, float aux_scale);
 
  private:

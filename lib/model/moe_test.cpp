@@ -10,7 +10,7 @@
 #include <limits>
 
 #include "lib/kernels/testing.h"
-#include "lib/model/moe_test_util.h"
+#include "lib/model/moe_testing.h"
 
 using namespace mpigpt;
 using namespace mpigpt::testing;

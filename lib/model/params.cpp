@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 
 #include "lib/core/error.h"
 #include "lib/core/rng.h"
@@ -17,6 +18,23 @@ const char* param_kind_name(ParamKind k) {
     case ParamKind::Embedding: return "embedding";
   }
   return "?";
+}
+
+std::set<ParamKind> parse_no_decay(const std::string& list) {
+  std::set<ParamKind> kinds;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (item.empty() || item == "none") continue;
+    if (item == "norms") kinds.insert(ParamKind::Norm);
+    else if (item == "biases") kinds.insert(ParamKind::Bias);
+    else if (item == "embeddings") kinds.insert(ParamKind::Embedding);
+    else if (item == "weights") kinds.insert(ParamKind::Weight);
+    else fail("training.no_decay: '{}' is not a parameter kind; use a comma list of norms, biases, embeddings, weights (or none)", item);
+  }
+  return kinds;
 }
 
 int64_t ParamInfo::global_index(int64_t i) const {

@@ -1,9 +1,8 @@
 // The parameter table of a GPT: every weight's global name, global shape, kind, the part of it
 // this rank holds (tensor-parallel shard, pipeline stage) and its place in the rank's flat
-// parameter buffer; and its initialisation from the counter-based RNG indexed by the element's
-// position in the global tensor (DESIGN principle 3), so every layout holds exactly the slices
-// of the single-rank model.
+// parameter buffer; and its layout-independent initialisation.
 #pragma once
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,6 +14,8 @@ namespace mpigpt {
 
 enum class ParamKind { Weight, Bias, Norm, Embedding };
 const char* param_kind_name(ParamKind k);
+// Parse training.no_decay, "norms,biases,embeddings" (any subset, or "none"), into parameter kinds.
+std::set<ParamKind> parse_no_decay(const std::string& list);
 
 // How a parameter is split over the tensor-parallel ranks.
 // For an expert parameter (ParamInfo::expert) the split is over the expert-tensor-parallel group.
@@ -75,7 +76,9 @@ struct ModelPlacement {
 // them). With the default placement: the whole single-rank model.
 std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement& pl = {});
 
-// Write the initial values of this rank's part of `p` into `dst` (host, p.numel() floats).
+// Write the initial values of this rank's part of `p` into `dst` (host, p.numel() floats), from
+// the counter-based RNG indexed by the element's position in the global tensor (DESIGN principle
+// 3), so every layout holds exactly the slices of the single-rank model.
 void init_param(const ParamInfo& p, uint64_t seed, float* dst);
 
 }  // namespace mpigpt

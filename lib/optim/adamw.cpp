@@ -2,28 +2,10 @@
 #include "lib/optim/adamw.h"
 
 #include <cmath>
-#include <sstream>
 
 namespace mpigpt {
 
-std::set<ParamKind> parse_no_decay(const std::string& list) {
-  std::set<ParamKind> kinds;
-  std::stringstream ss(list);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    if (item.empty() || item == "none") continue;
-    if (item == "norms") kinds.insert(ParamKind::Norm);
-    else if (item == "biases") kinds.insert(ParamKind::Bias);
-    else if (item == "embeddings") kinds.insert(ParamKind::Embedding);
-    else if (item == "weights") kinds.insert(ParamKind::Weight);
-    else fail("training.no_decay: '{}' is not a parameter kind; use a comma list of norms, biases, embeddings, weights (or none)", item);
-  }
-  return kinds;
-}
-
-AdamW::AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tensor grads, const AdamWConfig& cfg,
+AdamW::AdamW(Ops& ops, const std::vector<OptimParam>& table, Tensor params, Tensor grads, const AdamWConfig& cfg,
              const std::vector<Range>& owned)
     : ops_(ops), params_(params), grads_(grads), cfg_(cfg) {
   MPIGPT_CHECK(params.numel() == grads.numel(), "params {} grads {}", params.numel(), grads.numel());
@@ -32,13 +14,13 @@ AdamW::AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tenso
                "AdamW: owned ranges [{}, {}) exceed the buffer of {} elements", own.front().begin, own.back().end,
                params.numel());
   for (int i = 0; i < int(table.size()); ++i) {
-    const ParamInfo& p = table[i];
-    MPIGPT_CHECK(p.offset >= 0 && p.offset + p.numel() <= params.numel(),
+    const OptimParam& p = table[i];
+    MPIGPT_CHECK(p.offset >= 0 && p.offset + p.numel <= params.numel(),
                  "AdamW: parameter {} at [{}, {}) lies outside the buffer of {} elements", p.name, p.offset,
-                 p.offset + p.numel(), params.numel());
-    const float decay = cfg.no_decay.count(p.kind) ? 0.0f : cfg.weight_decay;
+                 p.offset + p.numel, params.numel());
+    const float decay = p.decay ? cfg.weight_decay : 0.0f;
     // The decay belongs to the parameter, so a slice through one still decays correctly.
-    for (const Range& r : intersect_ranges({{p.offset, p.offset + p.numel()}}, own)) {
+    for (const Range& r : intersect_ranges({{p.offset, p.offset + p.numel}}, own)) {
       pieces_.push_back({i, r.begin, r.size(), state_numel_});
       AdamWRun* last = runs_.empty() ? nullptr : &runs_.back();
       if (last && last->weight_decay == decay && last->begin + last->count == r.begin &&

@@ -1,34 +1,36 @@
 // AdamW over a model's flat parameter buffer, or over the ranges of it this rank owns (the
-// distributed optimizer): fp32 moments, decoupled weight decay applied per parameter kind (by
-// default not to norms, biases and embeddings), bias correction, and clipping by the global
-// gradient norm.
+// distributed optimizer): fp32 moments, decoupled weight decay per parameter, bias correction,
+// and clipping by the global gradient norm.
 #pragma once
 #include <cstdint>
-#include <set>
+#include <string>
 #include <vector>
 
 #include "lib/kernels/buffer.h"
 #include "lib/kernels/ops.h"
-#include "lib/model/params.h"
 #include "parallel/data_parallel.h"
 
 namespace mpigpt {
 
 struct AdamWConfig {
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
-  std::set<ParamKind> no_decay = {ParamKind::Norm, ParamKind::Bias, ParamKind::Embedding};
 };
 
-// Parse "norms,biases,embeddings" (any subset, or "none") into parameter kinds.
-std::set<ParamKind> parse_no_decay(const std::string& list);
+// A parameter as the optimizer sees it: elements [offset, offset + numel) of the flat buffers,
+// and whether weight decay applies to it (the caller decides by the parameter's kind).
+struct OptimParam {
+  std::string name;  // for errors
+  int64_t offset = 0, numel = 0;
+  bool decay = true;
+};
 
 class AdamW {
  public:
   // The optimizer updates `params` (flat) from `grads` (flat) on the elements of `owned` (empty:
-  // the whole buffer) that belong to a parameter of `table`; the table says which ones decay.
-  // m and v are held only for those elements, packed in buffer order. An owned range may cut
-  // through a parameter; elements outside every parameter (padding) are never touched.
-  AdamW(Ops& ops, const std::vector<ParamInfo>& table, Tensor params, Tensor grads, const AdamWConfig& cfg,
+  // the whole buffer) that belong to one of `table`'s parameters. m and v are held only for those
+  // elements, packed in buffer order. An owned range may cut through a parameter; elements
+  // outside every parameter (padding) are never touched.
+  AdamW(Ops& ops, const std::vector<OptimParam>& table, Tensor params, Tensor grads, const AdamWConfig& cfg,
         const std::vector<Range>& owned = {});
   // One step at learning rate lr; gradients are multiplied by grad_scale first (clipping).
   void step(float lr, float grad_scale);
@@ -42,7 +44,7 @@ class AdamW {
 
   // Which elements of which parameter the state holds (for checkpoints: a rank writes exactly
   // these hyperslabs): elements [begin, begin + count) of the buffer, parameter `param` of the
-  // table, state elements [state, state + count).
+  // table given to the constructor, state elements [state, state + count).
   struct Piece {
     int param;
     int64_t begin, count, state;

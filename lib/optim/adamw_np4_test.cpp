@@ -1,7 +1,6 @@
-// Four ranks, as one data-parallel group of 4 and as two groups of 2: several AdamW steps with the
-// distributed optimizer (reduce-scatter, clipped step on this rank's slices, all-gather) give the
-// same parameters as plain data parallelism (all-reduce, full AdamW) on a table of mixed decay
-// kinds whose parameters the slices cut through; bit for bit when the gradient sums are exact.
+// Four ranks, as one data-parallel group of 4 and as two groups of 2: the distributed optimizer
+// (reduce-scatter, clipped step on this rank's slices, all-gather) gives the parameters of plain
+// data parallelism (all-reduce, full AdamW).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -40,14 +39,13 @@ struct Group {
 
 const std::vector<int64_t> kNumels = {37, 100, 5, 64, 300, 17, 1, 250, 33};
 
-std::vector<ParamInfo> make_table(const std::vector<int64_t>& offsets) {
-  const ParamKind kinds[] = {ParamKind::Embedding, ParamKind::Weight, ParamKind::Bias, ParamKind::Norm,
-                             ParamKind::Weight};
-  std::vector<ParamInfo> t(kNumels.size());
+std::vector<OptimParam> make_table(const std::vector<int64_t>& offsets) {
+  const bool decays[] = {false, true, false, false, true};  // as embedding, weight, bias, norm, weight
+  std::vector<OptimParam> t(kNumels.size());
   for (size_t i = 0; i < t.size(); ++i) {
     t[i].name = std::string("p").append(std::to_string(i));  // not "p" + ...: GCC 12 -Wrestrict false positive
-    t[i].shape = Shape{kNumels[i]};
-    t[i].kind = kinds[i % 5];
+    t[i].numel = kNumels[i];
+    t[i].decay = decays[i % 5];
     t[i].offset = offsets[i];
   }
   return t;
@@ -57,7 +55,7 @@ std::vector<ParamInfo> make_table(const std::vector<int64_t>& offsets) {
 // contiguously (the reference) or by plan_buffer with GradSync.
 struct Replica {
   std::vector<float> p, g;
-  std::vector<ParamInfo> table;
+  std::vector<OptimParam> table;
   void init(int64_t total, const std::vector<int64_t>& offsets) {
     table = make_table(offsets);
     p.assign(total, 0.0f);
@@ -81,6 +79,8 @@ struct Replica {
 
 }  // namespace
 
+// Several steps on a table of mixed decay settings whose parameters the slices cut through; bit for
+// bit when the gradient sums are exact.
 TEST_CASE("the distributed optimizer reproduces plain data-parallel AdamW") {
   auto ops = make_cpu_ops();
   AdamWConfig cfg;
@@ -146,8 +146,8 @@ TEST_CASE("the distributed optimizer reproduces plain data-parallel AdamW") {
           }
           CHECK(bad == 0);
           for (int64_t i = 0; i < L.total; ++i)  // the padding stayed zero
-            if (!std::count_if(rep.table.begin(), rep.table.end(), [&](const ParamInfo& t) {
-                  return t.offset <= i && i < t.offset + t.numel();
+            if (!std::count_if(rep.table.begin(), rep.table.end(), [&](const OptimParam& t) {
+                  return t.offset <= i && i < t.offset + t.numel;
                 }))
               REQUIRE(rep.p[i] == 0.0f);
         }

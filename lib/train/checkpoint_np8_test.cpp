@@ -1,15 +1,10 @@
-// Eight ranks: checkpoints resume exactly and reshard. A tp2 x pp2 x dp2 run with the
-// distributed optimizer saves at iteration 6; resuming from that save in the same layout
-// repeats its losses bit for bit, and resuming in tp1 x pp4 x dp2, tp4 x dp2 (another
-// vocabulary padding) and on a single rank follows the uninterrupted curve within the
-// regression tolerance.
+// Eight ranks: checkpoints resume exactly and reshard.
 #include <doctest/doctest.h>
 #include <mpi.h>
 
 #include <cmath>
 #include <filesystem>
 
-#include "lib/train/layout.h"
 #include "lib/train/trainer.h"
 
 using namespace mpigpt;
@@ -53,6 +48,10 @@ TrainResult run(Config cfg, MPI_Comm comm) {
 
 }  // namespace
 
+// A tp2 x pp2 x dp2 run with the distributed optimizer saves at iteration 6; resuming from that
+// save in the same layout repeats its losses bit for bit, and resuming in tp1 x pp4 x dp2,
+// tp4 x dp2 (another vocabulary padding) and on a single rank follows the uninterrupted curve
+// within the regression tolerance.
 TEST_CASE("save in tp2-pp2-dp2 with the distributed optimizer; resume exactly, and resharded") {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -6,16 +6,12 @@
 
 #include <algorithm>
 #include <chrono>
-#include <csignal>
-#include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
 
 #include "lib/core/error.h"
-#include "lib/train/layout.h"
 
 namespace mpigpt {
 
@@ -239,19 +235,10 @@ void point_latest(const std::string& root, const std::string& name) {
   fsync_path(root, true);
 }
 
-// Fault injection for the reliability test: MPIGPT_FAULT_KILL_IN_SAVE=ITER:RANK kills that
-// rank (SIGKILL, no clean-up) halfway through writing the save of iteration ITER.
-void kill_if_injected(int64_t iteration, int rank) {
-  const char* spec = std::getenv("MPIGPT_FAULT_KILL_IN_SAVE");
-  long long it = -1;
-  int r = -1;
-  if (spec && std::sscanf(spec, "%lld:%d", &it, &r) == 2 && it == iteration && r == rank) std::raise(SIGKILL);
-}
-
 }  // namespace
 
 SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, ModelRunner& r, const Config& cfg,
-                          int keep_last) {
+                          int keep_last, const SaveHook& midway) {
   const auto t0 = std::chrono::steady_clock::now();
   const Comm& world = r.mesh().world();
   const std::string name = checkpoint_dir_name(meta.iteration);
@@ -267,7 +254,7 @@ SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, M
     std::vector<Plan> plans = make_plans(r, host, global, false);
     CheckpointWriter w(world.mpi(), file);
     for (size_t g = 0; g < global.size(); ++g) w.write(model_name(global[g].name), stored_shape(global[g]), plans[g].params);
-    kill_if_injected(meta.iteration, world.rank());
+    if (midway) midway(meta.iteration);
     for (int k = 0; k < 2; ++k)
       for (size_t g = 0; g < global.size(); ++g)
         w.write(moment_name(k, global[g].name), stored_shape(global[g]), plans[g].moments[k]);

@@ -1,9 +1,9 @@
-// Checkpoints of a training run (docs/checkpoint-format.md): which datasets and hyperslabs one
-// rank's model shard and optimizer slices are, saving a step into ROOT/iter_NNNNNNN/ with the
-// atomic `latest` pointer and retention, and loading any save into any layout (every rank
-// reads the boxes its layout owns).
+// Checkpoints of a training run (docs/checkpoint-format.md): saving a step into
+// ROOT/iter_NNNNNNN/ with the atomic `latest` pointer and retention, and loading any save into any
+// layout, every rank writing and reading the hyperslabs its model shard and optimizer slices own.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +36,10 @@ struct CheckpointMeta {
   double lr = 0;                 // learning rate of the last step (informational)
 };
 
+// Called on every rank halfway through writing a save (the model tensors written, the optimizer
+// state not yet) with the save's iteration: where a test of an interrupted save injects its fault.
+using SaveHook = std::function<void(int64_t iteration)>;
+
 // Collective over the mesh's world: writes ROOT/iter_<it>/checkpoint.h5, verifies it, then
 // points ROOT/latest at it (write + rename) and keeps only the newest `keep_last` saves (0: all).
 // Returns the seconds it took and the bytes written.
@@ -44,7 +48,7 @@ struct SaveStats {
   int64_t bytes = 0;
 };
 SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, ModelRunner& runner,
-                          const Config& cfg, int keep_last);
+                          const Config& cfg, int keep_last, const SaveHook& midway = {});
 
 // Collective: the save ROOT/latest names (or ROOT itself when it is an iter_ directory), read
 // into this layout. Errors name the directory, file and dataset: no `latest`, a different

@@ -1,14 +1,12 @@
 // The parameter shards of routed experts (split over ep and expert_tp) and the checkpoint boxes
-// they map to: every element of every expert tensor is held where global_index says, the boxes of
-// any local flat range (a distributed-optimizer slice) put each element at that same global
-// place, and together the ranks of the expert grid cover each tensor exactly once per replica.
+// they map to.
 #include <doctest/doctest.h>
 
 #include <map>
 #include <string>
 #include <vector>
 
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_testing.h"
 #include "lib/model/params.h"
 #include "lib/train/checkpointing.h"
 
@@ -44,6 +42,9 @@ std::vector<int64_t> box_indices(const ParamInfo& p, int64_t begin, int64_t end)
 
 }  // namespace
 
+// Every element of every expert tensor is held where global_index says, the boxes of any local flat
+// range (a distributed-optimizer slice) put each element at that same global place, and together
+// the ranks of the expert grid cover each tensor exactly once per replica.
 TEST_CASE("expert shards over ep x expert_tp: global_index, checkpoint boxes and coverage agree") {
   for (Family f : {Family::GPT2, Family::Llama})
     for (int ep : {1, 2, 4})

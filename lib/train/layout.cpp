@@ -4,17 +4,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "parallel/rank_grid.h"
+#include "parallel/schedule.h"
+
 namespace mpigpt {
-
-MeshSizes mesh_sizes(const ParallelConfig& p) { return MeshSizes{p.tp, p.pp, p.cp, p.ep, p.expert_tp, p.order}; }
-
-std::vector<std::vector<int>> layers_of_stage(int num_layers, int pp, int vpp, int pp_rank) {
-  const int per_block = num_layers / (pp * vpp);
-  std::vector<std::vector<int>> chunks(vpp);
-  for (int v = 0; v < vpp; ++v)
-    for (int i = 0; i < per_block; ++i) chunks[v].push_back((v * pp + pp_rank) * per_block + i);
-  return chunks;
-}
 
 static std::string ranks_str(const std::vector<int>& r) { return fmt::format("[{}]", fmt::join(r, " ")); }
 

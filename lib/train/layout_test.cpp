@@ -1,24 +1,9 @@
-// Tests of the layer assignment of (interleaved) pipeline stages and of the dry-run report.
+// Tests of the `mpigpt train --dry-run` layout report.
 #include "lib/train/layout.h"
 
 #include <doctest/doctest.h>
 
-#include <set>
-
 using namespace mpigpt;
-
-TEST_CASE("chunk v on pipeline rank p holds layer block v*pp+p; all layers exactly once") {
-  CHECK(layers_of_stage(8, 2, 2, 1) == std::vector<std::vector<int>>{{2, 3}, {6, 7}});
-  CHECK(layers_of_stage(8, 4, 1, 3) == std::vector<std::vector<int>>{{6, 7}});
-  for (int pp : {1, 2, 4})
-    for (int vpp : {1, 2}) {
-      std::multiset<int> all;
-      for (int p = 0; p < pp; ++p)
-        for (const auto& c : layers_of_stage(16, pp, vpp, p)) all.insert(c.begin(), c.end());
-      CHECK(all.size() == 16);
-      CHECK(std::set<int>(all.begin(), all.end()).size() == 16);
-    }
-}
 
 TEST_CASE("dry-run report lists every rank with coordinates, layers and groups") {
   Config cfg;

@@ -4,12 +4,20 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <set>
 #include <utility>
 
-#include "lib/train/layout.h"
 #include "parallel/pipeline_parallel.h"
 
 namespace mpigpt {
+
+// The optimizer's view of the parameter table; training.no_decay names the kinds that do not decay.
+// AdamW::Piece::param indexes it as it indexes the table.
+static std::vector<OptimParam> optim_params(const std::vector<ParamInfo>& table, const std::set<ParamKind>& no_decay) {
+  std::vector<OptimParam> out;
+  for (const ParamInfo& p : table) out.push_back({p.name, p.offset, p.numel(), no_decay.count(p.kind) == 0});
+  return out;
+}
 
 // The pipeline stage the executor drives: one GPT chunk per virtual stage, the micro-batch's
 // tokens from the step's batch (this cp rank's share, with every rank's positions and document
@@ -153,8 +161,8 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   ac.beta2 = float(tc.beta2);
   ac.eps = float(tc.eps);
   ac.weight_decay = float(tc.weight_decay);
-  ac.no_decay = parse_no_decay(tc.no_decay);
-  opt_ = std::make_unique<AdamW>(ops, model_->params(), params, grads, ac, owned_);
+  opt_ = std::make_unique<AdamW>(ops, optim_params(model_->params(), parse_no_decay(tc.no_decay)), params, grads, ac,
+                                 owned_);
 
   // The gradient norm counts each element once over the world, on the rank that writes its
   // optimizer state to a checkpoint: of owned elements those of parameters it writes.

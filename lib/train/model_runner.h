@@ -1,7 +1,4 @@
-// One rank's share of the model and everything that crosses ranks around it: the GPT shard of
-// its tensor-parallel rank and pipeline chunks, the pipeline schedule run by the executor, the
-// data-parallel gradient reduction (optionally the distributed optimizer), the tied-embedding
-// and sequence-parallel gradient sums, the global gradient norm and AdamW. The trainer hands
+// One rank's share of the model and everything that crosses ranks around it. The trainer hands
 // it the tokens of this data-parallel rank and gets the loss back; nothing here reads files.
 #pragma once
 #include <cstdint>
@@ -19,6 +16,10 @@
 
 namespace mpigpt {
 
+// It holds the GPT shard of this rank's tensor-parallel rank and pipeline chunks, runs the
+// pipeline schedule through the executor, and does the data-parallel gradient reduction
+// (optionally the distributed optimizer), the tied-embedding and sequence-parallel gradient sums,
+// the global gradient norm and AdamW.
 class ModelRunner {
  public:
   // cfg validated for the mesh's world size; d resolved (make_dims).

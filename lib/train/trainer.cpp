@@ -110,260 +110,375 @@ struct Batches {
   }
 };
 
-}  // namespace
+// The tokenizer's vocabulary (the model's, with random tokens).
+int vocab_size(const Config& cfg, bool synthetic) {
+  if (synthetic) return cfg.model.vocab_size > 0 ? cfg.model.vocab_size : 50257;
+  auto tok = make_tokenizer(cfg.data);
+  if (cfg.data.path.empty())
+    fail("data.path is not set; prepare a dataset with `mpigpt prepare-data --output PREFIX FILES...` and pass "
+         "--data.path PREFIX");
+  return tok->vocab_size();
+}
 
-TrainResult train(const Config& cfg, const Mesh& mesh, Ops& backend, const TrainOptions& opts) {
+// The train and validation splits of data.path (or data.valid_path); none with random tokens.
+Batches open_batches(const Config& cfg, const GptDims& d, bool synthetic) {
+  Batches data;
+  data.T = d.T;
+  data.V = d.V;
+  const uint64_t seed = data.seed = cfg.training.seed;
+  if (synthetic) return data;
+  auto src = TokenSource::open(cfg.data.path);
+  if (!cfg.data.valid_path.empty()) {
+    data.train = std::make_unique<GptDataset>(src, Split::Train, 0.0, d.T, seed, d.V);
+    data.valid =
+        std::make_unique<GptDataset>(TokenSource::open(cfg.data.valid_path), Split::Train, 0.0, d.T, seed, d.V);
+  } else {
+    data.train = std::make_unique<GptDataset>(src, Split::Train, cfg.data.valid_fraction, d.T, seed, d.V);
+    if (cfg.data.valid_fraction > 0)
+      data.valid = std::make_unique<GptDataset>(src, Split::Valid, cfg.data.valid_fraction, d.T, seed, d.V);
+  }
+  return data;
+}
+
+// Warmup, then decay over training.decay_iters, or (0) until the last iteration.
+LrSchedule lr_schedule(const TrainingConfig& tc) {
+  return {tc.lr, tc.min_lr, tc.warmup_iters,
+          tc.decay_iters > 0 ? tc.decay_iters : std::max<int64_t>(tc.train_iters - tc.warmup_iters, 0),
+          parse_decay_style(tc.lr_schedule)};
+}
+
+// What one training step measured.
+struct StepResult {
+  double loss = 0, aux = 0, load = 0, norm = 0, lr = 0, ms = 0;
+};
+
+// Sums over the steps since the last log line.
+struct Interval {
+  double loss = 0, ms = 0, aux = 0, load = 0;
+  int steps = 0;
+};
+
+// One training run: the constructor builds the data, the model shard with its optimizer and the
+// metrics from the config and logs them; loop() trains and returns what the run measured.
+class TrainingRun {
+ public:
+  TrainingRun(const Config& cfg, const Mesh& mesh, Ops& backend, const TrainOptions& opts);
+  TrainResult loop();
+
+ private:
+  bool logs() const { return mesh_.rank() == 0 && !opts_.quiet; }
+  void log_setup() const;
+  void load_start();
+  StepResult step(int64_t it);
+  int64_t read_batch(int64_t it);
+  void record(int64_t it, const StepResult& s);
+  void log_interval(int64_t it, const StepResult& s);
+  void validate(int64_t it);
+  double evaluate();
+  bool save_or_stop(int64_t it, double lr, const TerminationGuard& term);
+  void save(int64_t it, double lr);
+  void take_backend_notes();
+
+  const Config& cfg_;
+  const TrainingConfig& tc_;
+  const Mesh& mesh_;
+  const TrainOptions& opts_;
   // Losses are summed over the data- and context-parallel ranks (each cp rank holds a share of its
   // rows' tokens); token counts over the data-parallel ranks alone (every cp rank of a data-parallel
   // rank reads the same rows).
-  const Comm& world = mesh.dp_cp();
-  const Comm& dp_only = mesh.dp();
-  const TrainingConfig& tc = cfg.training;
-  const ParallelConfig& pc = cfg.parallel;
+  const Comm& dp_cp_;
+  const Comm& dp_;
   // The loss lives on the last pipeline stage; one rank there logs.
-  const Coords& co = mesh.coords();
-  const bool last_rank = co.pp == pc.pp - 1 && co.tp == 0 && co.cp == 0 && co.dp == 0;
-  Ops* const ops = &backend;
-  if (cfg.engine.threads > 0) omp_set_num_threads(cfg.engine.threads);
-
-  // ---- data -------------------------------------------------------------------------------
-  Batches data;
-  int vocab = 0;
-  if (opts.synthetic_data) {
-    vocab = cfg.model.vocab_size > 0 ? cfg.model.vocab_size : 50257;
-  } else {
-    auto tok = make_tokenizer(cfg.data);
-    vocab = tok->vocab_size();
-    if (cfg.data.path.empty())
-      fail("data.path is not set; prepare a dataset with `mpigpt prepare-data --output PREFIX FILES...` and pass "
-           "--data.path PREFIX");
-  }
-  const GptDims d = make_dims(cfg, vocab);
-  data.T = d.T;
-  data.V = d.V;
-  data.seed = tc.seed;
-  if (!opts.synthetic_data) {
-    auto src = TokenSource::open(cfg.data.path);
-    if (!cfg.data.valid_path.empty()) {
-      data.train = std::make_unique<GptDataset>(src, Split::Train, 0.0, d.T, tc.seed, d.V);
-      data.valid = std::make_unique<GptDataset>(TokenSource::open(cfg.data.valid_path), Split::Train, 0.0, d.T,
-                                                tc.seed, d.V);
-    } else {
-      data.train = std::make_unique<GptDataset>(src, Split::Train, cfg.data.valid_fraction, d.T, tc.seed, d.V);
-      if (cfg.data.valid_fraction > 0)
-        data.valid = std::make_unique<GptDataset>(src, Split::Valid, cfg.data.valid_fraction, d.T, tc.seed, d.V);
-    }
-  }
-
-  // ---- model and optimizer ------------------------------------------------------------------
-  const int dp = dp_only.size();
-  const int MB = tc.micro_batch, GB = tc.global_batch;
-  const int per_rank = GB / dp, num_micro = per_rank / MB;
-  ModelRunner runner(cfg, d, mesh, *ops);
-  LrSchedule sched{tc.lr, tc.min_lr, tc.warmup_iters,
-                   tc.decay_iters > 0 ? tc.decay_iters : std::max<int64_t>(tc.train_iters - tc.warmup_iters, 0),
-                   parse_decay_style(tc.lr_schedule)};
-  const double peak = tc.peak_tflops > 0 ? tc.peak_tflops * 1e12 : measured_peak_flops(backend);
-  const double flops_per_step = d.train_flops_per_token() * double(GB) * d.T / mesh.world_size();  // per rank
-  if (mesh.rank() == 0 && !opts.quiet) {
-    log_line("mesh: {}", mesh.describe());
-    log_line("model: {} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
-             "parameters", d.gpt2() ? "gpt2" : "llama", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
-             d.num_params() / 1e6);
-    if (d.moe.E > 0) {
-      std::string layers;
-      for (int l = 0; l < d.L; ++l)
-        if (d.is_moe(l)) layers += (layers.empty() ? "" : ",") + std::to_string(l);
-      log_line("moe: {} experts, top-{} ({} router), expert ffn {}{}, layers {}, aux {} z {}, {}", d.moe.E, d.moe.K,
-               d.moe.sigmoid ? "sigmoid" : "softmax", d.moe.F,
-               d.moe.shared_F > 0 ? fmt::format(", shared expert ffn {}", d.moe.shared_F) : std::string(), layers,
-               d.moe.aux_coeff, d.moe.z_coeff,
-               d.moe.capacity_factor > 0 ? fmt::format("capacity factor {} ({} drop)", d.moe.capacity_factor,
-                                                       d.moe.drop_position ? "position" : "probs")
-                                         : std::string("dropless"));
-    }
-    log_line("batch: global {} = {} data-parallel ranks x {} micro-batches x {} sequences of {} tokens", GB, dp,
-             num_micro, MB, d.T);
-    if (data.train)
-      log_line("data: {} ({} train samples per epoch{})", cfg.data.path, data.train->samples_per_epoch(),
-               data.valid ? fmt::format(", {} validation", data.valid->samples_per_epoch()) : std::string());
-    const DpMemory mem = runner.memory();
-    // In bf16 the compute copy of the weights comes on top of the fp32 masters.
-    const int64_t copy = d.act == DType::F32 ? 0 : mem.params / 4 * int64_t(dtype_size(d.act));
-    log_line("memory per rank: parameters {:.1f} MiB{}, gradients {:.1f} MiB, optimizer state {:.1f} MiB{}; peak "
-             "for MFU {:.1f} GFLOP/s per rank", mem.params / 1048576.0,
-             copy > 0 ? fmt::format(" + {:.1f} MiB {} copy", copy / 1048576.0, dtype_name(d.act)) : std::string(),
-             mem.grads / 1048576.0, mem.optimizer / 1048576.0,
-             cfg.engine.distributed_optimizer ? " (distributed)" : "", peak / 1e9);
-  }
-
-  // ---- loop -----------------------------------------------------------------------------------
-  const size_t rows = size_t(std::max<int64_t>(per_rank, tc.eval_iters * MB));
-  std::vector<int32_t> tokens(rows * d.T), targets(rows * d.T);
-  // Positions within documents, only when sequences are packed (else every row is one document).
-  std::vector<int32_t> positions(cfg.engine.sequence_packing ? rows * d.T : 0);
-  int32_t* pos = positions.empty() ? nullptr : positions.data();
-  MetricsWriter metrics(last_rank ? tc.metrics_file : std::string());
-  TrainResult result;
-  result.flops_per_step = flops_per_step;
-  result.peak_flops = peak;
-
-  // Mean loss over `count` validation micro-batches per rank.
-  auto evaluate = [&]() {
-    const int64_t n = tc.eval_iters * MB;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t k = j / MB, b = j % MB;
-      data.get(false, (k * dp + dp_only.rank()) * MB + b, tokens.data() + j * d.T, targets.data() + j * d.T,
-               pos ? pos + j * d.T : nullptr);
-    }
-    double loss = runner.forward_only(tokens.data(), targets.data(), pos, int(tc.eval_iters));
-    double count = double(count_targets(targets.data(), targets.data() + n * d.T));
-    world.allreduce_sum(&loss, 1);
-    dp_only.allreduce_sum(&count, 1);
-    return loss / std::max(count, 1.0);
-  };
-
-  StepMetrics m;
-  m.total_iters = tc.train_iters;
-  double interval_loss = 0, interval_ms = 0, total_ms = 0, interval_aux = 0, interval_load = 0;
-  const bool moe = d.moe.E > 0;
-  int interval_steps = 0;
+  const bool last_rank_;
+  Ops& ops_;
+  const GptDims d_;
+  const bool moe_;
+  Batches data_;
+  const int per_rank_, num_micro_;  // sequences and micro-batches of this data-parallel rank per step
+  ModelRunner runner_;
+  const LrSchedule sched_;
+  const double peak_;
   // The groups whose traffic the last step reports (the comm layer counts every call).
-  const std::vector<std::pair<std::string, const Comm*>> groups = {
-      {"tp", &mesh.tp()}, {"pp", &mesh.pp()}, {"cp", &mesh.cp()}, {"dp_cp", &mesh.dp_cp()}, {"embedding", &mesh.embedding()},
-      {"mp", &mesh.mp()}, {"world", &mesh.world()}, {"ep", &mesh.ep()}, {"expert_tp", &mesh.expert_tp()},
-      {"expert_tp_ep", &mesh.expert_tp_ep()}, {"expert_dp", &mesh.expert_dp()}, {"tp_cp", &mesh.tp_cp()}};
-  result.memory = runner.memory();
-  result.bubble = simulate(runner.schedule(), pc.pp, pc.vpp, 1.0, 2.0).bubble;
-  // Resume: the weights, Adam state and step count from the save; the data order and the
-  // learning rate follow from the iteration alone.
-  int64_t first_it = 1;
-  const CheckpointConfig& ck = cfg.checkpoint;
+  const std::vector<std::pair<std::string, const Comm*>> groups_;
+  // A step's (or an evaluation's) rows; positions within documents only when sequences are packed
+  // (else every row is one document).
+  std::vector<int32_t> tokens_, targets_, positions_;
+  MetricsWriter metrics_{std::string()};
+  TrainResult result_;
+  Interval interval_;
+  double total_ms_ = 0;
+};
+
+TrainingRun::TrainingRun(const Config& cfg, const Mesh& mesh, Ops& backend, const TrainOptions& opts)
+    : cfg_(cfg),
+      tc_(cfg.training),
+      mesh_(mesh),
+      opts_(opts),
+      dp_cp_(mesh.dp_cp()),
+      dp_(mesh.dp()),
+      last_rank_(mesh.coords().pp == cfg.parallel.pp - 1 && mesh.coords().tp == 0 && mesh.coords().cp == 0 &&
+                 mesh.coords().dp == 0),
+      ops_(backend),
+      d_(make_dims(cfg, vocab_size(cfg, opts.synthetic_data))),
+      moe_(d_.moe.E > 0),
+      data_(open_batches(cfg, d_, opts.synthetic_data)),
+      per_rank_(tc_.global_batch / dp_.size()),
+      num_micro_(per_rank_ / tc_.micro_batch),
+      runner_(cfg, d_, mesh, ops_),
+      sched_(lr_schedule(tc_)),
+      peak_(tc_.peak_tflops > 0 ? tc_.peak_tflops * 1e12 : measured_peak_flops(backend)),
+      groups_{{"tp", &mesh.tp()},
+              {"pp", &mesh.pp()},
+              {"cp", &mesh.cp()},
+              {"dp_cp", &mesh.dp_cp()},
+              {"embedding", &mesh.embedding()},
+              {"mp", &mesh.mp()},
+              {"world", &mesh.world()},
+              {"ep", &mesh.ep()},
+              {"expert_tp", &mesh.expert_tp()},
+              {"expert_tp_ep", &mesh.expert_tp_ep()},
+              {"expert_dp", &mesh.expert_dp()},
+              {"tp_cp", &mesh.tp_cp()}} {
+  log_setup();
+  const size_t rows = size_t(std::max<int64_t>(per_rank_, tc_.eval_iters * tc_.micro_batch));
+  tokens_.resize(rows * d_.T);
+  targets_.resize(rows * d_.T);
+  positions_.resize(cfg.engine.sequence_packing ? rows * d_.T : 0);
+  metrics_ = MetricsWriter(last_rank_ ? tc_.metrics_file : std::string());  // after the setup's log lines
+  result_.flops_per_step = d_.train_flops_per_token() * double(tc_.global_batch) * d_.T / mesh.world_size();  // per rank
+  result_.peak_flops = peak_;
+  result_.memory = runner_.memory();
+  result_.bubble = simulate(runner_.schedule(), cfg.parallel.pp, cfg.parallel.vpp, 1.0, 2.0).bubble;
+  load_start();
+}
+
+void TrainingRun::log_setup() const {
+  if (!logs()) return;
+  const GptDims& d = d_;
+  log_line("mesh: {}", mesh_.describe());
+  log_line("model: {} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
+           "parameters", d.gpt2() ? "gpt2" : "llama", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
+           d.num_params() / 1e6);
+  if (moe_) {
+    std::string layers;
+    for (int l = 0; l < d.L; ++l)
+      if (d.is_moe(l)) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+    log_line("moe: {} experts, top-{} ({} router), expert ffn {}{}, layers {}, aux {} z {}, {}", d.moe.E, d.moe.K,
+             d.moe.sigmoid ? "sigmoid" : "softmax", d.moe.F,
+             d.moe.shared_F > 0 ? fmt::format(", shared expert ffn {}", d.moe.shared_F) : std::string(), layers,
+             d.moe.aux_coeff, d.moe.z_coeff,
+             d.moe.capacity_factor > 0 ? fmt::format("capacity factor {} ({} drop)", d.moe.capacity_factor,
+                                                     d.moe.drop_position ? "position" : "probs")
+                                       : std::string("dropless"));
+  }
+  log_line("batch: global {} = {} data-parallel ranks x {} micro-batches x {} sequences of {} tokens",
+           tc_.global_batch, dp_.size(), num_micro_, tc_.micro_batch, d.T);
+  if (data_.train)
+    log_line("data: {} ({} train samples per epoch{})", cfg_.data.path, data_.train->samples_per_epoch(),
+             data_.valid ? fmt::format(", {} validation", data_.valid->samples_per_epoch()) : std::string());
+  const DpMemory mem = runner_.memory();
+  // In bf16 the compute copy of the weights comes on top of the fp32 masters.
+  const int64_t copy = d.act == DType::F32 ? 0 : mem.params / 4 * int64_t(dtype_size(d.act));
+  log_line("memory per rank: parameters {:.1f} MiB{}, gradients {:.1f} MiB, optimizer state {:.1f} MiB{}; peak "
+           "for MFU {:.1f} GFLOP/s per rank", mem.params / 1048576.0,
+           copy > 0 ? fmt::format(" + {:.1f} MiB {} copy", copy / 1048576.0, dtype_name(d.act)) : std::string(),
+           mem.grads / 1048576.0, mem.optimizer / 1048576.0,
+           cfg_.engine.distributed_optimizer ? " (distributed)" : "", peak_ / 1e9);
+}
+
+// The weights to start from, or the state to resume: the weights, Adam state and step count from
+// the save; the data order and the learning rate follow from the iteration alone.
+void TrainingRun::load_start() {
+  const CheckpointConfig& ck = cfg_.checkpoint;
   if (!ck.init_from_hf.empty()) {
-    load_weights(runner, load_hf_model(ck.init_from_hf, cfg.model, d.V, d.Vp), ck.init_from_hf);
-    if (mesh.rank() == 0 && !opts.quiet) log_line("weights: from the Hugging Face model {}", ck.init_from_hf);
+    load_weights(runner_, load_hf_model(ck.init_from_hf, cfg_.model, d_.V, d_.Vp), ck.init_from_hf);
+    if (logs()) log_line("weights: from the Hugging Face model {}", ck.init_from_hf);
   } else if (!ck.init_from_llmc.empty()) {
     TensorMap w = read_llmc_model(ck.init_from_llmc, nullptr, nullptr, nullptr);
-    repad_vocab(w, d.V, d.Vp);  // llm.c pads to 128, this layout to 128 * tp
-    load_weights(runner, w, ck.init_from_llmc);
-    if (mesh.rank() == 0 && !opts.quiet) log_line("weights: from the llm.c model {}", ck.init_from_llmc);
+    repad_vocab(w, d_.V, d_.Vp);  // llm.c pads to 128, this layout to 128 * tp
+    load_weights(runner_, w, ck.init_from_llmc);
+    if (logs()) log_line("weights: from the llm.c model {}", ck.init_from_llmc);
   }
+  result_.first_iter = 1;
   if (!ck.load.empty()) {
-    const CheckpointMeta meta = load_checkpoint(ck.load, runner, cfg);
-    first_it = meta.iteration + 1;
-    if (mesh.rank() == 0 && !opts.quiet)
+    const CheckpointMeta meta = load_checkpoint(ck.load, runner_, cfg_);
+    result_.first_iter = meta.iteration + 1;
+    if (logs())
       log_line("checkpoint: resumed from {} at iteration {} ({} samples consumed)", resolve_checkpoint(ck.load),
                meta.iteration, meta.consumed_samples);
   }
-  result.first_iter = first_it;
+}
+
+TrainResult TrainingRun::loop() {
   // SIGTERM (what Slurm sends before the time limit): finish the step, save, exit cleanly.
   TerminationGuard term;
-  auto save = [&](int64_t it, double lr) {
-    CheckpointMeta meta{it, it * GB, it * GB * d.T, lr};
-    const SaveStats st = save_checkpoint(ck.save, meta, runner, cfg, ck.keep_last);
-    result.saves.push_back(st);
-    if (mesh.rank() == 0 && !opts.quiet)
-      log_line("checkpoint: saved iteration {} to {}/{} ({:.1f} MiB in {:.2f} s, {:.0f} MB/s)", it, ck.save,
-               checkpoint_dir_name(it), st.bytes / 1048576.0, st.seconds, st.bytes / 1e6 / st.seconds);
-  };
-  // What the backend chose by measuring (with engine.gemm_autotune, the bias-gradient way), logged
-  // by rank 0; each rank measures and chooses for itself.
-  auto backend_notes = [&] {
-    for (std::string& note : ops->take_notes()) {
-      if (mesh.rank() == 0 && !opts.quiet) log_line("{}", note);
-      if (mesh.rank() == 0) result.backend_notes.push_back(std::move(note));
-    }
-  };
-  for (int64_t it = first_it; it <= tc.train_iters; ++it) {
-    if (it == tc.train_iters)
-      for (const auto& g : groups) g.second->reset_stats();
-    if (opts.profile_ops) ops->profile_ops(true);  // the last step's times are reported
-    const auto t0 = Clock::now();
-    // This rank's samples of the global batch: the global batch index alone decides them.
-    for (int j = 0; j < per_rank; ++j)
-      data.get(true, (it - 1) * GB + int64_t(dp_only.rank()) * per_rank + j, tokens.data() + size_t(j) * d.T,
-               targets.data() + size_t(j) * d.T, pos ? pos + size_t(j) * d.T : nullptr);
-    int64_t counts[1] = {count_targets(targets.data(), targets.data() + size_t(per_rank) * d.T)};
-    dp_only.allreduce_sum(counts, 1);
-    const float dloss = 1.0f / float(std::max<int64_t>(counts[0], 1));
-
-    double loss_sum = runner.forward_backward(tokens.data(), targets.data(), pos, num_micro, dloss);
-    world.allreduce_sum(&loss_sum, 1);
-    // MoE: the aux + z losses of all MoE layers, averaged over the global batch's micro-batches
-    // (every cp and tp rank of a data-parallel rank holds the same figure: sum over dp only).
-    double moe_stats[2] = {runner.moe_loss_sum(), runner.moe_load_imbalance()};
-    if (moe) dp_only.allreduce_sum(moe_stats, 2);
-    const double aux = moe_stats[0] / double(GB / MB), load = moe_stats[1] / dp_only.size();
-    const double loss = loss_sum / double(std::max<int64_t>(counts[0], 1));
-    const double norm = runner.grad_norm();
-    if (!std::isfinite(loss) || !std::isfinite(norm))
-      fail("iteration {}: loss {} / gradient norm {} is not finite; lower training.lr (now {}) or raise "
-           "training.warmup_iters", it, loss, norm, tc.lr);
-    const double lr = sched.at(it);
-    runner.optimizer_step(float(lr), clip_scale(norm, tc.clip_grad));
-    ops->synchronize();  // a GPU step ends when its queued work does
-    const double ms = ms_since(t0);
-    backend_notes();
-    if (it == tc.train_iters)
-      for (const auto& g : groups) result.comm_bytes.emplace_back(g.first, g.second->stats().total());
-
-    result.losses.push_back(loss);
-    if (moe) result.aux_losses.push_back(aux), result.expert_loads.push_back(load);
-    interval_aux += aux;
-    interval_load += load;
-    result.grad_norms.push_back(norm);
-    result.step_ms.push_back(ms);
-    interval_loss += loss;
-    interval_ms += ms;
-    total_ms += ms;
-    ++interval_steps;
-    if (it % tc.log_interval == 0 || it == tc.train_iters) {
-      m.iter = it;
-      m.consumed_samples = it * GB;
-      m.lr = lr;
-      m.loss = interval_loss / interval_steps;
-      m.has_aux = moe;
-      m.aux_loss = interval_aux / interval_steps;
-      m.expert_load = interval_load / interval_steps;
-      m.grad_norm = norm;
-      m.ms_per_iter = interval_ms / interval_steps;
-      m.tokens_per_s = double(GB) * d.T / (m.ms_per_iter / 1e3);
-      m.tflops = flops_per_step / (m.ms_per_iter / 1e3) / 1e12;
-      m.mfu = m.tflops * 1e12 / peak;
-      m.peak_mem_mib = peak_rss_mib();
-      m.eta_s = double(tc.train_iters - it) * total_ms / double(it - first_it + 1) / 1e3;
-      if (last_rank && !opts.quiet) log_line("{}", format_step(m));
-      metrics.step(m);
-      interval_loss = interval_ms = interval_aux = interval_load = 0;
-      interval_steps = 0;
-    }
-    if (data.valid && tc.eval_interval > 0 && (it % tc.eval_interval == 0 || it == tc.train_iters)) {
-      const double vl = evaluate();
-      backend_notes();
-      result.val_losses.emplace_back(it, vl);
-      if (last_rank && !opts.quiet) log_line("validation at iter {}: loss {:.4f} (perplexity {:.2f})", it, vl, std::exp(vl));
-      metrics.eval(it, vl);
-    }
-    // Every rank must agree to stop: the signal may reach the ranks at different moments.
-    int64_t stop = term.requested() ? 1 : 0;
-    mesh.world().allreduce_sum(&stop, 1);
-    const bool scheduled = ck.save_interval > 0 && it % ck.save_interval == 0;
-    if (!ck.save.empty() && (scheduled || it == tc.train_iters || stop)) save(it, lr);
-    if (stop) {
-      if (mesh.rank() == 0)
-        log_line("SIGTERM: stopped after iteration {}{}", it,
-                 ck.save.empty() ? " (checkpoint.save is not set: nothing saved)" : ", checkpoint saved");
-      result.stopped = true;
-      break;
-    }
+  for (int64_t it = result_.first_iter; it <= tc_.train_iters; ++it) {
+    const StepResult s = step(it);
+    record(it, s);
+    if (data_.valid && tc_.eval_interval > 0 && (it % tc_.eval_interval == 0 || it == tc_.train_iters)) validate(it);
+    if (save_or_stop(it, s.lr, term)) break;
   }
-  result.activation_bytes = int64_t(runner.activation_bytes());
-  result.device_peak_bytes = int64_t(ops->peak_allocated());
-  if (opts.profile_ops) {
-    result.op_times = ops->op_times();
-    ops->profile_ops(false);
+  result_.activation_bytes = int64_t(runner_.activation_bytes());
+  result_.device_peak_bytes = int64_t(ops_.peak_allocated());
+  if (opts_.profile_ops) {  // the last step's
+    result_.op_times = ops_.op_times();
+    ops_.profile_ops(false);
   }
-  return result;
+  return std::move(result_);
+}
+
+// Reads this rank's samples of global batch `it` (the global batch index alone decides them) and
+// returns the number of targets of the whole global batch.
+int64_t TrainingRun::read_batch(int64_t it) {
+  int32_t* pos = positions_.empty() ? nullptr : positions_.data();
+  for (int j = 0; j < per_rank_; ++j)
+    data_.get(true, (it - 1) * tc_.global_batch + int64_t(dp_.rank()) * per_rank_ + j,
+              tokens_.data() + size_t(j) * d_.T, targets_.data() + size_t(j) * d_.T,
+              pos ? pos + size_t(j) * d_.T : nullptr);
+  int64_t count = count_targets(targets_.data(), targets_.data() + size_t(per_rank_) * d_.T);
+  dp_.allreduce_sum(&count, 1);
+  return count;
+}
+
+StepResult TrainingRun::step(int64_t it) {
+  const bool last = it == tc_.train_iters;
+  if (last)
+    for (const auto& g : groups_) g.second->reset_stats();
+  if (opts_.profile_ops) ops_.profile_ops(true);
+  const auto t0 = Clock::now();
+  const int64_t count = std::max<int64_t>(read_batch(it), 1);
+  double loss_sum = runner_.forward_backward(tokens_.data(), targets_.data(),
+                                             positions_.empty() ? nullptr : positions_.data(), num_micro_,
+                                             1.0f / float(count));
+  dp_cp_.allreduce_sum(&loss_sum, 1);
+  // MoE: the aux + z losses of all MoE layers, averaged over the global batch's micro-batches
+  // (every cp and tp rank of a data-parallel rank holds the same figure: sum over dp only).
+  double moe_stats[2] = {runner_.moe_loss_sum(), runner_.moe_load_imbalance()};
+  if (moe_) dp_.allreduce_sum(moe_stats, 2);
+  StepResult s;
+  s.aux = moe_stats[0] / double(tc_.global_batch / tc_.micro_batch);
+  s.load = moe_stats[1] / dp_.size();
+  s.loss = loss_sum / double(count);
+  s.norm = runner_.grad_norm();
+  if (!std::isfinite(s.loss) || !std::isfinite(s.norm))
+    fail("iteration {}: loss {} / gradient norm {} is not finite; lower training.lr (now {}) or raise "
+         "training.warmup_iters", it, s.loss, s.norm, tc_.lr);
+  s.lr = sched_.at(it);
+  runner_.optimizer_step(float(s.lr), clip_scale(s.norm, tc_.clip_grad));
+  ops_.synchronize();  // a GPU step ends when its queued work does
+  s.ms = ms_since(t0);
+  take_backend_notes();
+  if (last)
+    for (const auto& g : groups_) result_.comm_bytes.emplace_back(g.first, g.second->stats().total());
+  return s;
+}
+
+void TrainingRun::record(int64_t it, const StepResult& s) {
+  result_.losses.push_back(s.loss);
+  if (moe_) result_.aux_losses.push_back(s.aux), result_.expert_loads.push_back(s.load);
+  result_.grad_norms.push_back(s.norm);
+  result_.step_ms.push_back(s.ms);
+  interval_.loss += s.loss;
+  interval_.ms += s.ms;
+  interval_.aux += s.aux;
+  interval_.load += s.load;
+  ++interval_.steps;
+  total_ms_ += s.ms;
+  if (it % tc_.log_interval == 0 || it == tc_.train_iters) {
+    log_interval(it, s);
+    interval_ = {};
+  }
+}
+
+void TrainingRun::log_interval(int64_t it, const StepResult& s) {
+  const int64_t GB = tc_.global_batch;
+  StepMetrics m;
+  m.total_iters = tc_.train_iters;
+  m.iter = it;
+  m.consumed_samples = it * GB;
+  m.lr = s.lr;
+  m.loss = interval_.loss / interval_.steps;
+  m.has_aux = moe_;
+  m.aux_loss = interval_.aux / interval_.steps;
+  m.expert_load = interval_.load / interval_.steps;
+  m.grad_norm = s.norm;
+  m.ms_per_iter = interval_.ms / interval_.steps;
+  m.tokens_per_s = double(GB) * d_.T / (m.ms_per_iter / 1e3);
+  m.tflops = result_.flops_per_step / (m.ms_per_iter / 1e3) / 1e12;
+  m.mfu = m.tflops * 1e12 / peak_;
+  m.peak_mem_mib = peak_rss_mib();
+  m.eta_s = double(tc_.train_iters - it) * total_ms_ / double(it - result_.first_iter + 1) / 1e3;
+  if (last_rank_ && !opts_.quiet) log_line("{}", format_step(m));
+  metrics_.step(m);
+}
+
+void TrainingRun::validate(int64_t it) {
+  const double vl = evaluate();
+  take_backend_notes();
+  result_.val_losses.emplace_back(it, vl);
+  if (last_rank_ && !opts_.quiet) log_line("validation at iter {}: loss {:.4f} (perplexity {:.2f})", it, vl, std::exp(vl));
+  metrics_.eval(it, vl);
+}
+
+// Mean loss over training.eval_iters validation micro-batches per rank.
+double TrainingRun::evaluate() {
+  const int MB = tc_.micro_batch;
+  const int64_t n = tc_.eval_iters * MB;
+  int32_t* pos = positions_.empty() ? nullptr : positions_.data();
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t k = j / MB, b = j % MB;
+    data_.get(false, (k * dp_.size() + dp_.rank()) * MB + b, tokens_.data() + j * d_.T, targets_.data() + j * d_.T,
+              pos ? pos + j * d_.T : nullptr);
+  }
+  double loss = runner_.forward_only(tokens_.data(), targets_.data(), pos, int(tc_.eval_iters));
+  double count = double(count_targets(targets_.data(), targets_.data() + n * d_.T));
+  dp_cp_.allreduce_sum(&loss, 1);
+  dp_.allreduce_sum(&count, 1);
+  return loss / std::max(count, 1.0);
+}
+
+// Saves when one is due; true when SIGTERM ends the run (after saving).
+bool TrainingRun::save_or_stop(int64_t it, double lr, const TerminationGuard& term) {
+  // Every rank must agree to stop: the signal may reach the ranks at different moments.
+  int64_t stop = term.requested() ? 1 : 0;
+  mesh_.world().allreduce_sum(&stop, 1);
+  const CheckpointConfig& ck = cfg_.checkpoint;
+  const bool scheduled = ck.save_interval > 0 && it % ck.save_interval == 0;
+  if (!ck.save.empty() && (scheduled || it == tc_.train_iters || stop)) save(it, lr);
+  if (!stop) return false;
+  if (mesh_.rank() == 0)
+    log_line("SIGTERM: stopped after iteration {}{}", it,
+             ck.save.empty() ? " (checkpoint.save is not set: nothing saved)" : ", checkpoint saved");
+  result_.stopped = true;
+  return true;
+}
+
+void TrainingRun::save(int64_t it, double lr) {
+  const CheckpointConfig& ck = cfg_.checkpoint;
+  const int64_t GB = tc_.global_batch;
+  CheckpointMeta meta{it, it * GB, it * GB * d_.T, lr};
+  const SaveStats st = save_checkpoint(ck.save, meta, runner_, cfg_, ck.keep_last, opts_.in_save);
+  result_.saves.push_back(st);
+  if (logs())
+    log_line("checkpoint: saved iteration {} to {}/{} ({:.1f} MiB in {:.2f} s, {:.0f} MB/s)", it, ck.save,
+             checkpoint_dir_name(it), st.bytes / 1048576.0, st.seconds, st.bytes / 1e6 / st.seconds);
+}
+
+// What the backend chose by measuring (with engine.gemm_autotune, the bias-gradient way), logged
+// by rank 0; each rank measures and chooses for itself.
+void TrainingRun::take_backend_notes() {
+  for (std::string& note : ops_.take_notes()) {
+    if (logs()) log_line("{}", note);
+    if (mesh_.rank() == 0) result_.backend_notes.push_back(std::move(note));
+  }
+}
+
+}  // namespace
+
+TrainResult train(const Config& cfg, const Mesh& mesh, Ops& backend, const TrainOptions& opts) {
+  if (cfg.engine.threads > 0) omp_set_num_threads(cfg.engine.threads);
+  TrainingRun run(cfg, mesh, backend, opts);
+  return run.loop();
 }
 
 }  // namespace mpigpt

@@ -19,6 +19,7 @@ struct TrainOptions {
   bool synthetic_data = false;  // random tokens instead of data.path (benchmarks)
   bool quiet = false;           // no per-step log lines (benchmarks and tests)
   bool profile_ops = false;     // time every op of each step (TrainResult::op_times: the last step's)
+  SaveHook in_save;             // runs halfway through writing each save (fault injection in tests)
 };
 
 struct TrainResult {

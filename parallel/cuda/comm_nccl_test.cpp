@@ -1,10 +1,6 @@
-// GPU test (CTest label gpu; exits 77, reported as skipped, without a GPU or without NCCL): a
-// one-rank NCCL communicator. Comm skips the reductions of a one-rank group, so they are called
-// on comm_nccl.h directly; what Comm routes to NCCL at one rank (out-of-place reduce-scatter and
-// all-gather, all-to-all-v) goes through Comm. Every result is read after compute work queued
-// right before and right after the call, which checks the stream ordering both ways: the
-// communication stream waits for the input, the compute stream for the output. Values are small
-// integers and halves, exact in bf16.
+// GPU test (CTest label gpu; exits 77, skipped, without a GPU or without NCCL): a one-rank NCCL
+// communicator. Every result is read after compute work queued right before and right after the
+// call: the communication stream must wait for the input, the compute stream for the output.
 #include <doctest/doctest.h>
 
 #include <cstdlib>
@@ -35,10 +31,12 @@ std::vector<float> times(std::vector<float> v, float s) {
   return v;
 }
 
+// Small integers and halves: exact in bf16.
 const std::vector<float> kValues = {1, -2, 3, 4.5f, 0.5f, -8, 16, 7};
 
 }  // namespace
 
+// What Comm routes to NCCL at one rank: out-of-place reduce-scatter and all-gather, all-to-all-v.
 TEST_CASE("NCCL, one rank: Comm's calls that reach NCCL, ordered against the compute stream") {
   std::unique_ptr<Ops> ops = ops_with_nccl();
   Comm c(MPI_COMM_SELF);
@@ -115,6 +113,7 @@ TEST_CASE("NCCL, one rank: a group's communicator split from its parent's (engin
   CHECK(group.stats().calls == 4);
 }
 
+// Comm skips the reductions of a one-rank group, so they are called on comm_nccl.h directly.
 TEST_CASE("NCCL, one rank: every collective of comm_nccl.h, in place and out of place, f32 bf16 i32") {
   std::unique_ptr<Ops> ops = ops_with_nccl();
   DeviceComm dc;

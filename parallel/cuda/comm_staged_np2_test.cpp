@@ -1,9 +1,6 @@
 // GPU test, two ranks on one GPU (CTest label gpu; exits 77, skipped, without a GPU): the staged
-// path (engine.comm = mpi) moves device tensors through pinned host memory. Every call, blocking
-// and not, on device tensors of f32, bf16 and i32 must leave exactly what the host path leaves in
-// host f32 tensors of the same values (small integers: exact in bf16 and in any summation
-// order), with the compute stream given and without. The gradient sync of data_parallel.h runs
-// on device buffers against its host run; NCCL, asked for two ranks on one GPU, refuses both.
+// path (engine.comm = mpi) moves device tensors through pinned host memory and must leave exactly
+// what the host path leaves; NCCL, asked for two ranks on one GPU, refuses both.
 #include <doctest/doctest.h>
 
 #include <functional>
@@ -56,6 +53,9 @@ std::vector<float> ramp(int n, int rank, int scale = 1) {
 
 }  // namespace
 
+// Every call, blocking and not, on device tensors of f32, bf16 and i32 against host f32 tensors of
+// the same values (small integers: exact in bf16 and in any summation order), with the compute
+// stream given and without.
 TEST_CASE("staged: every call on device tensors equals the host path") {
   std::unique_ptr<Ops> ops = cuda_ops_or_skip();
   Comm c(MPI_COMM_WORLD);

@@ -1,8 +1,5 @@
 // The GPT computing in bf16 on the CUDA backend (CTest label gpu): the bf16 copies of the fp32
-// master weights that forward and backward read. Each chunk's forward converts its own
-// parameters (and the head) from the masters, whatever padding a data-parallel buffer plan left
-// between them, leaves other chunks' copies alone until their forward, and converts again after
-// params_changed().
+// master weights that forward and backward read.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -11,7 +8,7 @@
 #include "lib/core/rng.h"
 #include "lib/kernels/cuda/cuda_testing.h"
 #include "lib/model/gpt.h"
-#include "lib/model/gpt_test_util.h"
+#include "lib/model/gpt_testing.h"
 
 using namespace mpigpt;
 using testing::round_bf16;
@@ -34,6 +31,9 @@ bool all_zero(Ops& ops, const GPT& m, int i) {
 
 }  // namespace
 
+// Each chunk's forward converts its own parameters (and the head) from the masters, whatever
+// padding a data-parallel buffer plan left between them, leaves other chunks' copies alone until
+// their forward, and converts again after params_changed().
 TEST_CASE("bf16 compute weights: each chunk's forward converts its parameters, and again after they change") {
   auto ops = testing::cuda_ops_or_skip();
   for (Family fam : {Family::GPT2, Family::Llama}) {

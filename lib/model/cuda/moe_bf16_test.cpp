@@ -1,9 +1,5 @@
 // The mixture-of-experts layer with bf16 activations and expert weights on the CUDA backend (CTest
-// label gpu) against the f32 CPU layer on the same bf16-representable inputs. The router runs in
-// f32 from the f32 master router (MoeLayer::router_input), so the routing must be the CPU's to f32
-// rounding: the same top-k experts, gates and aux/z losses within 1e-5. The expert rows go through
-// bf16 roundings (hidden units, activations, outputs), so outputs and gradients agree within a
-// small multiple of the bf16 unit roundoff.
+// label gpu) against the f32 CPU layer on the same bf16-representable inputs.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -13,7 +9,7 @@
 #include "lib/kernels/cuda/cuda_testing.h"
 #include "lib/kernels/testing.h"
 #include "lib/model/moe.h"
-#include "lib/model/moe_test_util.h"
+#include "lib/model/moe_testing.h"
 
 using namespace mpigpt;
 using namespace mpigpt::testing;
@@ -60,6 +56,10 @@ MoeWeights device_weights(Ops& ops, MoeHostWeights& h, std::vector<DeviceTensor>
 
 }  // namespace
 
+// The router runs in f32 from the f32 master router (MoeLayer::router_input), so the routing must
+// be the CPU's to f32 rounding: the same top-k experts, gates and aux/z losses within 1e-5. The
+// expert rows go through bf16 roundings (hidden units, activations, outputs), so outputs and
+// gradients agree within a small multiple of the bf16 unit roundoff.
 TEST_CASE("bf16 moe layer: f32 routing as on the CPU, outputs and gradients within bf16 bounds") {
   auto ops = cuda_ops_or_skip();
   auto cpu = make_cpu_ops();

@@ -1,11 +1,6 @@
 // GPU test, two data-parallel ranks on one GPU over staged MPI (CTest label gpu; skipped without a
 // GPU; also runs emulated): in bf16 the distributed optimizer gathers the bf16 compute weights, not
-// the f32 masters. Over three steps, with and without overlap_param_gather, a dense and a MoE model:
-//  - what forward computes with is, bit for bit, every f32 master rounded to bf16 (the masters made
-//    whole by gather_masters() only after the forward), on both ranks alike;
-//  - the MoE routers, which forward reads in f32, are current without gather_masters();
-//  - the gathers move 2 bytes per element, half of what the f32 gather moved;
-//  - a checkpoint saved while the masters are stale holds every rank's owned slices.
+// the f32 masters.
 #include <doctest/doctest.h>
 #include <mpi.h>
 #include <unistd.h>
@@ -18,7 +13,6 @@
 #include "lib/core/rng.h"
 #include "lib/kernels/cuda/cuda_testing.h"
 #include "lib/train/checkpointing.h"
-#include "lib/train/layout.h"
 #include "lib/train/model_runner.h"
 #include "lib/train/trainer.h"
 
@@ -81,6 +75,12 @@ std::vector<float> other_rank(std::vector<float> v) {
 
 }  // namespace
 
+// Over three steps, with and without overlap_param_gather, a dense and a MoE model:
+//  - what forward computes with is, bit for bit, every f32 master rounded to bf16 (the masters made
+//    whole by gather_masters() only after the forward), on both ranks alike;
+//  - the MoE routers, which forward reads in f32, are current without gather_masters();
+//  - the gathers move 2 bytes per element, half of what the f32 gather moved;
+//  - a checkpoint saved while the masters are stale holds every rank's owned slices.
 TEST_CASE("bf16 distributed optimizer: the gather moves the bf16 compute weights") {
   std::unique_ptr<Ops> ops = testing::cuda_ops_or_skip();
   int rank = 0, size = 0;

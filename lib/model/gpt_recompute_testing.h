@@ -1,7 +1,5 @@
-// Shared helpers of the activation-recomputation tests: one training pass of a GPT (several
-// micro-batches in flight through every chunk, as a pipeline's warm-up holds them), what it
-// produced, the bit-for-bit comparison of two such passes, and the activation sizes expected
-// of each engine.recompute mode.
+// Shared helpers of the activation-recomputation tests: one training pass of a GPT, the bit-for-bit
+// comparison of two such passes, and the activation sizes expected of each engine.recompute mode.
 #pragma once
 #include <doctest/doctest.h>
 
@@ -13,6 +11,7 @@
 
 namespace mpigpt::testing {
 
+// What one training pass (run_recompute) produced.
 struct RecomputeRun {
   double loss = 0, moe_loss = 0, moe_imbalance = 0;
   int moe_forwards = 0;
@@ -20,9 +19,10 @@ struct RecomputeRun {
   size_t activation_bytes = 0;
 };
 
-// Forwards of every micro-batch through every chunk (chunk c's output handed to chunk c + 1),
-// then their backwards in reverse; chunk_grad is one buffer for all chunks, so a chunk's input
-// gradient is already where the chunk below it reads its output gradient.
+// One training pass with several micro-batches in flight through every chunk, as a pipeline's
+// warm-up holds them: forwards of every micro-batch through every chunk (chunk c's output handed to
+// chunk c + 1), then their backwards in reverse; chunk_grad is one buffer for all chunks, so a
+// chunk's input gradient is already where the chunk below it reads its output gradient.
 inline RecomputeRun run_recompute(GPT& m, const std::vector<MicroBatchInput>& mbs, float dloss) {
   RecomputeRun r;
   m.zero_grads();
