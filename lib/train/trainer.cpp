@@ -262,7 +262,7 @@ void TrainingRun::log_setup() const {
   if (moe_) {
     std::string layers;
     for (int l = 0; l < d.L; ++l)
-      if (d.is_moe(l)) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+      if (d.is_moe(l)) layers += fmt::format("{}{}", layers.empty() ? "" : ",", l);
     log_line("moe: {} experts, top-{} ({} router), expert ffn {}{}, layers {}, aux {} z {}, {}", d.moe.E, d.moe.K,
              d.moe.sigmoid ? "sigmoid" : "softmax", d.moe.F,
              d.moe.shared_F > 0 ? fmt::format(", shared expert ffn {}", d.moe.shared_F) : std::string(), layers,
