@@ -73,8 +73,7 @@ int cmd_bench_attention(const std::vector<std::string>& args, const MpiEnv& mpi)
                  "[--section.key value ...]\n\n{}", parsed.help_text);
     return 0;
   }
-  if (!parsed.positional.empty())
-    fail("unexpected argument '{}'; options are written --section.key value", parsed.positional[0]);
+  reject_positional(parsed, "see mpigpt bench-attention --help");
   if (mpi.size() != 1) fail("mpigpt bench-attention runs on one rank (it got {}); start it without mpirun", mpi.size());
   int steps = 10, warmup = 3;
   for (const auto& [k, v] : parsed.flags) {

@@ -22,6 +22,7 @@ int cmd_bench_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi
                  "[--config FILE.ini ...] [--section.key value ...]\n\n{}", parsed.help_text);
     return 0;
   }
+  reject_positional(parsed, "see mpigpt bench-checkpoint --help");
   Config& cfg = parsed.config;
   int steps = 3;
   for (const auto& [k, v] : parsed.flags) steps = std::max(1, std::stoi(v));

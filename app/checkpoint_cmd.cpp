@@ -9,10 +9,21 @@
 
 namespace mpigpt::app {
 
+namespace {
+const char* kUsage =
+    "usage: mpigpt checkpoint info DIR [--verify]\n"
+    "  DIR: a checkpoint.save directory (its `latest` save) or one of its iter_NNNNNNN saves;\n"
+    "  --verify: recompute every dataset's checksum (collective: run it on as many ranks as you like)";
+}  // namespace
+
 int cmd_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi) {
+  if (!args.empty() && (args[0] == "--help" || args[0] == "-h" || args[0] == "help")) {
+    if (mpi.rank() == 0) fmt::print("{}\n", kUsage);
+    return 0;
+  }
   if (args.empty() || args[0] != "info")
-    fail("usage: mpigpt checkpoint info DIR [--verify]  (DIR: a checkpoint.save directory or one of its "
-         "iter_NNNNNNN saves)");
+    fail("mpigpt checkpoint: {} is not a subcommand; the one subcommand is info\n{}",
+         args.empty() ? std::string("nothing") : "'" + args[0] + "'", kUsage);
   std::string dir;
   bool verify = false;
   for (size_t i = 1; i < args.size(); ++i) {
@@ -24,7 +35,7 @@ int cmd_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi) {
       fail("mpigpt checkpoint info: unexpected argument '{}'; usage: mpigpt checkpoint info DIR [--verify]", args[i]);
   }
   if (dir.empty()) fail("mpigpt checkpoint info: which checkpoint? usage: mpigpt checkpoint info DIR [--verify]");
-  const std::string file = resolve_checkpoint(dir);
+  const std::string file = resolve_checkpoint(dir, "mpigpt checkpoint info " + dir);
   CheckpointReader in(MPI_COMM_WORLD, file);
   const bool root = mpi.rank() == 0;
   if (root) {

@@ -74,6 +74,27 @@ cli_test(comm_timeout_np2 fail "s in (receive of [0-9]+ f32 from group rank 0 \\
 # A multi-rank layout trains end to end and prints its mesh.
 cli_test(tp_pp_train_np4 ok "iter +10/10 .*loss [0-9]" "T=tppp && ${PREP} ${FORTUNES} && ${MPIRUN_STR} -np 4 ${BIN} train ${TINY} --parallel.tp 2 --parallel.pp 2 --training.train_iters 10 --training.eval_interval 5 --training.peak_tflops 1 --data.path ${CLI_DIR}/tppp/c")
 
+# Mistakes found before training, each named with the field or argument and the fix.
+cli_test(config_is_directory fail "--config .*/app is a directory. give an INI file" "${BIN} train --config ${PROJECT_SOURCE_DIR}/app")
+cli_test(bool_word fail "parallel.sequence_parallel = 'maybe' is not a boolean. write true/false"
+  "${BIN} train --parallel.sequence_parallel maybe")
+cli_test(convert_bad_format fail "mpigpt convert --to: 'sideways' is not a format. the formats are hf .* and llmc"
+  "${BIN} convert --to sideways a b")
+cli_test(convert_help ok "^usage: mpigpt convert --to hf CHECKPOINT OUT_DIR" "${BIN} convert --help")
+cli_test(checkpoint_help ok "^usage: mpigpt checkpoint info DIR \\[--verify\\]" "${BIN} checkpoint --help")
+cli_test(checkpoint_info_missing fail "^mpigpt: error: mpigpt checkpoint info .*/nothing: no .*/nothing/latest"
+  "mkdir -p ${CLI_DIR}/nothing && ${BIN} checkpoint info ${CLI_DIR}/nothing")
+cli_test(convert_missing fail "mpigpt convert --to hf .*/nothing: no .*/nothing/latest"
+  "mkdir -p ${CLI_DIR}/nothing && ${BIN} convert --to hf ${CLI_DIR}/nothing ${CLI_DIR}/nothing_hf")
+# An output path that cannot be written stops the run at start-up, not at its first save or log line.
+cli_test(save_under_file_np2 fail "checkpoint.save = .*/a_file/s cannot take a save: cannot create it"
+  "T=uw && ${PREP} ${FORTUNES} && touch ${CLI_DIR}/a_file && ${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --data.path ${CLI_DIR}/uw/c --checkpoint.save ${CLI_DIR}/a_file/s")
+# /proc takes no new files, even from root (CI runs as root, for whom chmod 555 is no obstacle).
+cli_test(save_read_only fail "checkpoint.save = /proc cannot take a save: cannot create a file in it"
+  "T=ro && ${PREP} ${FORTUNES} && ${BIN} train ${TINY} --data.path ${CLI_DIR}/ro/c --checkpoint.save /proc")
+cli_test(metrics_under_file fail "training.metrics_file = '.*/a_file/m.jsonl': cannot create its folder"
+  "T=mf && ${PREP} ${FORTUNES} && touch ${CLI_DIR}/a_file && ${BIN} train ${TINY} --data.path ${CLI_DIR}/mf/c --training.metrics_file ${CLI_DIR}/a_file/m.jsonl")
+
 # Checkpoints: save, inspect, resume, and every way a save can be unusable.
 set(CK "${TINY} --training.eval_interval 0 --training.peak_tflops 1 --data.path ${CLI_DIR}/ck/c")
 set(CKPREP "mkdir -p ${CLI_DIR}/ck && ( [ -f ${CLI_DIR}/ck/c.idx ] || ${BIN} prepare-data --output ${CLI_DIR}/ck/c --format delimited --delimiter % ${FORTUNES} )")
@@ -169,6 +190,9 @@ endif()
 # scripts/bench_gpu.sh's search for the largest micro-batch that fits, with a stand-in for mpigpt.
 cli_test(bench_gpu_search ok "bench_gpu check: ok" "${PROJECT_SOURCE_DIR}/scripts/bench_gpu_check.sh")
 cli_test(gpu_check_steps ok "gpu_check check: ok" "${PROJECT_SOURCE_DIR}/scripts/gpu_check_check.sh")
+# README.md's "Using it" commands run as written (two steps each), so that they cannot drift again.
+cli_test(readme_examples ok "readme check: ok" "MPIRUN='${MPIRUN_STR}' ${PROJECT_SOURCE_DIR}/scripts/readme_check.sh ${BIN} ${CLI_DIR}/readme")
+set_tests_properties(cli/readme_examples PROPERTIES TIMEOUT 600 PROCESSORS 2)
 
 # `mpigpt bench --profile-ops`: the per-op breakdown of the last step, and the MFU line.
 cli_test(bench_profile_ops ok "bench: op linear_forward .* calls"

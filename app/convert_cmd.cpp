@@ -28,15 +28,26 @@ GptDims dims_of(const Config& cfg) { return make_dims(cfg, cfg.model.vocab_size)
 }  // namespace
 
 int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
-  if (args.size() != 4 || (args[0] != "--to" && args[0] != "--from") || (args[1] != "hf" && args[1] != "llmc"))
-    fail("mpigpt convert: expected 4 arguments, got {}\n{}", args.size(), kUsage);
+  if (!args.empty() && (args[0] == "--help" || args[0] == "-h" || args[0] == "help")) {
+    if (mpi.rank() == 0) fmt::print("{}\n", kUsage);
+    return 0;
+  }
+  if (args.empty() || (args[0] != "--to" && args[0] != "--from"))
+    fail("mpigpt convert: the first argument is --to or --from, not {}\n{}",
+         args.empty() ? std::string("nothing") : "'" + args[0] + "'", kUsage);
+  if (args.size() < 2 || (args[1] != "hf" && args[1] != "llmc"))
+    fail("mpigpt convert {}: {} is not a format; the formats are hf (a Hugging Face model directory) and llmc (an "
+         "llm.c model file)\n{}", args[0], args.size() < 2 ? std::string("nothing") : "'" + args[1] + "'", kUsage);
+  if (args.size() != 4)
+    fail("mpigpt convert {} {} takes an input and an output, got {} argument(s) after the format\n{}", args[0],
+         args[1], args.size() - 2, kUsage);
   if (mpi.size() != 1) fail("mpigpt convert runs as one process (it has {}); start it without mpirun", mpi.size());
   const bool to = args[0] == "--to", hf = args[1] == "hf";
   const std::string& in = args[2];
   const std::string& out = args[3];
   if (to) {
     Config cfg;
-    const TensorMap ours = read_model_tensors(in, &cfg);
+    const TensorMap ours = read_model_tensors(in, &cfg, "mpigpt convert --to " + args[1] + " " + in);
     const int V = cfg.model.vocab_size;
     if (hf) {
       save_hf_model(out, ours, cfg.model, V);
@@ -48,7 +59,7 @@ int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
       repad_vocab(t, V, Vp);
       write_llmc_model(out, t, cfg.model, V, Vp);
     }
-    log_line("convert: {} -> {} ({} tensors, {} model, vocabulary {})", resolve_checkpoint(in), out, ours.size(),
+    log_line("convert: {} -> {} ({} tensors, {} model, vocabulary {})", resolve_checkpoint(in, in), out, ours.size(),
              cfg.model.family, V);
     return 0;
   }

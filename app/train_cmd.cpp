@@ -104,9 +104,7 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
                  bench ? "bench" : "train", parsed.help_text);
     return 0;
   }
-  if (!parsed.positional.empty())
-    fail("unexpected argument '{}'; options are written --section.key value (see mpigpt train --help)",
-         parsed.positional[0]);
+  reject_positional(parsed, fmt::format("see mpigpt {} --help", bench ? "bench" : "train"));
   Config& cfg = parsed.config;
   int steps = 10, warmup = 2, world_size = mpi.size();
   bool dry_run = false, profile_ops = false;

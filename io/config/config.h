@@ -3,6 +3,7 @@
 // the fields, the values and the fix.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
@@ -156,6 +157,8 @@ struct ParsedArgs {
   bool help = false;
   std::string help_text;                // --help output, grouped by section
   std::vector<std::string> positional;  // words that are not options
+  // For a positional word that followed a boolean option (`--x maybe`), that option's name.
+  std::map<size_t, std::string> after_bool;
   // Subcommand flags that are not config fields (e.g. --dry-run, --bench-steps N).
   std::vector<std::pair<std::string, std::string>> flags;
 };
@@ -163,6 +166,9 @@ struct ParsedArgs {
 // ending in '!' takes no value ("dry-run!").
 ParsedArgs parse_config_args(const std::vector<std::string>& args,
                              const std::vector<std::string>& extra_flags = {});
+// For commands that take no positional words: fails naming the first one (a word after a
+// boolean option as that option's bad value), with `usage`.
+void reject_positional(const ParsedArgs& parsed, const std::string& usage);
 
 // One option of the single table in io/config/config.cpp: a field of the structs above, named
 // section.key. The parser, --help, to_ini() and the tests all derive from that table.

@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -67,6 +68,8 @@ std::string ini_value(const std::string& rest, const std::string& where) {
 // Boost's own config-file parser reports no line numbers, and every message about a file must
 // name file:line; hence this small reader. Within one file a key may appear once.
 void read_ini(const std::string& path, Config& cfg) {
+  if (std::filesystem::is_directory(path))
+    fail("--config {} is a directory; give an INI file (e.g. inputs/tiny.ini)", path);
   std::ifstream in(path);
   if (!in)
     fail("cannot read config file '{}' ({}); check the path given to --config", path, std::strerror(errno));
@@ -265,6 +268,7 @@ ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std
       // boolean (`--x input.txt`) means the option stood alone and the word is positional.
       if (is_bool && o.original_tokens.size() == 2 && !is_bool_word(lower(value))) {
         v = "true";
+        out.after_bool[out.positional.size()] = name;
         out.positional.push_back(value);
       }
       overrides.push_back(Override{name, v});
@@ -278,6 +282,14 @@ ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std
   for (const Override& o : overrides) config_set(out.config, o.name, o.value, "command line");
   out.config.resolve_defaults();
   return out;
+}
+
+void reject_positional(const ParsedArgs& parsed, const std::string& usage) {
+  if (parsed.positional.empty()) return;
+  const std::string& word = parsed.positional[0];
+  if (const auto it = parsed.after_bool.find(0); it != parsed.after_bool.end())
+    fail("{} = '{}' is not a boolean; write true/false, 1/0, yes/no or on/off", it->second, word);
+  fail("unexpected argument '{}'; options are written --section.key value ({})", word, usage);
 }
 
 }  // namespace mpigpt

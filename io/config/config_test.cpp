@@ -121,6 +121,12 @@ TEST_CASE("config: boolean spellings") {
   CHECK(p.config.engine.distributed_optimizer);
   CHECK(p.config.engine.overlap_grad_reduce);
   CHECK(p.positional == std::vector<std::string>{"a.txt", "b.txt"});
+  CHECK(p.after_bool == std::map<size_t, std::string>{{1, "engine.distributed_optimizer"}});
+  // A command that takes no words names the option whose value the word was meant to be.
+  CHECK_FAILS(reject_positional(parse_config_args({"--sequence_parallel", "maybe"}), "usage"),
+              "parallel.sequence_parallel = 'maybe' is not a boolean; write true/false, 1/0, yes/no or on/off");
+  CHECK_FAILS(reject_positional(p, "see --help"), "unexpected argument 'a.txt'; options are written --section.key "
+              "value (see --help)");
   Config q = parsed({"--sequence_parallel", "--lr", "1"});
   CHECK(q.parallel.sequence_parallel);
   CHECK(q.training.lr == 1);

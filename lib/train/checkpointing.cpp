@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -291,13 +292,14 @@ SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, M
   return {std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), bytes};
 }
 
-std::string resolve_checkpoint(const std::string& root) {
+std::string resolve_checkpoint(const std::string& root, const std::string& given) {
   if (fs::exists(root + "/" + kFile)) return root + "/" + kFile;
   const std::string latest = root + "/latest";
   std::ifstream in(latest);
   if (!in)
-    fail("checkpoint.load = {}: no {} (it names the newest complete save) and no {} there; pass the directory "
-         "given to --checkpoint.save or one of its iter_NNNNNNN directories", root, latest, kFile);
+    fail("{}: no {} (it names the newest complete save) and no {} there; pass the directory given to "
+         "--checkpoint.save or one of its iter_NNNNNNN directories",
+         given.empty() ? "checkpoint.load = " + root : given, latest, kFile);
   std::string name;
   in >> name;
   const std::string file = root + "/" + name + "/" + kFile;
@@ -305,6 +307,21 @@ std::string resolve_checkpoint(const std::string& root) {
     fail("{} names '{}', but {} does not exist; the save directory is damaged: pass an iter_NNNNNNN directory "
          "instead", latest, name, file);
   return file;
+}
+
+void check_save_dir(const Comm& world, const std::string& root) {
+  on_rank0(world, fmt::format("checkpoint.save = {} cannot take a save", root), [&] {
+    std::error_code ec;
+    fs::create_directories(root, ec);
+    if (ec) fail("cannot create it ({}); choose a directory this job can write", ec.message());
+    const std::string probe = fmt::format("{}/.write_probe.{}", root, ::getpid());
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW, 0600);
+    if (fd < 0)
+      fail("cannot create a file in it ({}); choose a directory this job can write, or fix its permissions",
+           std::strerror(errno));
+    ::close(fd);
+    fs::remove(probe);
+  });
 }
 
 CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& r, const Config& cfg) {
@@ -380,8 +397,8 @@ void load_weights(ModelRunner& r, const TensorMap& global, const std::string& so
   host.upload();
 }
 
-TensorMap read_model_tensors(const std::string& root, Config* cfg) {
-  const std::string file = resolve_checkpoint(root);
+TensorMap read_model_tensors(const std::string& root, Config* cfg, const std::string& given) {
+  const std::string file = resolve_checkpoint(root, given);
   CheckpointReader in(MPI_COMM_SELF, file);
   TensorMap out;
   for (const std::string& n : in.names()) {

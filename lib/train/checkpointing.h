@@ -55,15 +55,21 @@ SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, M
 // model shape, a damaged file.
 CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& runner, const Config& cfg);
 
-// The path of the checkpoint file of the save that `root` points to.
-std::string resolve_checkpoint(const std::string& root);
+// The path of the checkpoint file of the save that `root` points to; `given` says in messages how
+// the user named root (default: "checkpoint.load = ROOT").
+std::string resolve_checkpoint(const std::string& root, const std::string& given = {});
+
+// Collective: makes root (checkpoint.save) on rank 0 and proves it writable, every rank agreeing, so
+// that a path that cannot take a save stops the run before training rather than at its first save.
+void check_save_dir(const Comm& world, const std::string& root);
 
 // Whole-model interchange (conversion, --init-from-hf/llmc), by global parameter name:
 // copy this rank's shard of every parameter out of `global` (vocabulary rows padded as this
 // layout pads them); `source` names the origin in errors.
 void load_weights(ModelRunner& runner, const TensorMap& global, const std::string& source);
-// One process: every model tensor of the save `root` points to, and (if cfg) its configuration.
-TensorMap read_model_tensors(const std::string& root, Config* cfg);
+// One process: every model tensor of the save `root` points to, and (if cfg) its configuration;
+// `given` as for resolve_checkpoint.
+TensorMap read_model_tensors(const std::string& root, Config* cfg, const std::string& given = {});
 // One process: a save (iteration 0, zero Adam moments) of whole tensors into root/iter_0000000.
 void write_model_checkpoint(const std::string& root, const TensorMap& model, const Config& cfg, const GptDims& d,
                             const std::string& source);

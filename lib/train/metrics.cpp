@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -33,9 +34,15 @@ std::string format_step(const StepMetrics& m) {
 MetricsWriter::MetricsWriter(const std::string& path) {
   if (path.empty()) return;
   const auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
+  std::error_code ec;
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (ec)
+    fail("training.metrics_file = '{}': cannot create its folder {} ({}); choose a writable path", path,
+         parent.string(), ec.message());
   out_.open(path, std::ios::trunc);
-  if (!out_) fail("training.metrics_file = '{}' cannot be opened for writing; choose a writable path", path);
+  if (!out_)
+    fail("training.metrics_file = '{}' cannot be opened for writing ({}); choose a writable path", path,
+         std::strerror(errno));
 }
 
 void MetricsWriter::step(const StepMetrics& m) {
