@@ -117,7 +117,19 @@ ckpt_test(ckpt_truncated fail "checkpoint.h5"
 # A rank killed in the middle of a save: the job ends (the timeout would catch a hang), `latest`
 # still names the previous save, and training resumes from it.
 ckpt_test(ckpt_kill_in_save_np2 ok "resumed from .*iter_0000004"
-  "rm -rf ${CLI_DIR}/s6 && ! ${MPIRUN_STR} -np 2 -x MPIGPT_FAULT_KILL_IN_SAVE=8:1 ${BIN} train ${CK} --training.train_iters 8 --checkpoint.save ${CLI_DIR}/s6 --checkpoint.save_interval 4 >/dev/null 2>&1 && grep -qx iter_0000004 ${CLI_DIR}/s6/latest && ${MPIRUN_STR} -np 2 ${BIN} train ${CK} --training.train_iters 6 --checkpoint.load ${CLI_DIR}/s6")
+  "rm -rf ${CLI_DIR}/s6 && ! ${MPIRUN_STR} -np 2 -x MPIGPT_FAULT_IN_SAVE=8:1:KILL ${BIN} train ${CK} --training.train_iters 8 --checkpoint.save ${CLI_DIR}/s6 --checkpoint.save_interval 4 >/dev/null 2>&1 && grep -qx iter_0000004 ${CLI_DIR}/s6/latest && ${MPIRUN_STR} -np 2 ${BIN} train ${CK} --training.train_iters 6 --checkpoint.load ${CLI_DIR}/s6")
+# A file system that fills up during a save (a tmpfs with room for one save of two): one clear
+# message, the partial save removed, `latest` still naming the save before, a non-zero exit; at
+# two ranks no rank waits in HDF5's collectives for the other.
+foreach(np 1 2)
+  ckpt_test(ckpt_disk_full_np${np} fail "^full disk: exit 1, errors printed 1, saves iter_0000002 latest , latest iter_0000002, disk full writing dataset '[^']+' of checkpoint '.*/iter_0000004.partial/checkpoint.h5' $"
+    "${PROJECT_SOURCE_DIR}/app/testdata/full_disk.sh 800k ${CLI_DIR}/full${np} ${MPIRUN_STR} -np ${np} ${BIN} train ${CK} --training.train_iters 4 --checkpoint.save ${CLI_DIR}/full${np}/s --checkpoint.save_interval 2")
+  set_tests_properties(cli/ckpt_disk_full_np${np} PROPERTIES SKIP_RETURN_CODE 77)
+endforeach()
+# A rank that stops (SIGSTOP) while the save is written: the others, inside HDF5's flush of the
+# file, are stopped by the watchdog after engine.comm_timeout, and `latest` names the save before.
+ckpt_test(ckpt_stop_in_save_np2 ok "s in the flush \\(H5Fflush\\) of checkpoint '.*/s9/iter_0000004.partial/checkpoint.h5'"
+  "rm -rf ${CLI_DIR}/s9 && ! ${MPIRUN_STR} -np 2 -x MPIGPT_FAULT_IN_SAVE=4:1:STOP ${BIN} train ${CK} --training.train_iters 4 --checkpoint.save ${CLI_DIR}/s9 --checkpoint.save_interval 2 --engine.comm_timeout 2 > ${CLI_DIR}/s9.out 2>&1 && cat ${CLI_DIR}/s9.out && grep -qx iter_0000002 ${CLI_DIR}/s9/latest")
 # SIGTERM to every rank (what Slurm does before the time limit): save at the step boundary, exit 0.
 ckpt_test(ckpt_sigterm_np2 ok "^exit 0, latest = iter_[0-9]+$"
   "${PROJECT_SOURCE_DIR}/app/testdata/sigterm_run.sh ${CLI_DIR}/s7 ${MPIRUN_STR} -np 2 -- ${BIN} train ${CK} --training.train_iters 1000000 > ${CLI_DIR}/s7.out && grep -E 'SIGTERM: stopped after iteration [0-9]+, checkpoint saved' ${CLI_DIR}/s7.out && grep '^exit' ${CLI_DIR}/s7.out")

@@ -21,16 +21,18 @@ namespace mpigpt::app {
 
 namespace {
 
-// Fault injection for the interrupted-save test (cli/ckpt_kill_in_save_np2):
-// MPIGPT_FAULT_KILL_IN_SAVE=ITER:RANK kills world rank RANK (SIGKILL, no clean-up) halfway
-// through writing the save of iteration ITER.
+// Fault injection for the interrupted-save tests (cli/ckpt_kill_in_save_np2, cli/ckpt_stop_in_save_np2):
+// MPIGPT_FAULT_IN_SAVE=ITER:RANK:KILL|STOP sends SIGKILL (no clean-up) or SIGSTOP (a rank that
+// hangs) to world rank RANK while it writes the save of iteration ITER.
 SaveHook fault_injection(int rank) {
-  const char* spec = std::getenv("MPIGPT_FAULT_KILL_IN_SAVE");
+  const char* spec = std::getenv("MPIGPT_FAULT_IN_SAVE");
   long long it = -1;
   int r = -1;
-  if (!spec || std::sscanf(spec, "%lld:%d", &it, &r) != 2 || r != rank) return {};
-  return [it](int64_t iteration) {
-    if (iteration == it) std::raise(SIGKILL);
+  char sig[8] = {};
+  if (!spec || std::sscanf(spec, "%lld:%d:%7s", &it, &r, sig) != 3 || r != rank) return {};
+  const int signal = std::string(sig) == "STOP" ? SIGSTOP : SIGKILL;
+  return [it, signal](int64_t iteration) {
+    if (iteration == it) std::raise(signal);
   };
 }
 

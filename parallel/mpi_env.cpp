@@ -4,8 +4,10 @@
 #include <fmt/format.h>
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 
 namespace mpigpt {
 
@@ -84,14 +86,16 @@ std::unique_ptr<Watchdog> start_watchdog(double timeout_s, const std::string& se
 }
 
 void abort_job(const std::string& message, int code) {
-  const int n = world_size();
-  print_error(world_rank(), n, message);
+  const int rank = world_rank(), n = world_size();
+  // Rank 0 reports; the others give it time to end the job first, so that an error that every
+  // rank met (a bad setting, a failed save) is printed once. A rank reports itself only when rank
+  // 0 did not end the job (it is well, or stuck).
+  if (rank != 0) std::this_thread::sleep_for(std::chrono::seconds(3));
+  print_error(rank, n, message);
   if (n > 1) MPI_Abort(MPI_COMM_WORLD, code);
-  int finalized = 0, init = 0;
-  MPI_Initialized(&init);
-  MPI_Finalized(&finalized);
-  if (init && !finalized) MPI_Finalize();
-  std::exit(code);
+  // One rank ends without MPI_Finalize or exit handlers: they would close what the failure left
+  // open (parallel HDF5 flushing a failed checkpoint crashes there), and nothing waits for them.
+  std::_Exit(code);
 }
 
 }  // namespace mpigpt

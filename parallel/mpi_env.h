@@ -31,8 +31,9 @@ NodeRanks node_ranks();
 
 int world_rank();
 int world_size();
-// Print "mpigpt: error (rank R of N): MESSAGE" to stderr and end the job with `code`:
-// MPI_Abort when more than one rank runs, so that no rank hangs, plain exit otherwise.
+// Print "mpigpt: error (rank R of N): MESSAGE" to stderr and end the job with `code`: MPI_Abort
+// when more than one rank runs, so that no rank hangs, an immediate exit otherwise. Ranks other
+// than 0 wait 3 s first, so that an error that every rank meets is printed once, by rank 0.
 [[noreturn]] void abort_job(const std::string& message, int code = 1);
 
 // The watchdog of a run (lib/core/watchdog.h): a wait of this rank that lasts longer than

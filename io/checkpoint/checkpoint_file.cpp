@@ -17,7 +17,7 @@
 namespace mpigpt {
 namespace {
 
-using h5::Handle, h5::Run;
+using h5::Handle, h5::Run, h5::watched;
 
 constexpr const char* kFormat = "mpigpt-checkpoint";
 constexpr int64_t kFormatVersion = 1;
@@ -64,9 +64,14 @@ struct CheckpointWriter::Impl {
   Impl(MPI_Comm comm, const std::string& p) : ag(comm), path(p) {}
   ~Impl() {
     h5::Quiet quiet;
-    file.reset();  // an unclosed (failed) save: collective, as every rank unwinds together
+    // A failed save is left open: its close would flush into the same failure (a full disk), and
+    // it is collective, so ranks that failed at different points of it would wait for each other
+    // forever. The job ends on the error anyway.
+    if (std::uncaught_exceptions() > 0) file.release();
+    watched("the close of checkpoint '" + path + "'", [&] { return file.reset(); });
     if (kick_fd >= 0) ::close(kick_fd);
   }
+  std::string what(const std::string& call) const { return fmt::format("{} of checkpoint '{}'", call, path); }
   std::string h5fail(const char* call, const std::string& what) const {
     return fmt::format("checkpoint '{}': {} failed for {}: {}", path, call, what, h5::error());
   }
@@ -81,14 +86,16 @@ struct CheckpointWriter::Impl {
   }
   void put_attr(const std::string& key, hid_t file_type, hid_t mem_type, const void* value, uint64_t hash) {
     h5::Quiet quiet;
+    const std::string call = what(fmt::format("attr('{}')", key));
     ag.vote(file.ok() ? "" : fmt::format("checkpoint '{}': attr('{}') after close()", path, key),
-            h5::fnv1a(hash, key.data(), key.size()), fmt::format("attr('{}') of checkpoint '{}'", key, path));
-    std::string err;
-    if (H5Aexists(file, key.c_str()) > 0)
-      err = fmt::format("checkpoint '{}': root attribute '{}' is written twice ('format' and 'format_version' are "
-                        "reserved); write each key once", path, key);
-    else if (!h5::put_scalar(file, key, file_type, mem_type, value))
-      err = h5fail("H5Acreate2/H5Awrite", "root attribute '" + key + "'");
+            h5::fnv1a(hash, key.data(), key.size()), call);
+    std::string err = watched(call, [&]() -> std::string {
+      if (H5Aexists(file, key.c_str()) > 0)
+        return fmt::format("checkpoint '{}': root attribute '{}' is written twice ('format' and 'format_version' "
+                           "are reserved); write each key once", path, key);
+      return h5::put_scalar(file, key, file_type, mem_type, value) ? ""
+                                                                    : h5fail("H5Acreate2/H5Awrite", "root attribute '" + key + "'");
+    });
     ag.agree(err);
   }
 };
@@ -104,7 +111,8 @@ CheckpointWriter::CheckpointWriter(MPI_Comm comm, const std::string& path) : imp
   // Large datasets start on 1 MiB boundaries (file-system blocks and stripes), and small metadata
   // is gathered in 1 MiB blocks instead of being strewn between the tensors.
   H5Pset_alignment(fapl, kAlign, kAlign), H5Pset_meta_block_size(fapl, kAlign);
-  I.file = Handle(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), H5Fclose);
+  I.file = watched(I.what("the creation (H5Fcreate)"),
+                   [&] { return Handle(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), H5Fclose); });
   I.ag.agree(I.file.ok() ? "" : fmt::format("cannot create checkpoint '{}' (H5Fcreate: {}); check that the directory "
                                             "is writable and on a file system every rank sees", path, h5::error()));
   MPI_Comm node;
@@ -152,22 +160,23 @@ void CheckpointWriter::write(const std::string& name, const Shape& global, const
   hsize_t dims[kMaxDims];
   for (int i = 0; i < global.ndim; ++i) dims[i] = hsize_t(global.d[i]);
   Handle fspace(H5Screate_simple(global.ndim, dims, nullptr), H5Sclose);
-  Handle dset(H5Dcreate2(I.file, name.c_str(), H5T_IEEE_F32LE, fspace, I.lcpl, I.dcpl, H5P_DEFAULT), H5Dclose);
-  err = dset.ok() ? "" : I.h5fail("H5Dcreate2", fmt::format("dataset '{}' (written twice, or part of its path is a "
-                                                              "dataset?)", name));
-  if (err.empty()) {
+  const std::string dataset = fmt::format("dataset '{}'", name);
+  err = watched(I.what("the write of " + dataset), [&]() -> std::string {
+    Handle dset(H5Dcreate2(I.file, name.c_str(), H5T_IEEE_F32LE, fspace, I.lcpl, I.dcpl, H5P_DEFAULT), H5Dclose);
+    if (!dset.ok()) return I.h5fail("H5Dcreate2", dataset + " (written twice, or part of its path is a dataset?)");
     bool staged;
     float* buf = h5::runs_buffer(runs, count, I.staging, staged);
     if (staged)
       for (int64_t o = 0; const Run& r : runs) std::memcpy(buf + o, r.ptr, size_t(r.n) * 4), o += r.n;
-    err = h5::transfer(true, dset, I.dxpl, global, boxes, buf, count);
-    if (!err.empty()) err = fmt::format("checkpoint '{}', dataset '{}': {}", I.path, name, err);
-  }
-  Handle stype = h5::string_type();
-  const char* algo = kChecksumAlgorithm;
-  if (err.empty() && !(h5::put_scalar(dset, "checksum", H5T_STD_U64LE, H5T_NATIVE_UINT64, &v.sum) &&
-                       h5::put_scalar(dset, "checksum_algorithm", stype, stype, &algo)))
-    err = I.h5fail("H5Acreate2/H5Awrite", fmt::format("the checksum of dataset '{}'", name));
+    if (std::string e = h5::transfer(true, dset, I.dxpl, global, boxes, buf, count); !e.empty())
+      return h5::write_failure(I.path, dataset, count * 4, e);
+    Handle stype = h5::string_type();
+    const char* algo = kChecksumAlgorithm;
+    if (!(h5::put_scalar(dset, "checksum", H5T_STD_U64LE, H5T_NATIVE_UINT64, &v.sum) &&
+          h5::put_scalar(dset, "checksum_algorithm", stype, stype, &algo)))
+      return I.h5fail("H5Acreate2/H5Awrite", "the checksum of " + dataset);
+    return "";
+  });
   I.ag.agree(err);
   I.kick(global.numel() * 4);
 }
@@ -188,17 +197,24 @@ void CheckpointWriter::close() {
   h5::Quiet quiet;
   Impl& I = *impl_;
   if (!I.file.ok()) return;
-  std::string err;
-  if (H5Fflush(I.file, H5F_SCOPE_GLOBAL) < 0) err = I.h5fail("H5Fflush", "the file");
-  if (I.file.reset() < 0 && err.empty()) err = I.h5fail("H5Fclose", "the file");
-  I.ag.agree(err);
+  // The metadata is written at the flush; the close that follows only when every rank flushed
+  // (a rank whose flush failed must not enter the collective close alone).
+  I.ag.agree(watched(I.what("the flush (H5Fflush)"), [&] {
+    errno = 0;
+    return H5Fflush(I.file, H5F_SCOPE_GLOBAL) < 0 ? h5::write_failure(I.path, "the metadata", 0, h5::error()) : "";
+  }));
+  I.ag.agree(watched(I.what("the close (H5Fclose)"), [&] {
+    errno = 0;
+    return I.file.reset() < 0 ? h5::write_failure(I.path, "the metadata", 0, h5::error()) : "";
+  }));
   // Durable before we return: one rank per node fsyncs the file (that node's page cache holds its
   // ranks' writes), rank 0 also the directory, which holds the new name.
+  std::string err;
   auto sync = [&](const std::string& p, int flags) {
+    const Waiting w([&] { return I.what("the fsync of '" + p + "'"); });
+    errno = 0;
     int fd = ::open(p.c_str(), flags);
-    if (fd < 0 || ::fsync(fd) != 0)
-      err = fmt::format("checkpoint '{}': fsync of '{}' failed: {}; the save is not durable", I.path, p,
-                        std::strerror(errno));
+    if (fd < 0 || ::fsync(fd) != 0) err = h5::write_failure(I.path, "'" + p + "' to disk (fsync)", 0, "the save is not durable");
     if (fd >= 0) ::close(fd);
   };
   if (I.node_leader) sync(I.path, O_RDONLY);
@@ -261,7 +277,8 @@ struct CheckpointReader::Impl {
   Impl(MPI_Comm comm, const std::string& p) : ag(comm), path(p) {}
   ~Impl() {
     h5::Quiet quiet;
-    file.reset();
+    if (std::uncaught_exceptions() > 0) file.release();  // as the writer's: no collective close while failing
+    watched("the close of checkpoint '" + path + "'", [&] { return file.reset(); });
   }
   // The dataset, or null and why it cannot be read (the same on every rank, as the index is).
   const Entry* find(const std::string& name, std::string& err) const {
@@ -350,9 +367,10 @@ CheckpointReader::CheckpointReader(MPI_Comm comm, const std::string& path) : imp
   I.ag.agree(std::filesystem::exists(path, ec) ? "" : fmt::format("checkpoint '{}' exists on rank 0 but not here; "
                                                                     "put it on a file system every rank sees", path));
   Handle fapl = h5::fapl_mpio(I.ag.comm());
-  I.file = Handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl), H5Fclose);
+  const std::string opening = fmt::format("the opening of checkpoint '{}' (H5Fopen, its index)", path);
+  I.file = watched(opening, [&] { return Handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl), H5Fclose); });
   I.ag.agree(I.file.ok() ? "" : fmt::format("cannot open checkpoint '{}' (H5Fopen: {})", path, h5::error()));
-  err = I.build_index();
+  err = watched(opening, [&] { return I.build_index(); });
   I.ag.agree(err.empty() ? "" : fmt::format("checkpoint '{}' is damaged: {}", path, err));
   I.dxpl = h5::collective_dxpl();
   auto f = I.attrs.find("format");
@@ -405,12 +423,14 @@ void CheckpointReader::Impl::read(const std::string& name, const Shape* expected
   const Shape call = expected ? *expected : Shape{};
   ag.vote(err, h5::hash_call(name, call),
           fmt::format("read('{}'{}) of checkpoint '{}'", name, expected ? ", " + call.str() : "", path));
-  Handle dset(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);  // fails alike everywhere, if at all
   int64_t count = 0;
   for (const Run& r : runs) count += r.n;
   bool staged;
   float* buf = h5::runs_buffer(runs, count, staging, staged);
-  err = dset.ok() ? h5::transfer(false, dset, dxpl, e->shape, boxes, buf, count) : "H5Dopen2 failed: " + h5::error();
+  err = watched(fmt::format("the read of dataset '{}' of checkpoint '{}'", name, path), [&] {
+    Handle dset(H5Dopen2(file, name.c_str(), H5P_DEFAULT), H5Dclose);  // fails alike everywhere, if at all
+    return dset.ok() ? h5::transfer(false, dset, dxpl, e->shape, boxes, buf, count) : "H5Dopen2 failed: " + h5::error();
+  });
   ag.agree(err.empty() ? "" : fmt::format("checkpoint '{}', dataset '{}': {}", path, name, err));
   if (staged)
     for (int64_t o = 0; const Run& r : runs) std::memcpy(r.ptr, buf + o, size_t(r.n) * 4), o += r.n;
@@ -451,12 +471,15 @@ void CheckpointReader::verify(const std::string& name) {
     const int64_t a = std::min(r1, r0 + s * step), b = std::min(r1, a + step);
     std::vector<Box> boxes;
     if (b > a) boxes.push_back(Box{a, b - a, 0, C});
-    err = dset.ok() ? h5::transfer(false, dset, I.dxpl, e->shape, boxes, buf.data(), (b - a) * C)
-                    : "H5Dopen2 failed: " + h5::error();
+    err = watched(fmt::format("the verification of dataset '{}' of checkpoint '{}'", name, path()), [&] {
+      return dset.ok() ? h5::transfer(false, dset, I.dxpl, e->shape, boxes, buf.data(), (b - a) * C)
+                       : "H5Dopen2 failed: " + h5::error();
+    });
     I.ag.agree(err.empty() ? "" : fmt::format("checkpoint '{}', dataset '{}': {}", path(), name, err));
     sum += h5::checksum_runs({Run{a * C, buf.data(), (b - a) * C}});
   }
-  MPI_Allreduce(&sum, &total, 1, MPI_UINT64_T, MPI_SUM, I.ag.comm());
+  watched(fmt::format("the sum of the checksum of dataset '{}' of checkpoint '{}'", name, path()),
+          [&] { return MPI_Allreduce(&sum, &total, 1, MPI_UINT64_T, MPI_SUM, I.ag.comm()); });
   if (total != e->checksum)
     fail("checkpoint '{}', dataset '{}' fails its checksum (stored {:#018x}, computed {:#018x}): the file is damaged; "
          "use an earlier checkpoint", path(), name, e->checksum, total);

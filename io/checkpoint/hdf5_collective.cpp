@@ -2,8 +2,12 @@
 // declared in hdf5_collective.h.
 #include "io/checkpoint/hdf5_collective.h"
 
+#include <sys/statvfs.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 #include "lib/core/error.h"
 #include "lib/core/watchdog.h"
@@ -77,6 +81,20 @@ std::string error() {
   std::string s;
   for (const std::string& m : msgs) s += (s.empty() ? "" : "; ") + m;
   return s.empty() ? "no message from HDF5" : s;
+}
+
+std::string write_failure(const std::string& path, const std::string& what, int64_t bytes, const std::string& h5err) {
+  const int e = errno;  // first: anything below may change it
+  const std::string dir = std::filesystem::absolute(path).parent_path().string();
+  struct statvfs fs {};
+  const bool known = ::statvfs(dir.c_str(), &fs) == 0;
+  const int64_t free_bytes = known ? int64_t(fs.f_bavail) * int64_t(fs.f_frsize) : 0;
+  if (e == ENOSPC || e == EDQUOT || (known && free_bytes < bytes))
+    return fmt::format("disk full writing {} of checkpoint '{}' ({} bytes free on the file system of '{}'{})", what,
+                       path, free_bytes, dir, e == EDQUOT ? ", and the disk quota is exceeded" : "");
+  const std::string reason = e ? std::strerror(e) : "";
+  return fmt::format("cannot write {} of checkpoint '{}': {}{}{}", what, path, reason,
+                     reason.empty() || h5err.empty() ? "" : "; ", h5err);
 }
 
 Handle fapl_mpio(MPI_Comm comm) {
@@ -252,9 +270,14 @@ std::string transfer(bool write, hid_t dset, hid_t dxpl, const Shape& s, const s
   Handle mspace(H5Screate_simple(1, &mdims, nullptr), H5Sclose);
   float dummy = 0;
   if (count == 0) H5Sselect_none(mspace), buf = &dummy;
+  errno = 0;
   rc = write ? H5Dwrite(dset, H5T_NATIVE_FLOAT, mspace, fspace, dxpl, buf)
              : H5Dread(dset, H5T_NATIVE_FLOAT, mspace, fspace, dxpl, buf);
-  return rc < 0 ? std::string(write ? "H5Dwrite" : "H5Dread") + " failed: " + error() : "";
+  if (rc >= 0) return "";
+  const int e = errno;  // the system's reason, kept for write_failure()
+  std::string msg = std::string(write ? "H5Dwrite" : "H5Dread") + " failed: " + error();
+  errno = e;
+  return msg;
 }
 
 // ---- checksum ------------------------------------------------------------------------------------

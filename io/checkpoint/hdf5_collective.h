@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "io/checkpoint/checkpoint_file.h"
+#include "lib/core/watchdog.h"
 
 namespace mpigpt::h5 {
 
@@ -29,6 +30,9 @@ class Handle {
     herr_t rc = id_ >= 0 && !mpi_finalized() ? close_(id_) : 0;
     return id_ = -1, rc;
   }
+  // Forgets the id without closing it: closing a file is collective, which a rank that is
+  // unwinding from a failed save must not enter (its peers may not, so it would wait forever).
+  void release() { id_ = -1; }
   operator hid_t() const { return id_; }
   bool ok() const { return id_ >= 0; }
 
@@ -51,6 +55,21 @@ class Quiet {
 
 // The most specific messages of HDF5's error stack (e.g. "truncated file: eof = ...").
 std::string error();
+
+// Runs f(), a blocking HDF5 call, marked as a wait on the peers: HDF5's own collectives (barriers
+// and reductions inside H5Dwrite, H5Fflush, H5Fclose, ...) and the file system's answers then end
+// under the watchdog's timeout like every other wait of the job.
+template <class F>
+auto watched(const std::string& what, F&& f) {
+  const Waiting w([&what] { return what; });
+  return f();
+}
+
+// The message for a failed write of `what` (of `bytes` bytes) to checkpoint `path`, told the way a
+// user acts on it: "disk full writing WHAT of checkpoint PATH (N bytes free ...)" when the write
+// found no space (errno, or less free space than it asked), else the system's error and HDF5's
+// `h5err`. Call it right after the failed call, while errno still holds the reason.
+std::string write_failure(const std::string& path, const std::string& what, int64_t bytes, const std::string& h5err);
 
 // File access over MPI-IO with collective metadata; transfers that are collective (every rank
 // calls) but carried out with each rank's own MPI-IO calls (see the .cpp for the measurements).
@@ -111,7 +130,8 @@ std::vector<Run> plan_runs(const std::vector<Piece>& mine, int64_t R, int64_t C,
 // flat shard cut by flat_range_boxes, ...), else `staging` (which the caller copies in or out).
 float* runs_buffer(const std::vector<Run>& runs, int64_t count, std::vector<float>& staging, bool& staged);
 // This rank's `boxes` of dataset `dset` (shape `s`): `count` floats at `buf` in ascending flat
-// order, in one collective H5Dwrite or H5Dread. Returns the error, "" if none.
+// order, in one collective H5Dwrite or H5Dread. Returns the error, "" if none (errno then holds
+// the system's reason, if any).
 std::string transfer(bool write, hid_t dset, hid_t dxpl, const Shape& s, const std::vector<Box>& boxes, float* buf,
                      int64_t count);
 

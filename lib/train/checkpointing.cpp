@@ -2,10 +2,12 @@
 #include "lib/train/checkpointing.h"
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -236,16 +238,10 @@ void point_latest(const std::string& root, const std::string& name) {
   fsync_path(root, true);
 }
 
-}  // namespace
-
-SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, ModelRunner& r, const Config& cfg,
-                          int keep_last, const SaveHook& midway) {
-  const auto t0 = std::chrono::steady_clock::now();
+// Writes the save of `meta` into `file` and checks that it opens and holds every dataset.
+void write_save(const std::string& file, const CheckpointMeta& meta, ModelRunner& r, const Config& cfg,
+                const SaveHook& midway) {
   const Comm& world = r.mesh().world();
-  const std::string name = checkpoint_dir_name(meta.iteration);
-  const std::string dir = root + "/" + name, file = dir + "/" + kFile;
-  on_rank0(world, "checkpoint.save: cannot create " + dir, [&] { fs::create_directories(dir); });
-
   const GptDims& d = r.model().dims();
   const std::vector<ParamInfo> global = global_table(d);
   r.gather_masters();  // a bf16 gather left other ranks' slices of the f32 masters stale
@@ -255,7 +251,6 @@ SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, M
     std::vector<Plan> plans = make_plans(r, host, global, false);
     CheckpointWriter w(world.mpi(), file);
     for (size_t g = 0; g < global.size(); ++g) w.write(model_name(global[g].name), stored_shape(global[g]), plans[g].params);
-    if (midway) midway(meta.iteration);
     for (int k = 0; k < 2; ++k)
       for (size_t g = 0; g < global.size(); ++g)
         w.write(moment_name(k, global[g].name), stored_shape(global[g]), plans[g].moments[k]);
@@ -265,24 +260,75 @@ SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, M
                            "parallel {}, distributed optimizer {}", world.size(), pc.tp, pc.pp, pc.vpp, pc.cp, pc.ep,
                            pc.expert_tp, r.mesh().dp_size(), pc.order, pc.sequence_parallel ? "on" : "off",
                            cfg.engine.distributed_optimizer ? "on" : "off"));
+    if (midway) midway(meta.iteration);
     w.close();
   }
-  // Verify before declaring it complete: it opens as a checkpoint and holds every dataset.
-  {
-    CheckpointReader check(world.mpi(), file);
-    for (const auto& p : global)
-      for (const std::string& n : {model_name(p.name), moment_name(0, p.name), moment_name(1, p.name)})
-        if (!(check.shape(n) == stored_shape(p))) fail("checkpoint {}: dataset {} was not written completely", file, n);
+  CheckpointReader check(world.mpi(), file);
+  for (const auto& p : global)
+    for (const std::string& n : {model_name(p.name), moment_name(0, p.name), moment_name(1, p.name)})
+      if (!(check.shape(n) == stored_shape(p))) fail("checkpoint {}: dataset {} was not written completely", file, n);
+}
+
+// Moves the complete save `partial` to its name `dir` (replacing an older save of that iteration
+// in one step, so that `latest` never names a missing directory).
+void move_into_place(const std::string& partial, const std::string& dir) {
+  if (!fs::exists(dir)) return fs::rename(partial, dir);
+  if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
+    fail("cannot replace the older save {} ({})", dir, std::strerror(errno));
+  fs::remove_all(partial);  // now the older save
+}
+
+// What a failed save left and what to do, for its message.
+std::string after_failed_save(const std::string& root, const std::string& partial, int64_t bytes) {
+  std::ifstream in(root + "/latest");
+  std::string latest;
+  in >> latest;
+  return fmt::format("The save was not completed: {} was removed and {}. A save takes at least {:.1f} MiB: make room "
+                     "for it there or choose another checkpoint.save, then resume.", partial,
+                     latest.empty() ? "there is no complete save in " + root + " yet"
+                                    : root + "/latest still names " + latest,
+                     bytes / 1048576.0);
+}
+
+}  // namespace
+
+int64_t checkpoint_bytes(const GptDims& d) {
+  int64_t n = 0;
+  for (const ParamInfo& p : global_table(d)) n += p.global.numel();
+  return n * 3 * int64_t(sizeof(float));  // weights and the two Adam moments, fp32
+}
+
+SaveStats save_checkpoint(const std::string& root, const CheckpointMeta& meta, ModelRunner& r, const Config& cfg,
+                          int keep_last, const SaveHook& midway) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Comm& world = r.mesh().world();
+  const std::string name = checkpoint_dir_name(meta.iteration), dir = root + "/" + name;
+  const std::string partial = dir + ".partial";  // marked as incomplete until it is renamed
+  on_rank0(world, "checkpoint.save: cannot create " + partial, [&] {
+    fs::remove_all(partial);  // left by a save that was killed
+    fs::create_directories(partial);
+  });
+  try {
+    write_save(partial + "/" + kFile, meta, r, cfg, midway);
+  } catch (const std::exception& e) {
+    if (world.rank() == 0) {
+      std::error_code ec;
+      fs::remove_all(partial, ec);
+    }
+    fail("{}\n{}", e.what(), after_failed_save(root, partial, checkpoint_bytes(r.model().dims())));
   }
   int64_t bytes = 0;
-  on_rank0(world, "checkpoint.save: cannot update " + root + "/latest", [&] {
-    bytes = int64_t(fs::file_size(file));
+  on_rank0(world, "checkpoint.save: cannot complete the save " + dir, [&] {
+    bytes = int64_t(fs::file_size(partial + "/" + kFile));
+    move_into_place(partial, dir);
+    fsync_path(root, true);
     point_latest(root, name);
     if (keep_last > 0) {
       std::vector<std::string> saves;
       for (const auto& e : fs::directory_iterator(root))
-        if (e.is_directory() && e.path().filename().string().rfind("iter_", 0) == 0)
-          saves.push_back(e.path().filename().string());
+        if (const std::string n = e.path().filename().string();
+            e.is_directory() && n.rfind("iter_", 0) == 0 && n.find('.') == std::string::npos)
+          saves.push_back(n);
       std::sort(saves.begin(), saves.end());
       for (size_t i = 0; i + size_t(keep_last) < saves.size(); ++i)
         if (saves[i] != name) fs::remove_all(root + "/" + saves[i]);
@@ -309,7 +355,7 @@ std::string resolve_checkpoint(const std::string& root, const std::string& given
   return file;
 }
 
-void check_save_dir(const Comm& world, const std::string& root) {
+void check_save_dir(const Comm& world, const std::string& root, int64_t bytes) {
   on_rank0(world, fmt::format("checkpoint.save = {} cannot take a save", root), [&] {
     std::error_code ec;
     fs::create_directories(root, ec);
@@ -321,6 +367,11 @@ void check_save_dir(const Comm& world, const std::string& root) {
            std::strerror(errno));
     ::close(fd);
     fs::remove(probe);
+    struct statvfs sv {};
+    const int64_t free_bytes = ::statvfs(root.c_str(), &sv) == 0 ? int64_t(sv.f_bavail) * int64_t(sv.f_frsize) : bytes;
+    if (free_bytes < bytes)
+      fail("one save takes at least {:.1f} MiB and its file system has {:.1f} MiB free; make room there or choose "
+           "another directory", bytes / 1048576.0, free_bytes / 1048576.0);
   });
 }
 

@@ -36,13 +36,15 @@ struct CheckpointMeta {
   double lr = 0;                 // learning rate of the last step (informational)
 };
 
-// Called on every rank halfway through writing a save (the model tensors written, the optimizer
-// state not yet) with the save's iteration: where a test of an interrupted save injects its fault.
+// Called on every rank while a save is being written (every tensor written, the file not yet
+// closed) with the save's iteration: where a test of an interrupted save injects its fault.
 using SaveHook = std::function<void(int64_t iteration)>;
 
-// Collective over the mesh's world: writes ROOT/iter_<it>/checkpoint.h5, verifies it, then
-// points ROOT/latest at it (write + rename) and keeps only the newest `keep_last` saves (0: all).
-// Returns the seconds it took and the bytes written.
+// Collective over the mesh's world: writes ROOT/iter_<it>.partial/checkpoint.h5, verifies it,
+// renames it to ROOT/iter_<it>, then points ROOT/latest at it (write + rename) and keeps only the
+// newest `keep_last` saves (0: all). Returns the seconds it took and the bytes written. A save
+// that fails (a full disk, a write error) removes its partial directory and leaves `latest` as
+// it was; the error says so, with the space a save needs.
 struct SaveStats {
   double seconds = 0;
   int64_t bytes = 0;
@@ -59,9 +61,13 @@ CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& runner, con
 // the user named root (default: "checkpoint.load = ROOT").
 std::string resolve_checkpoint(const std::string& root, const std::string& given = {});
 
-// Collective: makes root (checkpoint.save) on rank 0 and proves it writable, every rank agreeing, so
-// that a path that cannot take a save stops the run before training rather than at its first save.
-void check_save_dir(const Comm& world, const std::string& root);
+// The bytes of one save of a model of these dimensions (weights and Adam moments, fp32).
+int64_t checkpoint_bytes(const GptDims& d);
+
+// Collective: makes root (checkpoint.save) on rank 0 and proves it writable and with room for one
+// save of `bytes`, every rank agreeing, so that a path that cannot take a save stops the run
+// before training rather than at its first save.
+void check_save_dir(const Comm& world, const std::string& root, int64_t bytes);
 
 // Whole-model interchange (conversion, --init-from-hf/llmc), by global parameter name:
 // copy this rank's shard of every parameter out of `global` (vocabulary rows padded as this

@@ -245,7 +245,7 @@ TrainingRun::TrainingRun(const Config& cfg, const Mesh& mesh, Ops& backend, cons
   targets_.resize(rows * d_.T);
   positions_.resize(cfg.engine.sequence_packing ? rows * d_.T : 0);
   metrics_ = MetricsWriter(last_rank_ ? tc_.metrics_file : std::string());  // after the setup's log lines
-  if (!cfg.checkpoint.save.empty()) check_save_dir(mesh.world(), cfg.checkpoint.save);
+  if (!cfg.checkpoint.save.empty()) check_save_dir(mesh.world(), cfg.checkpoint.save, checkpoint_bytes(d_));
   result_.flops_per_step = d_.train_flops_per_token() * double(tc_.global_batch) * d_.T / mesh.world_size();  // per rank
   result_.peak_flops = peak_;
   result_.memory = runner_.memory();
