@@ -130,9 +130,22 @@ endforeach()
 # file, are stopped by the watchdog after engine.comm_timeout, and `latest` names the save before.
 ckpt_test(ckpt_stop_in_save_np2 ok "s in the flush \\(H5Fflush\\) of checkpoint '.*/s9/iter_0000004.partial/checkpoint.h5'"
   "rm -rf ${CLI_DIR}/s9 && ! ${MPIRUN_STR} -np 2 -x MPIGPT_FAULT_IN_SAVE=4:1:STOP ${BIN} train ${CK} --training.train_iters 4 --checkpoint.save ${CLI_DIR}/s9 --checkpoint.save_interval 2 --engine.comm_timeout 2 > ${CLI_DIR}/s9.out 2>&1 && cat ${CLI_DIR}/s9.out && grep -qx iter_0000002 ${CLI_DIR}/s9/latest")
-# SIGTERM to every rank (what Slurm does before the time limit): save at the step boundary, exit 0.
-ckpt_test(ckpt_sigterm_np2 ok "^exit 0, latest = iter_[0-9]+$"
-  "${PROJECT_SOURCE_DIR}/app/testdata/sigterm_run.sh ${CLI_DIR}/s7 ${MPIRUN_STR} -np 2 -- ${BIN} train ${CK} --training.train_iters 1000000 > ${CLI_DIR}/s7.out && grep -E 'SIGTERM: stopped after iteration [0-9]+, checkpoint saved' ${CLI_DIR}/s7.out && grep '^exit' ${CLI_DIR}/s7.out")
+# Signals, sent as users and batch systems send them (app/testdata/signal_run.sh). SIGTERM to every
+# rank (what Slurm does before the time limit): save at the step boundary, exit 0.
+set(SIGRUN "${PROJECT_SOURCE_DIR}/app/testdata/signal_run.sh")
+ckpt_test(ckpt_sigterm_np2 ok "^exit 0, last step ([0-9]+), latest = iter_0*\\1$"
+  "${SIGRUN} ${CLI_DIR}/s7 TERM ranks save ${MPIRUN_STR} -np 2 -- ${BIN} train ${CK} --training.train_iters 1000000 > ${CLI_DIR}/s7.out && grep -E 'SIGTERM: stopped after iteration [0-9]+, checkpoint saved' ${CLI_DIR}/s7.out && grep '^exit' ${CLI_DIR}/s7.out")
+# SIGTERM to mpirun (kill, timeout): Open MPI sends the ranks SIGTERM after odls_base_sigkill_timeout
+# seconds and SIGKILL as many seconds later; with 3 s the ranks save in that time.
+ckpt_test(ckpt_sigterm_mpirun_np2 ok "^exit [0-9]+, last step ([0-9]+), latest = iter_0*\\1$"
+  "${SIGRUN} ${CLI_DIR}/s10 TERM launcher save ${MPIRUN_STR} --mca odls_base_sigkill_timeout 3 -np 2 -- ${BIN} train ${CK} --training.train_iters 1000000")
+# Stopped by a signal with nothing saved: the exit status says so (143 = 128 + SIGTERM).
+ckpt_test(sigterm_nothing_saved_np2 fail "^exit 143, last step [0-9]+, latest = $"
+  "${SIGRUN} ${CLI_DIR}/s11 TERM ranks nosave ${MPIRUN_STR} -np 2 -- ${BIN} train ${CK} --training.train_iters 1000000 && grep -q 'SIGTERM: stopped after iteration [0-9]* (checkpoint.save is not set: nothing saved)' ${CLI_DIR}/s11/log && false")
+# Ctrl-C to one process: it saves at the step boundary like SIGTERM (exit 0); without a save
+# directory it exits 130 (128 + SIGINT).
+ckpt_test(ckpt_sigint ok "SIGINT: stopped after iteration ([0-9]+), checkpoint saved .*exit 0, last step \\1, latest = iter_0*\\1 SIGINT: stopped after iteration ([0-9]+) \\(checkpoint.save is not set: nothing saved\\) exit 130, last step \\2, latest =$"
+  "${SIGRUN} ${CLI_DIR}/s12 INT launcher save -- ${BIN} train ${CK} --training.train_iters 1000000 > ${CLI_DIR}/s12.out && ${SIGRUN} ${CLI_DIR}/s13 INT launcher nosave -- ${BIN} train ${CK} --training.train_iters 1000000 > ${CLI_DIR}/s13.out && echo $(grep -hE '^SIGINT|^exit' ${CLI_DIR}/s12.out ${CLI_DIR}/s13.out)")
 # Slurm: scripts/slurm/train.sbatch on a private one-node cluster (scripts/slurm/local_cluster.sh):
 # srun starts 2 ranks through PMIx, SIGTERM in the middle of training (as before a time limit)
 # saves, the job requeues itself, starts again from the checkpoint and trains to the end. Skipped

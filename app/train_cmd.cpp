@@ -171,7 +171,9 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     report_bench_resources(cfg, r, mpi);
     if (mpi.rank() == 0) report_bench_speed(cfg, r, warmup, mpi);
   }
-  return 0;
+  // Stopped by a signal with nothing saved: the shell's status for that signal (143, 130), so a
+  // script can tell it from a finished run. Stopped with a save: 0, the run resumes from it.
+  return r.stop_signal && !r.saved ? 128 + r.stop_signal : 0;
 }
 
 }  // namespace mpigpt::app

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cmath>
@@ -73,21 +74,42 @@ GptDims make_dims(const Config& cfg, int vocab_size) {
 
 namespace {
 
-volatile std::sig_atomic_t g_terminate = 0;
-extern "C" void on_sigterm(int) { g_terminate = 1; }
+volatile std::sig_atomic_t g_signal = 0;  // the first SIGTERM or SIGINT received, 0 if none
+std::atomic<int64_t> g_signal_ns{0};        // when it came (steady clock; lock-free, so signal-safe)
+static_assert(std::atomic<int64_t>::is_always_lock_free);
+extern "C" void on_stop_signal(int sig) {
+  if (g_signal == 0) {
+    g_signal = sig;
+    g_signal_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  }
+  g_console_best_effort = 1;
+  if (sig == SIGINT) std::signal(SIGINT, SIG_DFL);  // a second Ctrl-C stops at once
+}
 
-// Installs the SIGTERM handler for the duration of a training run.
+// For the duration of a training run, SIGTERM (Slurm before the time limit, kill, timeout, mpirun
+// passing on its own) and SIGINT (Ctrl-C) end the run at the next step boundary, after a save.
+// Without SA_RESTART: a write to a console that nobody reads any more returns (log.h).
 class TerminationGuard {
  public:
   TerminationGuard() {
-    g_terminate = 0;
-    previous_ = std::signal(SIGTERM, on_sigterm);
+    g_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, &term_), sigaction(SIGINT, &sa, &int_);
   }
-  ~TerminationGuard() { std::signal(SIGTERM, previous_); }
-  bool requested() const { return g_terminate != 0; }
+  ~TerminationGuard() {
+    sigaction(SIGTERM, &term_, nullptr), sigaction(SIGINT, &int_, nullptr);
+    g_console_best_effort = 0;
+  }
+  int signal() const { return g_signal; }
+  double seconds_since() const {
+    const std::chrono::steady_clock::duration since(g_signal_ns.load());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch() - since).count();
+  }
 
  private:
-  void (*previous_)(int) = SIG_DFL;
+  struct sigaction term_ {}, int_ {};
 };
 
 // Where the tokens of a step come from: the prepared dataset, or random ids for benchmarks.
@@ -438,19 +460,24 @@ double TrainingRun::evaluate() {
   return loss / std::max(count, 1.0);
 }
 
-// Saves when one is due; true when SIGTERM ends the run (after saving).
+// Saves when one is due; true when SIGTERM or SIGINT ends the run (after saving).
 bool TrainingRun::save_or_stop(int64_t it, double lr, const TerminationGuard& term) {
-  // Every rank must agree to stop: the signal may reach the ranks at different moments.
-  int64_t stop = term.requested() ? 1 : 0;
-  mesh_.world().allreduce_sum(&stop, 1);
+  // Every rank must agree to stop: the signal may reach the ranks at different moments, or only
+  // some of them. SIGTERM, if any rank has it, is the one reported.
+  int64_t got[2] = {term.signal() == SIGTERM, term.signal() == SIGINT};
+  mesh_.world().allreduce_sum(got, 2);
+  const int sig = got[0] ? SIGTERM : got[1] ? SIGINT : 0;
   const CheckpointConfig& ck = cfg_.checkpoint;
   const bool scheduled = ck.save_interval > 0 && it % ck.save_interval == 0;
-  if (!ck.save.empty() && (scheduled || it == tc_.train_iters || stop)) save(it, lr);
-  if (!stop) return false;
+  if (!ck.save.empty() && (scheduled || it == tc_.train_iters || sig)) save(it, lr);
+  if (!sig) return false;
+  result_.stop_signal = sig;
+  result_.saved = !ck.save.empty();
   if (mesh_.rank() == 0)
-    log_line("SIGTERM: stopped after iteration {}{}", it,
-             ck.save.empty() ? " (checkpoint.save is not set: nothing saved)" : ", checkpoint saved");
-  result_.stopped = true;
+    log_line("{}: stopped after iteration {}{}", sig == SIGINT ? "SIGINT" : "SIGTERM", it,
+             !result_.saved ? std::string(" (checkpoint.save is not set: nothing saved)")
+             : term.signal()  ? fmt::format(", checkpoint saved ({:.1f} s after the signal)", term.seconds_since())
+                              : std::string(", checkpoint saved"));
   return true;
 }
 

@@ -40,7 +40,8 @@ struct TrainResult {
   int64_t activation_bytes = 0;    // the model's activations and scratch after the last step (as engine.recompute leaves them)
   int64_t device_peak_bytes = 0;   // the GPU allocator's high-water mark (0 on the CPU)
   std::vector<OpTime> op_times;    // with TrainOptions::profile_ops: time per op of the last step, largest first
-  bool stopped = false;        // SIGTERM ended the run early
+  int stop_signal = 0;         // SIGTERM or SIGINT ended the run early (0: it ran to the end)
+  bool saved = false;          // and the state was saved then
   std::vector<std::string> backend_notes;  // rank 0: the backend's choices by measuring (Ops::take_notes)
 };
 
