@@ -11,12 +11,14 @@ NPM_DIR    := .deps/npm
 DEB_PACKAGES := build-essential cmake ninja-build pkg-config openmpi-bin libopenmpi-dev openssh-client \
   libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libfmt-dev doctest-dev \
   libopenblas-openmp-dev nlohmann-json3-dev libicu-dev fortunes nodejs python3-matplotlib python3-numpy procps \
-  xz-utils slurmctld slurmd slurm-client munge
+  iproute2 xz-utils slurmctld slurmd slurm-client munge
 
-# Root may start mpirun only when it says so; tests also need --oversubscribe on 2 cores.
+# Root may start mpirun only when it says so; tests also need --oversubscribe on 2 cores. The ranks
+# talk over shared memory only, no TCP port opened (as cmake/tests.cmake's MPIGPT_MPIRUN).
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
-MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none
+MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none --mca pml ob1 --mca btl self,vader \
+  --mca oob_tcp_if_include lo
 
 FORTUNES := $(filter-out %.dat %.u8,$(wildcard /usr/share/games/fortunes/*))
 RUN_NP   ?= 1
@@ -48,7 +50,8 @@ $(BUILD)/build.ninja:
 build: $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
-# The default demo: byte-level fortunes corpus, tiny GPT-2, a few hundred steps on the CPU.
+# The default demo: byte-level fortunes corpus, tiny GPT-2, a few hundred steps on the CPU, then
+# the plot of its loss curves (build/tiny_loss.png).
 $(BUILD)/data/fortunes.idx: | build
 	$(BUILD)/mpigpt prepare-data --output $(BUILD)/data/fortunes --tokenizer byte \
 	  --format delimited --delimiter % $(FORTUNES)
@@ -57,6 +60,7 @@ run: deps build $(BUILD)/data/fortunes.idx
 	$(MPIRUN) -np $(RUN_NP) -x OMP_NUM_THREADS=$$(( $(JOBS) / $(RUN_NP) > 0 ? $(JOBS) / $(RUN_NP) : 1 )) \
 	  $(BUILD)/mpigpt train --config inputs/tiny.ini --data.path $(BUILD)/data/fortunes \
 	  --training.metrics_file $(BUILD)/tiny_metrics.jsonl
+	python3 scripts/plot_metrics.py $(BUILD)/tiny_metrics.jsonl --label "inputs/tiny.ini" --output $(BUILD)/tiny_loss.png
 
 test: deps build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900

@@ -39,7 +39,7 @@ int cmd_bench_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi
   std::vector<double> save_s, load_s;
   int64_t bytes = 0;
   for (int i = 1; i <= steps; ++i) {
-    const SaveStats st = save_checkpoint(root, CheckpointMeta{i, 0, 0, 0.0}, runner, cfg, 1);
+    const SaveStats st = save_checkpoint(root, CheckpointMeta{i, 0, 0, 0.0, {}}, runner, cfg, 1);
     save_s.push_back(st.seconds);
     bytes = st.bytes;
     mesh.world().barrier();

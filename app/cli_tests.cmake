@@ -38,6 +38,9 @@ cli_test(missing_data fail "/nonexistent/corpus" "${BIN} train ${TINY} --data.pa
 cli_test(cuda_device_np2 fail "has no CUDA device visible|2 ranks run on host .* but it has 1 CUDA device|built without the CUDA backend"
   "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --engine.backend cuda")
 cli_test(missing_data_np2 fail "/nonexistent/corpus" "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --data.path /nonexistent/corpus")
+# An error every rank meets is printed once, by rank 0, not once per rank.
+cli_test(error_once_np4 ok "^1 error line: mpigpt: error .rank 0 of 4.: "
+  "${MPIRUN_STR} -np 4 ${BIN} train ${TINY} --training.global_batch 8 --data.path /nonexistent/corpus > ${CLI_DIR}/once.log 2>&1 || echo \"$(grep -c 'error.*nonexistent/corpus' ${CLI_DIR}/once.log) error line: $(grep 'error.*nonexistent/corpus' ${CLI_DIR}/once.log)\"")
 
 # Data preparation and the data-file failure modes, on a scratch copy.
 set(PREP "rm -rf ${CLI_DIR}/$T && mkdir -p ${CLI_DIR}/$T && ${BIN} prepare-data --output ${CLI_DIR}/$T/c --format delimited --delimiter %")
@@ -155,6 +158,41 @@ add_test(NAME cli/slurm_requeue COMMAND bash -c
   "${CKPREP} >/dev/null && ${PROJECT_SOURCE_DIR}/app/testdata/slurm_requeue.sh ${CLI_DIR}/slurm ${BIN} ${SLURM_TRAIN}")
 set_tests_properties(cli/slurm_requeue PROPERTIES TIMEOUT 180 SKIP_RETURN_CODE 77 RESOURCE_LOCK ckpt_data PROCESSORS 2
   ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+
+# Resuming loses nothing: a requeued run appends to its metrics file (the steps up to the resumed
+# iteration kept, later ones redone), and a changed seed is named. train_iters 0 saves the
+# initial model, which a run then resumes from.
+ckpt_test(ckpt_resume_metrics ok "^warning: training.seed = 99 here, 1234 in the saved run. iters 1 2 3 4 5 6 7 8$"
+  "rm -rf ${CLI_DIR}/r1 && ${BIN} train ${CK} --training.log_interval 1 --training.train_iters 6 --checkpoint.save ${CLI_DIR}/r1/s --checkpoint.save_interval 4 --training.metrics_file ${CLI_DIR}/r1/m.jsonl > /dev/null && ${BIN} train ${CK} --training.log_interval 1 --training.train_iters 8 --training.seed 99 --checkpoint.load ${CLI_DIR}/r1/s/iter_0000004 --training.metrics_file ${CLI_DIR}/r1/m.jsonl > ${CLI_DIR}/r1/b.log && echo \"$(grep -o 'warning: training.seed = 99 here, [0-9]* in the saved run' ${CLI_DIR}/r1/b.log). iters\" $(grep -o '\"iter\":[0-9]*' ${CLI_DIR}/r1/m.jsonl | cut -d: -f2)")
+ckpt_test(ckpt_train_iters_0 ok "resumed from .*/iter_0000000/checkpoint.h5 at iteration 0"
+  "rm -rf ${CLI_DIR}/r2 && ${BIN} train ${CK} --training.train_iters 0 --checkpoint.save ${CLI_DIR}/r2 && ${BIN} train ${CK} --training.train_iters 2 --checkpoint.load ${CLI_DIR}/r2")
+# Outputs in folders others can write: a planted link is replaced, never written through; a
+# conversion never re-points an existing save directory; prepare-data never replaces a dataset
+# without --overwrite.
+ckpt_test(ckpt_outputs_no_links ok "^keep keep regular$"
+  "rm -rf ${CLI_DIR}/ln && mkdir -p ${CLI_DIR}/ln/hf ${CLI_DIR}/ln/s && echo keep > ${CLI_DIR}/ln/victim && ln -s ${CLI_DIR}/ln/victim ${CLI_DIR}/ln/hf/config.json && ln -s ${CLI_DIR}/ln/victim ${CLI_DIR}/ln/s/latest.tmp && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/ln/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/ln/s ${CLI_DIR}/ln/hf > /dev/null && echo $(cat ${CLI_DIR}/ln/victim) $(cat ${CLI_DIR}/ln/victim) $(stat -c %F ${CLI_DIR}/ln/hf/config.json | cut -d' ' -f1)")
+ckpt_test(convert_into_save_dir fail "convert: .*/cs/s is not empty. a converted model starts a checkpoint directory of its own"
+  "rm -rf ${CLI_DIR}/cs && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/cs/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/cs/s ${CLI_DIR}/cs/hf > /dev/null && ${BIN} convert --from hf ${CLI_DIR}/cs/hf ${CLI_DIR}/cs/s")
+cli_test(prepare_overwrite ok "^refused: .*/ow/c.bin exists already. pass --overwrite to replace it.* replaced: [0-9]+ documents"
+  "T=ow && ${PREP} ${FORTUNES} > /dev/null && echo \"refused: $(${BIN} prepare-data --output ${CLI_DIR}/ow/c ${FORTUNES} 2>&1 | grep -o '[^ ]*/ow/c.bin exists.*') replaced: $(${BIN} prepare-data --overwrite --output ${CLI_DIR}/ow/c --format delimited --delimiter % ${FORTUNES} | grep -o '[0-9]* documents')\"")
+# prepare-data writes llm.c's token format too, and data.shuffle = false reads it in stream order.
+cli_test(prepare_llmc_train ok "iter +3/3 .*loss [0-9]"
+  "rm -rf ${CLI_DIR}/lt && mkdir -p ${CLI_DIR}/lt && ${BIN} prepare-data --output-format llmc --output ${CLI_DIR}/lt/t.bin --format delimited --delimiter % ${FORTUNES} > /dev/null && ${BIN} train ${TINY} --data.path ${CLI_DIR}/lt/t.bin --data.shuffle false --training.train_iters 3 --training.log_interval 1 --training.eval_interval 0")
+
+# What a user looks at: the loss plot of two runs overlaid (a PNG), and a file that is no metrics
+# file named; ranks that share the cores print no MFU (a GEMM timed then measures a share of them).
+set(PLOT "${MPIGPT_PYTHON3} ${PROJECT_SOURCE_DIR}/scripts/plot_metrics.py")
+set(PLOT_RUN "${BIN} train ${CK} --training.train_iters 6 --training.log_interval 2 --training.eval_interval 3")
+ckpt_test(plot_two_runs ok "^plot: .*/pl/loss.png \\(2 run\\(s\\), 6 logged steps\\) PNG$"
+  "rm -rf ${CLI_DIR}/pl && ${PLOT_RUN} --training.metrics_file ${CLI_DIR}/pl/a.jsonl > /dev/null && ${PLOT_RUN} --training.lr 1e-2 --training.metrics_file ${CLI_DIR}/pl/b.jsonl > /dev/null && echo $(${PLOT} ${CLI_DIR}/pl/a.jsonl ${CLI_DIR}/pl/b.jsonl --label a --label 'lr 1e-2' --output ${CLI_DIR}/pl/loss.png) $(head -c 4 ${CLI_DIR}/pl/loss.png | tail -c 3)")
+cli_test(plot_not_metrics fail "plot_metrics: error: .*/CMakeLists.txt:1 is not a JSON object. is it an mpigpt metrics file"
+  "${PLOT} ${PROJECT_SOURCE_DIR}/CMakeLists.txt --output ${CLI_DIR}/never.png")
+ckpt_test(no_mfu_shared_cores_np2 ok "^no MFU: 2 ranks x 32 threads share this node's [0-9]+ cores, 0 MFU figures$"
+  "${MPIRUN_STR} -np 2 -x OMP_NUM_THREADS=32 -x OMP_WAIT_POLICY=passive ${BIN} train ${CK} --training.peak_tflops 0 --training.train_iters 2 --training.log_interval 1 > ${CLI_DIR}/nomfu.log 2>&1 && echo \"$(grep -o 'no MFU: [^,]*' ${CLI_DIR}/nomfu.log), $(grep -c 'MFU [0-9]' ${CLI_DIR}/nomfu.log) MFU figures\"")
+# On one machine the ranks open no TCP port on a network interface (the tests' mpirun settings,
+# which the docs give for workstations).
+ckpt_test(rank_listeners_np2 ok "^rank listeners: [0-9]+, on other than loopback: 0$"
+  "${PROJECT_SOURCE_DIR}/app/testdata/listeners.sh ${CLI_DIR}/listeners.log ${MPIRUN_STR} -np 2 ${BIN} train ${CK} --training.train_iters 100000 --training.log_interval 1")
 
 # Interchange: checkpoint -> Hugging Face -> checkpoint is bit-identical (every model checksum),
 # and training starts from the llm.c export of it.

@@ -2,6 +2,8 @@
 // back. One process; whole tensors in host memory.
 #include <fmt/format.h>
 
+#include <filesystem>
+
 #include "app/commands.h"
 #include "io/formats/hf_format.h"
 #include "io/formats/llmc_model.h"
@@ -63,6 +65,9 @@ int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
              cfg.model.family, V);
     return 0;
   }
+  if (std::error_code ec; std::filesystem::exists(out, ec) && !std::filesystem::is_empty(out, ec))
+    fail("mpigpt convert: {} is not empty; a converted model starts a checkpoint directory of its own (its `latest` "
+         "would replace what names the saves there): give a new or empty directory", out);
   Config cfg;
   TensorMap ours;
   int V = 0;

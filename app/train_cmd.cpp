@@ -80,14 +80,16 @@ void report_bench_speed(const Config& cfg, const TrainResult& r, int warmup, con
            "{:.1f} GFLOP/s model FLOPs",
            t.size(), warmup, median, t.front(), t.back(), tokens / (median / 1e3), flops / (median / 1e3) / 1e9);
   const bool gpu = cfg.engine.backend == "cuda";
-  log_line("bench: {:.1f} GFLOP per step; {} {:.3g} TFLOP/s per rank puts the GEMM-only floor at {:.1f} ms/step",
-           flops / 1e9, gpu ? "the GPU's dense bf16 peak" : "this machine's fp32 GEMM peak", peak / 1e12,
-           flops / (peak * mpi.size()) * 1e3);
+  if (peak > 0)
+    log_line("bench: {:.1f} GFLOP per step; {} {:.3g} TFLOP/s per rank puts the GEMM-only floor at {:.1f} ms/step",
+             flops / 1e9, gpu ? "the GPU's dense bf16 peak" : "this machine's fp32 GEMM peak", peak / 1e12,
+             flops / (peak * mpi.size()) * 1e3);
   for (const std::string& note : r.backend_notes) log_line("bench: {}", note);
-  log_line("bench: achieved {:.3g} TFLOP/s per rank, MFU {:.1f}% (training.precision = {}, engine.recompute = {}, "
+  log_line("bench: achieved {:.3g} TFLOP/s per rank{} (training.precision = {}, engine.recompute = {}, "
            "micro-batch {})", flops / mpi.size() / (median / 1e3) / 1e12,
-           100.0 * flops / (median / 1e3) / (peak * mpi.size()), cfg.training.precision, cfg.engine.recompute,
-           cfg.training.micro_batch);
+           peak > 0 ? fmt::format(", MFU {:.1f}%", 100.0 * flops / (median / 1e3) / (peak * mpi.size()))
+                    : std::string(", no MFU (the ranks share cores)"),
+           cfg.training.precision, cfg.engine.recompute, cfg.training.micro_batch);
   // The profiled step synchronised after every op: its total exceeds the steps timed above.
   double total = 0;
   for (const OpTime& o : r.op_times) total += o.seconds;

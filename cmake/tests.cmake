@@ -27,8 +27,11 @@ if(NOT MPIGPT_TEST_FILTER)
   add_dependencies(mpigpt_tests mpigpt)  # the command-line tests run the real binary
 endif()
 
-# Root may run mpirun only when it says so; more ranks than cores need --oversubscribe.
+# Root may run mpirun only when it says so; more ranks than cores need --oversubscribe. The ranks
+# of one node talk over shared memory only (pml ob1, btl self,vader): no rank opens a TCP port
+# (cli/rank_listeners_np2; docs/user-guide.md "One machine").
 set(MPIGPT_MPIRUN ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe --bind-to none
+    --mca pml ob1 --mca btl self,vader --mca oob_tcp_if_include lo
     CACHE STRING "mpirun command line used by multi-rank tests")
 set(MPIGPT_TEST_ENV OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1)
 # MPIGPT_RUN_TIMEOUT: seconds before regression/run.py counts one training run as hung.

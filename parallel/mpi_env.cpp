@@ -25,10 +25,12 @@ MpiEnv::~MpiEnv() {
   if (!finalized) MPI_Finalize();
 }
 
-NodeRanks node_ranks() {
+NodeRanks node_ranks(MPI_Comm comm) {
   NodeRanks n;
   MPI_Comm node = MPI_COMM_NULL;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank(), MPI_INFO_NULL, &node);
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
   MPI_Comm_rank(node, &n.local_rank);
   MPI_Comm_size(node, &n.local_size);
   MPI_Comm_free(&node);

@@ -1,6 +1,8 @@
 // The MPI process environment: initialisation, world rank/size, and the fatal-error exit that
 // aborts every rank (a failing rank must never leave the others waiting in a collective).
 #pragma once
+#include <mpi.h>
+
 #include <memory>
 #include <string>
 
@@ -21,13 +23,13 @@ class MpiEnv {
   int rank_ = 0, size_ = 1;
 };
 
-// This rank's place among the ranks of its node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED), the
-// same under mpirun and srun) and the node's name: what chooses a rank's GPU.
+// This rank's place among the ranks of `comm` on its node (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED),
+// the same under mpirun and srun) and the node's name: what chooses a rank's GPU. Collective.
 struct NodeRanks {
   int local_rank = 0, local_size = 1;
   std::string host;
 };
-NodeRanks node_ranks();
+NodeRanks node_ranks(MPI_Comm comm = MPI_COMM_WORLD);
 
 int world_rank();
 int world_size();

@@ -101,7 +101,7 @@ def corpus_files(corpus: str) -> list[str]:
 
 def prepare_data(binary: str, prefix: str, corpus: str) -> None:
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    cmd = [binary, "prepare-data", "--output", prefix, "--tokenizer", "byte", "--format", "delimited",
+    cmd = [binary, "prepare-data", "--overwrite", "--output", prefix, "--tokenizer", "byte", "--format", "delimited",
            "--delimiter", "%"] + corpus_files(corpus)
     print(f"preparing {prefix} from {corpus}", flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True)

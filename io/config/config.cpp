@@ -112,7 +112,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(training, global_batch, "sequences per optimizer step over all dp ranks", {"global_batch_size"}),
       MPIGPT_OPTION(training, train_iters, "optimizer steps to run"),
       MPIGPT_OPTION(training, eval_interval, "run validation every this many steps (0: never)"),
-      MPIGPT_OPTION(training, eval_iters, "micro-batches per validation run"),
+      MPIGPT_OPTION(training, eval_iters, "global batches per validation run (the same samples in every layout)"),
       MPIGPT_OPTION(training, seed, "seed of weight init and data order"),
       MPIGPT_OPTION(training, log_interval, "one log line every this many steps"),
       MPIGPT_OPTION(training, metrics_file, "JSONL file receiving one object per log line (\"\" = none)"),
@@ -151,6 +151,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(data, merges_file, "GPT-2 merges.txt / vocab.bpe (tokenizer = gpt2)", {"merge_file"}),
       MPIGPT_OPTION(data, valid_fraction, "share of documents held out for validation", {"split"}),
       MPIGPT_OPTION(data, valid_path, "separate validation dataset (overrides valid_fraction)", {"valid_data_path"}),
+      MPIGPT_OPTION(data, shuffle, "shuffle documents and samples (false: stream order, as llm.c reads)"),
 
       MPIGPT_OPTION(checkpoint, save, "directory to save into (\"\" = never save)"),
       MPIGPT_OPTION(checkpoint, save_interval, "save every this many steps (0: only at the end if save is set)"),

@@ -61,7 +61,7 @@ struct TrainingConfig {
   int global_batch = 4;                 // sequences per optimizer step over all dp ranks
   int64_t train_iters = 100;            // optimizer steps to run
   int64_t eval_interval = 50;           // run validation every this many steps (0: never)
-  int64_t eval_iters = 10;              // micro-batches per validation run
+  int64_t eval_iters = 10;              // global batches per validation run (the same samples in every layout)
   uint64_t seed = 1234;                 // seed of weight init and data order
   int64_t log_interval = 10;            // one log line every this many steps
   std::string metrics_file;             // JSONL file receiving one object per log line ("" = none)
@@ -106,6 +106,7 @@ struct DataConfig {
   std::string merges_file;              // GPT-2 merges.txt / vocab.bpe (tokenizer = gpt2)
   double valid_fraction = 0.05;         // share of documents held out for validation
   std::string valid_path;               // separate validation dataset (overrides valid_fraction)
+  bool shuffle = true;                  // shuffle documents and samples (false: stream order, as llm.c reads)
 };
 
 // Where checkpoints go.
@@ -166,6 +167,8 @@ struct ParsedArgs {
 // ending in '!' takes no value ("dry-run!").
 ParsedArgs parse_config_args(const std::vector<std::string>& args,
                              const std::vector<std::string>& extra_flags = {});
+// The configuration in INI `text` (a checkpoint's saved one), `name` naming it in messages.
+Config parse_config_text(const std::string& text, const std::string& name);
 // For commands that take no positional words: fails naming the first one (a word after a
 // boolean option as that option's bad value), with `usage`.
 void reject_positional(const ParsedArgs& parsed, const std::string& usage);

@@ -66,13 +66,9 @@ std::string ini_value(const std::string& rest, const std::string& where) {
 }
 
 // Boost's own config-file parser reports no line numbers, and every message about a file must
-// name file:line; hence this small reader. Within one file a key may appear once.
-void read_ini(const std::string& path, Config& cfg) {
-  if (std::filesystem::is_directory(path))
-    fail("--config {} is a directory; give an INI file (e.g. inputs/tiny.ini)", path);
-  std::ifstream in(path);
-  if (!in)
-    fail("cannot read config file '{}' ({}); check the path given to --config", path, std::strerror(errno));
+// name file:line; hence this small reader. Within one file a key may appear once. `path` names
+// the text in messages.
+void read_ini(std::istream& in, const std::string& path, Config& cfg) {
   std::vector<std::string> sections;
   for (const auto& s : config_sections()) sections.push_back(s.first);
   std::string section, line;
@@ -102,6 +98,15 @@ void read_ini(const std::string& path, Config& cfg) {
     config_set(cfg, name, value, where);
   }
   cfg.sources.push_back(path);
+}
+
+void read_ini(const std::string& path, Config& cfg) {
+  if (std::filesystem::is_directory(path))
+    fail("--config {} is a directory; give an INI file (e.g. inputs/tiny.ini)", path);
+  std::ifstream in(path);
+  if (!in)
+    fail("cannot read config file '{}' ({}); check the path given to --config", path, std::strerror(errno));
+  read_ini(in, path, cfg);
 }
 
 struct Flag {
@@ -282,6 +287,14 @@ ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std
   for (const Override& o : overrides) config_set(out.config, o.name, o.value, "command line");
   out.config.resolve_defaults();
   return out;
+}
+
+Config parse_config_text(const std::string& text, const std::string& name) {
+  Config c;
+  std::istringstream in(text);
+  read_ini(in, name, c);
+  c.resolve_defaults();
+  return c;
 }
 
 void reject_positional(const ParsedArgs& parsed, const std::string& usage) {

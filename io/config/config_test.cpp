@@ -344,13 +344,13 @@ TEST_CASE("config: validate names the field, the value and the fix: ranges, enum
                              "parallel.expert_tp", "model.num_layers", "model.hidden", "model.num_heads",
                              "model.num_kv_heads", "model.ffn_hidden", "model.seq_len", "model.max_position",
                              "model.vocab_multiple", "training.micro_batch", "training.global_batch",
-                             "training.train_iters", "training.log_interval", "engine.bucket_size"}) {
+                             "training.log_interval", "engine.bucket_size"}) {
       CAPTURE(name);
       Config c = parsed({});
       mpigpt::config_set(c, name, "-1");
       CHECK_FAILS(c.validate(1), fmt::format("{} = -1 must be at least 1", name));
     }
-    for (const char* name : {"training.warmup_iters", "training.decay_iters", "training.eval_interval",
+    for (const char* name : {"training.train_iters", "training.warmup_iters", "training.decay_iters", "training.eval_interval",
                              "checkpoint.save_interval", "checkpoint.keep_last", "engine.threads", "model.vocab_size"}) {
       CAPTURE(name);
       CHECK_FAILS(parsed({fmt::format("--{}=-1", name)}).validate(1), fmt::format("{} = -1 must be at least 0", name));

@@ -112,7 +112,10 @@ void check_ranges(const Config& c) {
 
   at_least("training.micro_batch", t.micro_batch, 1);
   at_least("training.global_batch", t.global_batch, 1);
-  at_least("training.train_iters", t.train_iters, int64_t{1});
+  at_least("training.train_iters", t.train_iters, int64_t{0});
+  if (t.train_iters == 0 && c.checkpoint.save.empty())
+    fail("training.train_iters = 0 trains nothing: it saves the initial model (random, or from "
+         "checkpoint.init_from_hf/llmc) to checkpoint.save, which is not set; set it, or train for some steps");
   at_least("training.warmup_iters", t.warmup_iters, int64_t{0});
   at_least("training.decay_iters", t.decay_iters, int64_t{0});
   at_least("training.eval_interval", t.eval_interval, int64_t{0});

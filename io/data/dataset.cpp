@@ -99,8 +99,8 @@ static uint64_t below(uint64_t bits, uint64_t n) {
 static const char* split_name(Split s) { return s == Split::Train ? "train" : "validation"; }
 
 GptDataset::GptDataset(std::shared_ptr<const TokenSource> src, Split split, double valid_fraction,
-                       int seq_len, uint64_t seed, int vocab_size)
-    : src_(std::move(src)), split_(split), seq_len_(seq_len), seed_(seed), vocab_size_(vocab_size) {
+                       int seq_len, uint64_t seed, int vocab_size, bool shuffle)
+    : src_(std::move(src)), split_(split), seq_len_(seq_len), seed_(seed), vocab_size_(vocab_size), shuffle_(shuffle) {
   MPIGPT_CHECK(src_ != nullptr, "GptDataset needs a TokenSource");
   const std::string& path = src_->path();
   if (!(valid_fraction >= 0.0 && valid_fraction < 1.0))
@@ -128,7 +128,7 @@ GptDataset::GptDataset(std::shared_ptr<const TokenSource> src, Split split, doub
     std::vector<uint32_t> order(static_cast<size_t>(num_docs));
     for (size_t i = 0; i < order.size(); ++i) order[i] = uint32_t(i);
     const uint64_t stream = stream_of("data.documents");
-    for (size_t j = order.size() - 1; j > 0; --j)
+    for (size_t j = order.size() - 1; shuffle && j > 0; --j)
       std::swap(order[j], order[below(bits_at(seed, stream, j), j + 1)]);
     int64_t valid = 0;
     if (valid_fraction > 0)
@@ -160,6 +160,7 @@ GptDataset::GptDataset(std::shared_ptr<const TokenSource> src, Split split, doub
 int64_t GptDataset::window_of(int64_t index) const {
   MPIGPT_CHECK(index >= 0, "sample index {} must be non-negative", index);
   const int64_t epoch = index / windows_, pos = index % windows_;
+  if (!shuffle_) return pos;
   std::lock_guard<std::mutex> lock(mutex_);
   EpochOrder* slot = nullptr;
   for (EpochOrder& o : orders_)

@@ -54,10 +54,14 @@ enum class Split { Train, Valid };
 // prepare-data appended), form one stream cut into windows of T+1 tokens with stride T, so
 // samples_per_epoch = (tokens - 1) / T and no token is a target twice. Epoch e visits the windows
 // in a permutation drawn from (seed, e); global sample i is window perm_{i / S}[i % S].
+//
+// Without `shuffle` (data.shuffle = false) nothing is drawn: the documents stay in the source's
+// order (validation = the last ones) and every epoch reads the windows in stream order, sample i =
+// window i % S, as llm.c's loader reads its token files.
 class GptDataset {
  public:
   GptDataset(std::shared_ptr<const TokenSource> src, Split split, double valid_fraction, int seq_len,
-             uint64_t seed, int vocab_size);
+             uint64_t seed, int vocab_size, bool shuffle = true);
 
   int64_t samples_per_epoch() const { return windows_; }
   int64_t num_tokens() const { return tokens_; }          // in this split
@@ -85,6 +89,7 @@ class GptDataset {
   int seq_len_;
   uint64_t seed_;
   int vocab_size_;
+  bool shuffle_;
   std::vector<uint32_t> docs_;   // source document ids in stream order
   std::vector<int64_t> starts_;  // stream offset of each document, then the total
   int64_t first_token_ = 0;      // single-document sources: where this split starts in it

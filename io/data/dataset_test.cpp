@@ -222,6 +222,30 @@ TEST_CASE("GptDataset: a single-document source (llm.c) splits its token stream"
   }
 }
 
+TEST_CASE("GptDataset without shuffle reads the stream in order, as llm.c's loader does") {
+  TempDir tmp;
+  std::vector<int32_t> toks(1000);
+  for (int i = 0; i < 1000; ++i) toks[size_t(i)] = i % 500;
+  write_llmc_tokens(tmp / "s.bin", toks);
+  GptDataset train(TokenSource::open(tmp / "s.bin"), Split::Train, 0.0, 10, 1, 500, false);
+  REQUIRE(train.samples_per_epoch() == 99);
+  std::vector<int32_t> x(10), y(10);
+  for (int64_t i : {0, 1, 57, 98, 99, 100, 250}) {  // the second and third epochs repeat the first
+    train.get(i, x.data(), y.data());
+    const int64_t w = i % 99;
+    CHECK(train.window_of(i) == w);
+    CHECK(x[0] == toks[size_t(w * 10)]);
+    CHECK(y[9] == toks[size_t(w * 10 + 10)]);
+  }
+  // Documents keep the source's order; validation is the last ones.
+  auto src = TokenSource::open(write_corpus(tmp, 20));
+  GptDataset t(src, Split::Train, 0.1, 4, 5, kVocab, false), v(src, Split::Valid, 0.1, 4, 5, kVocab, false);
+  std::vector<uint32_t> in_order(18);
+  for (uint32_t k = 0; k < 18; ++k) in_order[k] = k;
+  CHECK(t.documents() == in_order);
+  CHECK(v.documents() == std::vector<uint32_t>{18, 19});
+}
+
 TEST_CASE("GptDataset: errors name the file, the value and the fix") {
   TempDir tmp;
   auto src = TokenSource::open(write_corpus(tmp, 10));

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "lib/core/error.h"
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -28,8 +29,6 @@ uint8_t mmidx_dtype_for_vocab(int vocab_size) {
 
 // ---- writer ----------------------------------------------------------------------------------
 
-static std::string partial(const std::string& path) { return path + ".partial"; }
-
 IndexedDatasetWriter::IndexedDatasetWriter(std::string prefix, int vocab_size)
     : prefix_(std::move(prefix)), vocab_size_(vocab_size), dtype_(mmidx_dtype_for_vocab(vocab_size)) {
   if (vocab_size <= 0) fail("indexed dataset {}: vocabulary size {} must be positive", prefix_, vocab_size);
@@ -37,22 +36,13 @@ IndexedDatasetWriter::IndexedDatasetWriter(std::string prefix, int vocab_size)
   std::error_code ec;
   if (!parent.empty()) fs::create_directories(parent, ec);
   if (ec) fail("cannot create the directory {} for dataset {}: {}", parent.string(), prefix_, ec.message());
-  std::string bin = partial(prefix_ + ".bin");
-  bin_ = std::fopen(bin.c_str(), "wb");
-  if (!bin_) fail("cannot write {}: {}; check that the directory is writable", bin, std::strerror(errno));
+  bin_ = std::make_unique<NewFile>(prefix_ + ".bin");
 }
 
-IndexedDatasetWriter::~IndexedDatasetWriter() {
-  if (bin_) std::fclose(bin_);
-  if (!finished_) {
-    std::error_code ec;
-    fs::remove(partial(prefix_ + ".bin"), ec);
-    fs::remove(partial(prefix_ + ".idx"), ec);
-  }
-}
+IndexedDatasetWriter::~IndexedDatasetWriter() = default;
 
 void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
-  MPIGPT_CHECK(!finished_ && bin_, "add_document after finish() on dataset {}", prefix_);
+  MPIGPT_CHECK(!finished_, "add_document after finish() on dataset {}", prefix_);
   MPIGPT_CHECK(tokens.size() <= size_t(std::numeric_limits<int32_t>::max()),
                "document of {} tokens does not fit MMIDIDX's int32 sequence length", tokens.size());
   const int size = mmidx_dtype_size(dtype_);
@@ -69,8 +59,7 @@ void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
       std::memcpy(&buffer_[i * 4], &t, 4);
     }
   }
-  if (!buffer_.empty() && std::fwrite(buffer_.data(), 1, buffer_.size(), bin_) != buffer_.size())
-    fail("writing {} failed: {} (disk full?)", partial(prefix_ + ".bin"), std::strerror(errno));
+  bin_->write(buffer_.data(), buffer_.size());
   lengths_.push_back(int32_t(tokens.size()));
   tokens_ += int64_t(tokens.size());
 }
@@ -84,12 +73,6 @@ static void put(std::vector<uint8_t>& out, T v) {
 
 void IndexedDatasetWriter::finish() {
   MPIGPT_CHECK(!finished_, "finish() called twice on dataset {}", prefix_);
-  std::string bin = partial(prefix_ + ".bin"), idx = partial(prefix_ + ".idx");
-  if (std::fclose(bin_) != 0) {
-    bin_ = nullptr;
-    fail("writing {} failed: {} (disk full?)", bin, std::strerror(errno));
-  }
-  bin_ = nullptr;
 
   const uint64_t n = lengths_.size();
   std::vector<uint8_t> out;
@@ -107,16 +90,10 @@ void IndexedDatasetWriter::finish() {
   }
   for (uint64_t k = 0; k <= n; ++k) put<int64_t>(out, int64_t(k));
 
-  std::FILE* f = std::fopen(idx.c_str(), "wb");
-  if (!f) fail("cannot write {}: {}", idx, std::strerror(errno));
-  bool ok = std::fwrite(out.data(), 1, out.size(), f) == out.size();
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) fail("writing {} failed: {} (disk full?)", idx, std::strerror(errno));
-
-  std::error_code ec;
-  fs::rename(bin, prefix_ + ".bin", ec);
-  if (!ec) fs::rename(idx, prefix_ + ".idx", ec);
-  if (ec) fail("cannot move the finished dataset into place at {}.bin/.idx: {}", prefix_, ec.message());
+  NewFile idx(prefix_ + ".idx");
+  idx.write(out.data(), out.size());
+  bin_->commit();
+  idx.commit();
   finished_ = true;
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "io/mapped_file.h"
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -34,13 +35,13 @@ int mmidx_dtype_size(int code);
 // 65500 ids, int32 otherwise.
 uint8_t mmidx_dtype_for_vocab(int vocab_size);
 
-// Streams documents into PREFIX.bin and writes PREFIX.idx on finish(). Both are written under
-// temporary names and renamed at the end, so an interrupted run never leaves a dataset that
-// looks complete.
+// Streams documents into PREFIX.bin and writes PREFIX.idx on finish(). Both are written new under
+// temporary names and renamed at the end (lib/core/new_file.h), so an interrupted run never leaves
+// a dataset that looks complete.
 class IndexedDatasetWriter {
  public:
   IndexedDatasetWriter(std::string prefix, int vocab_size);
-  ~IndexedDatasetWriter();  // without finish(): removes the partial files
+  ~IndexedDatasetWriter();  // without finish(): nothing is left
   IndexedDatasetWriter(const IndexedDatasetWriter&) = delete;
   IndexedDatasetWriter& operator=(const IndexedDatasetWriter&) = delete;
 
@@ -57,7 +58,7 @@ class IndexedDatasetWriter {
   std::string prefix_;
   int vocab_size_;
   uint8_t dtype_;
-  std::FILE* bin_ = nullptr;
+  std::unique_ptr<NewFile> bin_;
   std::vector<int32_t> lengths_;
   std::vector<uint8_t> buffer_;
   int64_t tokens_ = 0;

@@ -158,6 +158,6 @@ TEST_CASE("MMIDIDX writer: rejects ids outside the vocabulary, leaves nothing be
     CHECK_THROWS_WITH_AS(w.add_document(std::vector<int32_t>{257}), doctest::Contains("token id 257"), Error);
   }
   CHECK_FALSE(std::filesystem::exists(prefix + ".bin"));
-  CHECK_FALSE(std::filesystem::exists(prefix + ".bin.partial"));
+  CHECK_FALSE(std::filesystem::exists(prefix + ".bin.tmp"));
   CHECK_FALSE(std::filesystem::exists(prefix + ".idx"));
 }

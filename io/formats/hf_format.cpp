@@ -10,6 +10,7 @@
 
 #include "io/formats/hf_resolve.h"
 #include "lib/core/error.h"
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -305,10 +306,9 @@ void save_hf_model(const std::string& dir, const TensorMap& ours, const ModelCon
   const TensorMap hf = to_hf(ours, m, vocab);
   save_safetensors_model(dir, hf, shard_bytes);
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  std::ofstream out(path, std::ios::trunc);
-  out << hf_config(m, vocab).dump(2) << "\n";
-  out.close();
-  if (!out) fail("writing {} failed: {} (disk full?)", path, std::strerror(errno));
+  NewFile out(path);
+  out.write(hf_config(m, vocab).dump(2) + "\n");
+  out.commit();
 }
 
 TensorMap load_hf_model(const std::string& dir, const ModelConfig& m, int vocab, int padded_vocab) {

@@ -11,6 +11,7 @@
 #include "io/formats/hf_format.h"
 #include "io/mapped_file.h"
 #include "lib/core/error.h"
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -151,30 +152,20 @@ void write_llmc_model(const std::string& path, const TensorMap& ours, const Mode
   std::vector<int32_t> header(256, 0);
   const int32_t values[] = {kLlmcModelMagic, 3, m.max_position, vocab, m.num_layers, m.num_heads, m.hidden, padded_vocab};
   std::copy(std::begin(values), std::end(values), header.begin());
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) fail("cannot write llm.c model file {}: {}", tmp, std::strerror(errno));
-  bool ok = std::fwrite(header.data(), sizeof(int32_t), 256, f) == 256;
+  NewFile f(path);
+  f.write(header.data(), sizeof(int32_t) * 256);
   for (const std::string& name : file_order(m.num_layers)) {
     const std::vector<float>& d = ours.at(name).data;
     if (name == "embedding.word.weight") {  // vocab rows, then zero rows up to padded_vocab
       const size_t C = size_t(m.hidden), keep = size_t(vocab) * C;
       const std::vector<float> zeros((size_t(padded_vocab) - size_t(vocab)) * C, 0.0f);
-      ok = ok && std::fwrite(d.data(), sizeof(float), keep, f) == keep;
-      ok = ok && (zeros.empty() || std::fwrite(zeros.data(), sizeof(float), zeros.size(), f) == zeros.size());
+      f.write(d.data(), sizeof(float) * keep);
+      f.write(zeros.data(), sizeof(float) * zeros.size());
     } else {
-      ok = ok && std::fwrite(d.data(), sizeof(float), d.size(), f) == d.size();
+      f.write(d.data(), sizeof(float) * d.size());
     }
   }
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) {
-    const int e = errno;
-    std::remove(tmp.c_str());
-    fail("writing llm.c model file {} failed: {} (disk full?)", tmp, std::strerror(e));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) fail("cannot rename {} to {}: {}", tmp, path, ec.message());
+  f.commit();
 }
 
 }  // namespace mpigpt

@@ -15,6 +15,7 @@
 #include <set>
 
 #include "lib/core/error.h"
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -100,10 +101,6 @@ SafetensorsEntry parse_entry(const std::string& path, const std::string& name, c
     fail("safetensors file {}: tensor '{}': shape {} of {} needs {} bytes but data_offsets [{}, {}] span {}; {}",
          path, name, shape_text(e.shape), e.dtype, numel * esize, e.begin, e.end, e.end - e.begin, fix);
   return e;
-}
-
-void write_all(std::FILE* f, const void* p, size_t n, bool& ok) {
-  if (ok && n > 0) ok = std::fwrite(p, 1, n, f) == n;
 }
 
 json read_json_file(const std::string& path, const std::string& what) {
@@ -226,22 +223,11 @@ void write_safetensors(const std::string& path, const TensorMap& tensors, const 
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
   const uint64_t n = text.size();
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) fail("cannot write safetensors file {}: {}", tmp, std::strerror(errno));
-  bool ok = true;
-  write_all(f, &n, 8, ok);
-  write_all(f, text.data(), text.size(), ok);
-  for (const auto& [name, t] : tensors) write_all(f, t.data.data(), t.data.size() * sizeof(float), ok);
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) {
-    const int e = errno;
-    std::remove(tmp.c_str());
-    fail("writing safetensors file {} failed: {} (disk full?)", tmp, std::strerror(e));
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) fail("cannot rename {} to {}: {}", tmp, path, ec.message());
+  NewFile f(path);
+  f.write(&n, 8);
+  f.write(text);
+  for (const auto& [name, t] : tensors) f.write(t.data.data(), t.data.size() * sizeof(float));
+  f.commit();
 }
 
 TensorMap read_safetensors(const std::string& path, SafetensorsMetadata* metadata) {
@@ -293,10 +279,9 @@ std::vector<std::string> save_safetensors_model(const std::string& dir, const Te
   }
   const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
   written.push_back((fs::path(dir) / kSafetensorsIndex).string());
-  std::ofstream out(written.back(), std::ios::trunc);
-  out << index.dump(2) << "\n";
-  out.close();
-  if (!out) fail("writing the safetensors index {} failed: {} (disk full?)", written.back(), std::strerror(errno));
+  NewFile out(written.back());
+  out.write(index.dump(2) + "\n");
+  out.commit();
   return written;
 }
 

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "lib/core/error.h"
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -227,15 +228,9 @@ void write_meta(CheckpointWriter& w, const CheckpointMeta& meta, const Config& c
 
 // Points root/latest at `name` atomically (rank 0 only).
 void point_latest(const std::string& root, const std::string& name) {
-  const std::string tmp = root + "/latest.tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << name << "\n";
-    if (!out.flush()) fail("cannot write {}", tmp);
-  }
-  fsync_path(tmp, false);
-  fs::rename(tmp, root + "/latest");  // atomic: `latest` names a complete save at every moment
-  fsync_path(root, true);
+  NewFile latest(root + "/latest");
+  latest.write(name + "\n");
+  latest.commit(true);  // atomic: `latest` names a complete save at every moment
 }
 
 // Writes the save of `meta` into `file` and checks that it opens and holds every dataset.
@@ -423,6 +418,7 @@ CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& r, const Co
   meta.consumed_samples = in.attr_int("consumed_samples");
   meta.consumed_tokens = in.attr_int("consumed_tokens");
   meta.lr = in.attr_double("lr");
+  meta.saved_config = in.attr_string("config");
   return meta;
 }
 
@@ -462,19 +458,7 @@ TensorMap read_model_tensors(const std::string& root, Config* cfg, const std::st
     out[n.substr(6)] = std::move(t);
   }
   if (cfg) {
-    // The run's configuration as saved, read back through the INI parser.
-    const std::string ini = (fs::temp_directory_path() / fmt::format("mpigpt_ckpt_{}.ini", ::getpid())).string();
-    {
-      std::ofstream f(ini);
-      f << in.attr_string("config");
-    }
-    try {
-      *cfg = parse_config_args({"--config", ini}).config;
-    } catch (...) {
-      fs::remove(ini);
-      throw;
-    }
-    fs::remove(ini);
+    *cfg = parse_config_text(in.attr_string("config"), file + " (its saved configuration)");
     cfg->model.vocab_size = int(in.attr_int("model.vocab_size"));  // 0 in the INI: it came from the tokenizer
     cfg->resolve_defaults();
   }

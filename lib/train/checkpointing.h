@@ -34,6 +34,7 @@ struct CheckpointMeta {
   int64_t consumed_samples = 0;  // sequences of the global batches seen
   int64_t consumed_tokens = 0;
   double lr = 0;                 // learning rate of the last step (informational)
+  std::string saved_config;      // on load: the saved run's configuration (INI text)
 };
 
 // Called on every rank while a save is being written (every tensor written, the file not yet

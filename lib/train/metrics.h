@@ -1,8 +1,10 @@
 // Training metrics: the numbers of one log interval, their console line and their JSONL record.
 #pragma once
 #include <cstdint>
-#include <fstream>
+#include <memory>
 #include <string>
+
+#include "lib/core/new_file.h"
 
 namespace mpigpt {
 
@@ -16,7 +18,7 @@ struct StepMetrics {
   double ms_per_iter = 0;    // mean over the interval
   double tokens_per_s = 0;   // over all ranks
   double tflops = 0;         // model TFLOP/s per rank
-  double mfu = 0;            // tflops / peak, in [0, 1]
+  double mfu = 0;            // tflops / peak, in [0, 1]; NaN: no peak to measure against (left out)
   double peak_mem_mib = 0;   // peak resident memory of this rank
   double eta_s = 0;          // time to finish at the current pace
 };
@@ -27,15 +29,20 @@ std::string format_step(const StepMetrics& m);
 // "eta 1h02m03s" style durations.
 std::string format_duration(double seconds);
 
-// Appends one JSON object per line; no file when path is empty.
+// Writes one JSON object per line; no file when path is empty. The file is written new and
+// renamed over `path` by start() (lib/core/new_file.h): a run resumed from iteration N keeps the
+// records of the file at `path` up to N (a requeued job's earlier segments) and drops those after
+// it (steps that will be run again); a run from the start replaces it.
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path);
+  explicit MetricsWriter(const std::string& path);  // creates it (errors name training.metrics_file)
+  void start(int64_t resumed_iter);                 // 0: a run from the start
   void step(const StepMetrics& m);
   void eval(int64_t iter, double val_loss);
 
  private:
-  std::ofstream out_;
+  void put(const std::string& record);
+  std::unique_ptr<NewFile> out_;
 };
 
 // Peak resident set size of this process, MiB.

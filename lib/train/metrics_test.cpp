@@ -1,8 +1,10 @@
 // Tests of the log line, the JSONL metrics file and the FLOP count used for MFU.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "lib/model/gpt_dims.h"
@@ -28,25 +30,84 @@ TEST_CASE("log line carries every field") {
   for (const char* part : {"iter  20/300", "samples 160", "lr 1.000e-03", "loss 2.5000", "grad norm 0.750",
                            "123.4 ms/iter", "16600 tok/s", "0.050 TFLOP/s", "MFU 25.0%", "mem 99 MiB", "eta 1h02m05s"})
     CHECK_MESSAGE(s.find(part) != std::string::npos, part, " not in: ", s);
+  m.mfu = std::nan("");  // no peak to measure against: no MFU at all
+  CHECK(format_step(m).find("MFU") == std::string::npos);
+  CHECK(format_step(m).find("0.050 TFLOP/s | mem 99 MiB") != std::string::npos);
 }
 
 TEST_CASE("metrics file holds one JSON object per line") {
   const auto path = std::filesystem::temp_directory_path() / "mpigpt_metrics_test" / "m.jsonl";
   {
     MetricsWriter w(path.string());
+    w.start(0);
     StepMetrics m;
     m.iter = 1;
     m.loss = 3.0;
+    m.mfu = 0.5;
     w.step(m);
     w.eval(1, 2.5);
+    m.mfu = std::nan("");
+    w.step(m);
   }
   std::ifstream in(path);
   std::string line;
   std::getline(in, line);
   CHECK(nlohmann::json::parse(line)["loss"] == 3.0);
+  CHECK(nlohmann::json::parse(line)["mfu"] == 0.5);
   std::getline(in, line);
   CHECK(nlohmann::json::parse(line)["val_loss"] == 2.5);
+  std::getline(in, line);
+  CHECK_FALSE(nlohmann::json::parse(line).contains("mfu"));  // left out, not null
   std::filesystem::remove_all(path.parent_path());
+}
+
+TEST_CASE("a resumed run keeps the metrics up to its iteration; the file is never written through a link") {
+  const auto dir = std::filesystem::temp_directory_path() / "mpigpt_metrics_resume_test";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "m.jsonl").string();
+  std::ofstream(path) << "{\"iter\":1,\"loss\":5}\n{\"iter\":2,\"loss\":4}\n{\"iter\":2,\"val_loss\":4.5}\n"
+                      << "{\"iter\":3,\"loss\":3}\n{\"iter\":4,\"lo";  // the last line cut short by a kill
+  auto lines = [&] {
+    std::vector<std::string> out;
+    std::ifstream in(path);
+    for (std::string l; std::getline(in, l);) out.push_back(l);
+    return out;
+  };
+  {
+    MetricsWriter w(path);
+    CHECK(lines().size() == 5);  // untouched until the run starts
+    w.start(2);
+    StepMetrics m;
+    m.iter = 3;
+    w.step(m);
+  }
+  const std::vector<std::string> kept = lines();
+  REQUIRE(kept.size() == 4);
+  CHECK(kept[2] == "{\"iter\":2,\"val_loss\":4.5}");
+  CHECK(nlohmann::json::parse(kept[3])["iter"] == 3);
+  {
+    MetricsWriter w(path);
+    w.start(0);  // from the start: replaced
+  }
+  CHECK(lines().empty());
+
+  // A link planted at the path (or at its temporary name) is replaced, never written through.
+  std::ofstream(dir / "victim") << "keep\n";
+  std::filesystem::remove(path);
+  std::filesystem::create_symlink(dir / "victim", path);
+  std::filesystem::create_symlink(dir / "victim", path + ".tmp");
+  {
+    MetricsWriter w(path);
+    w.start(0);
+    w.eval(1, 2.0);
+  }
+  CHECK_FALSE(std::filesystem::is_symlink(path));
+  std::ifstream victim(dir / "victim");
+  std::string v;
+  std::getline(victim, v);
+  CHECK(v == "keep");
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("MoE runs report the aux loss and expert load in the log line and the metrics file; dense runs do not") {
@@ -62,6 +123,7 @@ TEST_CASE("MoE runs report the aux loss and expert load in the log line and the 
   const auto path = std::filesystem::temp_directory_path() / "mpigpt_metrics_aux_test" / "m.jsonl";
   {
     MetricsWriter w(path.string());
+    w.start(0);
     w.step(m);
     m.has_aux = false;
     w.step(m);

@@ -1,6 +1,9 @@
 // The peak FLOP rate for MFU: the GPU table and the GEMM measurement.
 #include "lib/train/peak.h"
 
+#include <fmt/format.h>
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -52,6 +55,21 @@ double measured_peak_flops(Ops& ops) {
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return 2.0 * double(n) * n * n / best;
+}
+
+MfuPeak mfu_peak(double peak_tflops, Ops& ops, int node_ranks, unsigned cores) {
+  if (peak_tflops > 0) return {peak_tflops * 1e12, "training.peak_tflops"};
+  if (ops.device() == Device::CUDA) {
+    const double table = dense_bf16_peak_flops(ops.name());
+    if (table > 0) return {table, "the GPU's dense bf16 figure from its data sheet"};
+    return {measured_peak_flops(ops), "a bf16 GEMM of 8192^3 timed at start (a GPU not in the table)"};
+  }
+  const int threads = omp_get_max_threads();
+  if (int64_t(node_ranks) * threads > int64_t(cores))
+    return {0.0, fmt::format("no MFU: {} ranks x {} threads share this node's {} cores, so a GEMM timed now measures "
+                             "a share of them; set training.peak_tflops to the machine's rate per rank for MFU",
+                             node_ranks, threads, cores)};
+  return {measured_peak_flops(ops), fmt::format("an fp32 GEMM of 1024^3 timed at start on {} threads", threads)};
 }
 
 }  // namespace mpigpt

@@ -17,4 +17,15 @@ double dense_bf16_peak_flops(const std::string& gpu);
 // the hardware can really do here).
 double measured_peak_flops(Ops& ops);
 
+// What MFU is measured against, per rank: flops 0 where no figure would be true, and `what` says
+// where the figure comes from or why there is none.
+struct MfuPeak {
+  double flops = 0;
+  std::string what;
+};
+// training.peak_tflops when > 0; else measured_peak_flops, except on the CPU when the `node_ranks`
+// ranks of this node times this rank's OpenMP threads outnumber the node's `cores`: a GEMM then
+// measures a share of the machine, and MFU against it would read high.
+MfuPeak mfu_peak(double peak_tflops, Ops& ops, int node_ranks, unsigned cores);
+
 }  // namespace mpigpt

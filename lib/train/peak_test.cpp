@@ -1,4 +1,5 @@
-// Tests of the MFU peak: the GPU table picks the right part by the names CUDA reports.
+// Tests of the MFU peak: the GPU table picks the right part by the names CUDA reports; CPU ranks
+// that share cores get no MFU.
 #include <doctest/doctest.h>
 
 #include "lib/train/peak.h"
@@ -24,4 +25,19 @@ TEST_CASE("the CPU backend's peak is a measured fp32 GEMM rate") {
   const double p = measured_peak_flops(*ops);
   CHECK(p > 1e8);   // any machine this runs on does more than 0.1 GFLOP/s
   CHECK(p < 1e13);  // and no CPU core pair 10 TFLOP/s of fp32
+}
+
+TEST_CASE("MFU's peak: the configured figure, a measured one, or none when CPU ranks share the cores") {
+  auto ops = make_cpu_ops();
+  const MfuPeak set = mfu_peak(2.5, *ops, 64, 2);
+  CHECK(set.flops == 2.5e12);
+  CHECK(set.what == "training.peak_tflops");
+  const MfuPeak shared = mfu_peak(0, *ops, 64, 2);  // 64 ranks on 2 cores
+  CHECK(shared.flops == 0.0);
+  CHECK(shared.what.find("64 ranks x") != std::string::npos);
+  CHECK(shared.what.find("share this node's 2 cores") != std::string::npos);
+  CHECK(shared.what.find("training.peak_tflops") != std::string::npos);
+  const MfuPeak alone = mfu_peak(0, *ops, 1, 1u << 20);
+  CHECK(alone.flops > 1e8);
+  CHECK(alone.what.find("fp32 GEMM") != std::string::npos);
 }

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <thread>
 #include <cmath>
 
 #include "io/data/dataset.h"
@@ -112,7 +113,8 @@ class TerminationGuard {
   struct sigaction term_ {}, int_ {};
 };
 
-// Where the tokens of a step come from: the prepared dataset, or random ids for benchmarks.
+// Where the tokens of a step come from: the prepared dataset, or random ids for benchmarks (with a
+// random validation stream of its own).
 struct Batches {
   std::unique_ptr<GptDataset> train, valid;
   int T = 0, V = 0;
@@ -150,14 +152,15 @@ Batches open_batches(const Config& cfg, const GptDims& d, bool synthetic) {
   const uint64_t seed = data.seed = cfg.training.seed;
   if (synthetic) return data;
   auto src = TokenSource::open(cfg.data.path);
+  const bool shuffle = cfg.data.shuffle;
   if (!cfg.data.valid_path.empty()) {
-    data.train = std::make_unique<GptDataset>(src, Split::Train, 0.0, d.T, seed, d.V);
-    data.valid =
-        std::make_unique<GptDataset>(TokenSource::open(cfg.data.valid_path), Split::Train, 0.0, d.T, seed, d.V);
+    data.train = std::make_unique<GptDataset>(src, Split::Train, 0.0, d.T, seed, d.V, shuffle);
+    data.valid = std::make_unique<GptDataset>(TokenSource::open(cfg.data.valid_path), Split::Train, 0.0, d.T, seed,
+                                              d.V, shuffle);
   } else {
-    data.train = std::make_unique<GptDataset>(src, Split::Train, cfg.data.valid_fraction, d.T, seed, d.V);
-    if (cfg.data.valid_fraction > 0)
-      data.valid = std::make_unique<GptDataset>(src, Split::Valid, cfg.data.valid_fraction, d.T, seed, d.V);
+    const double vf = cfg.data.valid_fraction;
+    data.train = std::make_unique<GptDataset>(src, Split::Train, vf, d.T, seed, d.V, shuffle);
+    if (vf > 0) data.valid = std::make_unique<GptDataset>(src, Split::Valid, vf, d.T, seed, d.V, shuffle);
   }
   return data;
 }
@@ -191,8 +194,9 @@ class TrainingRun {
   bool logs() const { return mesh_.rank() == 0 && !opts_.quiet; }
   void log_setup() const;
   void load_start();
+  void warn_data_changes(const Config& saved) const;
   StepResult step(int64_t it);
-  int64_t read_batch(int64_t it);
+  int64_t read_batch(int64_t it, bool train);
   void record(int64_t it, const StepResult& s);
   void log_interval(int64_t it, const StepResult& s);
   void validate(int64_t it);
@@ -219,7 +223,7 @@ class TrainingRun {
   const int per_rank_, num_micro_;  // sequences and micro-batches of this data-parallel rank per step
   ModelRunner runner_;
   const LrSchedule sched_;
-  const double peak_;
+  const MfuPeak peak_;
   // The groups whose traffic the last step reports (the comm layer counts every call).
   const std::vector<std::pair<std::string, const Comm*>> groups_;
   // A step's (or an evaluation's) rows; positions within documents only when sequences are packed
@@ -248,7 +252,8 @@ TrainingRun::TrainingRun(const Config& cfg, const Mesh& mesh, Ops& backend, cons
       num_micro_(per_rank_ / tc_.micro_batch),
       runner_(cfg, d_, mesh, ops_),
       sched_(lr_schedule(tc_)),
-      peak_(tc_.peak_tflops > 0 ? tc_.peak_tflops * 1e12 : measured_peak_flops(backend)),
+      peak_(mfu_peak(tc_.peak_tflops, backend, node_ranks(mesh.world().mpi()).local_size,
+                     std::thread::hardware_concurrency())),
       groups_{{"tp", &mesh.tp()},
               {"pp", &mesh.pp()},
               {"cp", &mesh.cp()},
@@ -262,14 +267,14 @@ TrainingRun::TrainingRun(const Config& cfg, const Mesh& mesh, Ops& backend, cons
               {"expert_dp", &mesh.expert_dp()},
               {"tp_cp", &mesh.tp_cp()}} {
   log_setup();
-  const size_t rows = size_t(std::max<int64_t>(per_rank_, tc_.eval_iters * tc_.micro_batch));
+  const size_t rows = size_t(per_rank_);
   tokens_.resize(rows * d_.T);
   targets_.resize(rows * d_.T);
   positions_.resize(cfg.engine.sequence_packing ? rows * d_.T : 0);
   metrics_ = MetricsWriter(last_rank_ ? tc_.metrics_file : std::string());  // after the setup's log lines
   if (!cfg.checkpoint.save.empty()) check_save_dir(mesh.world(), cfg.checkpoint.save, checkpoint_bytes(d_));
   result_.flops_per_step = d_.train_flops_per_token() * double(tc_.global_batch) * d_.T / mesh.world_size();  // per rank
-  result_.peak_flops = peak_;
+  result_.peak_flops = peak_.flops;
   result_.memory = runner_.memory();
   result_.bubble = simulate(runner_.schedule(), cfg.parallel.pp, cfg.parallel.vpp, 1.0, 2.0).bubble;
   load_start();
@@ -302,11 +307,14 @@ void TrainingRun::log_setup() const {
   const DpMemory mem = runner_.memory();
   // In bf16 the compute copy of the weights comes on top of the fp32 masters.
   const int64_t copy = d.act == DType::F32 ? 0 : mem.params / 4 * int64_t(dtype_size(d.act));
-  log_line("memory per rank: parameters {:.1f} MiB{}, gradients {:.1f} MiB, optimizer state {:.1f} MiB{}; peak "
-           "for MFU {:.1f} GFLOP/s per rank", mem.params / 1048576.0,
+  log_line("memory per rank: parameters {:.1f} MiB{}, gradients {:.1f} MiB, optimizer state {:.1f} MiB{}",
+           mem.params / 1048576.0,
            copy > 0 ? fmt::format(" + {:.1f} MiB {} copy", copy / 1048576.0, dtype_name(d.act)) : std::string(),
-           mem.grads / 1048576.0, mem.optimizer / 1048576.0,
-           cfg_.engine.distributed_optimizer ? " (distributed)" : "", peak_ / 1e9);
+           mem.grads / 1048576.0, mem.optimizer / 1048576.0, cfg_.engine.distributed_optimizer ? " (distributed)" : "");
+  if (peak_.flops > 0)
+    log_line("MFU: against {:.1f} GFLOP/s per rank ({})", peak_.flops / 1e9, peak_.what);
+  else
+    log_line("{}", peak_.what);
 }
 
 // The weights to start from, or the state to resume: the weights, Adam state and step count from
@@ -326,19 +334,32 @@ void TrainingRun::load_start() {
   if (!ck.load.empty()) {
     const CheckpointMeta meta = load_checkpoint(ck.load, runner_, cfg_);
     result_.first_iter = meta.iteration + 1;
-    if (logs())
+    if (logs()) {
       log_line("checkpoint: resumed from {} at iteration {} ({} samples consumed)", resolve_checkpoint(ck.load),
                meta.iteration, meta.consumed_samples);
+      warn_data_changes(parse_config_text(meta.saved_config, ck.load + " (its saved configuration)"));
+    }
   }
+  metrics_.start(result_.first_iter - 1);
+}
+
+// A resumed run goes on with the saved run's data order only if it reads the same data the same
+// way; another order may be meant (new data, another seed), so it is said, not refused.
+void TrainingRun::warn_data_changes(const Config& saved) const {
+  for (const char* name : {"data.path", "data.valid_fraction", "data.shuffle", "training.seed"})
+    if (const std::string was = config_get(saved, name), now = config_get(cfg_, name); was != now)
+      log_line("checkpoint: warning: {} = {} here, {} in the saved run: from here on the samples differ from those "
+               "the saved run would have read next", name, now.empty() ? "\"\"" : now, was.empty() ? "\"\"" : was);
 }
 
 TrainResult TrainingRun::loop() {
   // SIGTERM (what Slurm sends before the time limit): finish the step, save, exit cleanly.
   TerminationGuard term;
+  if (tc_.train_iters == 0) save(0, 0.0);  // the initial model (validation required checkpoint.save)
   for (int64_t it = result_.first_iter; it <= tc_.train_iters; ++it) {
     const StepResult s = step(it);
     record(it, s);
-    if (data_.valid && tc_.eval_interval > 0 && (it % tc_.eval_interval == 0 || it == tc_.train_iters)) validate(it);
+    if ((data_.valid || !data_.train) && tc_.eval_interval > 0 && (it % tc_.eval_interval == 0 || it == tc_.train_iters)) validate(it);
     if (save_or_stop(it, s.lr, term)) break;
   }
   result_.activation_bytes = int64_t(runner_.activation_bytes());
@@ -350,12 +371,12 @@ TrainResult TrainingRun::loop() {
   return std::move(result_);
 }
 
-// Reads this rank's samples of global batch `it` (the global batch index alone decides them) and
-// returns the number of targets of the whole global batch.
-int64_t TrainingRun::read_batch(int64_t it) {
+// Reads this rank's samples of global batch `it` (1-based) of the training or validation split (the
+// global batch index alone decides them) and returns the number of targets of the whole batch.
+int64_t TrainingRun::read_batch(int64_t it, bool train) {
   int32_t* pos = positions_.empty() ? nullptr : positions_.data();
   for (int j = 0; j < per_rank_; ++j)
-    data_.get(true, (it - 1) * tc_.global_batch + int64_t(dp_.rank()) * per_rank_ + j,
+    data_.get(train, (it - 1) * tc_.global_batch + int64_t(dp_.rank()) * per_rank_ + j,
               tokens_.data() + size_t(j) * d_.T, targets_.data() + size_t(j) * d_.T,
               pos ? pos + size_t(j) * d_.T : nullptr);
   int64_t count = count_targets(targets_.data(), targets_.data() + size_t(per_rank_) * d_.T);
@@ -369,7 +390,7 @@ StepResult TrainingRun::step(int64_t it) {
     for (const auto& g : groups_) g.second->reset_stats();
   if (opts_.profile_ops) ops_.profile_ops(true);
   const auto t0 = Clock::now();
-  const int64_t count = std::max<int64_t>(read_batch(it), 1);
+  const int64_t count = std::max<int64_t>(read_batch(it, true), 1);
   double loss_sum = runner_.forward_backward(tokens_.data(), targets_.data(),
                                              positions_.empty() ? nullptr : positions_.data(), num_micro_,
                                              1.0f / float(count));
@@ -428,7 +449,7 @@ void TrainingRun::log_interval(int64_t it, const StepResult& s) {
   m.ms_per_iter = interval_.ms / interval_.steps;
   m.tokens_per_s = double(GB) * d_.T / (m.ms_per_iter / 1e3);
   m.tflops = result_.flops_per_step / (m.ms_per_iter / 1e3) / 1e12;
-  m.mfu = m.tflops * 1e12 / peak_;
+  m.mfu = peak_.flops > 0 ? m.tflops * 1e12 / peak_.flops : std::nan("");
   m.peak_mem_mib = peak_rss_mib();
   m.eta_s = double(tc_.train_iters - it) * total_ms_ / double(it - result_.first_iter + 1) / 1e3;
   if (last_rank_ && !opts_.quiet) log_line("{}", format_step(m));
@@ -443,20 +464,16 @@ void TrainingRun::validate(int64_t it) {
   metrics_.eval(it, vl);
 }
 
-// Mean loss over training.eval_iters validation micro-batches per rank.
+// Mean loss over training.eval_iters global batches of the validation split: the same samples in
+// every layout, as in training.
 double TrainingRun::evaluate() {
-  const int MB = tc_.micro_batch;
-  const int64_t n = tc_.eval_iters * MB;
-  int32_t* pos = positions_.empty() ? nullptr : positions_.data();
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t k = j / MB, b = j % MB;
-    data_.get(false, (k * dp_.size() + dp_.rank()) * MB + b, tokens_.data() + j * d_.T, targets_.data() + j * d_.T,
-              pos ? pos + j * d_.T : nullptr);
+  double loss = 0, count = 0;
+  for (int64_t k = 1; k <= tc_.eval_iters; ++k) {
+    count += double(read_batch(k, false));
+    loss += runner_.forward_only(tokens_.data(), targets_.data(), positions_.empty() ? nullptr : positions_.data(),
+                                 int(per_rank_ / tc_.micro_batch));
   }
-  double loss = runner_.forward_only(tokens_.data(), targets_.data(), pos, int(tc_.eval_iters));
-  double count = double(count_targets(targets_.data(), targets_.data() + n * d_.T));
   dp_cp_.allreduce_sum(&loss, 1);
-  dp_.allreduce_sum(&count, 1);
   return loss / std::max(count, 1.0);
 }
 

@@ -1,5 +1,5 @@
 // Two ranks: data-parallel training (gradients and losses summed over the world) reproduces the
-// single-rank run of the same global batch, step for step.
+// single-rank run of the same global batch, step for step, validation losses included.
 #include <doctest/doctest.h>
 #include <mpi.h>
 
@@ -23,7 +23,8 @@ Config small_config(const std::string& family) {
   cfg.training.train_iters = 12;
   cfg.training.lr = 3e-3;
   cfg.training.warmup_iters = 2;
-  cfg.training.eval_interval = 0;
+  cfg.training.eval_interval = 6;  // eval_iters global batches: the same samples in every layout
+  cfg.training.eval_iters = 2;
   cfg.training.log_interval = 100;
   cfg.training.peak_tflops = 1;  // skip the GEMM calibration
   cfg.resolve_defaults();
@@ -32,7 +33,7 @@ Config small_config(const std::string& family) {
 
 }  // namespace
 
-TEST_CASE("dp=2 reproduces the single-rank loss curve (both families)") {
+TEST_CASE("dp=2 reproduces the single-rank loss curve and validation losses (both families)") {
   for (const char* family : {"gpt2", "llama"}) {
     CAPTURE(family);
     Config cfg = small_config(family);
@@ -52,6 +53,12 @@ TEST_CASE("dp=2 reproduces the single-rank loss curve (both families)") {
       CAPTURE(i);
       CHECK(dp2.losses[i] == doctest::Approx(single.losses[i]).epsilon(1e-5));
       CHECK(dp2.grad_norms[i] == doctest::Approx(single.grad_norms[i]).epsilon(1e-4));
+    }
+    REQUIRE(single.val_losses.size() == 2);
+    REQUIRE(dp2.val_losses.size() == 2);
+    for (size_t i = 0; i < 2; ++i) {
+      CHECK(dp2.val_losses[i].first == single.val_losses[i].first);
+      CHECK(dp2.val_losses[i].second == doctest::Approx(single.val_losses[i].second).epsilon(1e-6));
     }
   }
 }

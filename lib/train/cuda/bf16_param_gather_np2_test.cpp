@@ -136,7 +136,7 @@ TEST_CASE("bf16 distributed optimizer: the gather moves the bf16 compute weights
       MPI_Bcast(&pid, 1, MPI_INT, 0, MPI_COMM_WORLD);
       const std::string dir = std::filesystem::temp_directory_path().string() + "/mpigpt_bf16_gather_" +
                               std::to_string(pid);
-      save_checkpoint(dir, CheckpointMeta{3, 0, 0, 0.0}, r, cfg, 1);
+      save_checkpoint(dir, CheckpointMeta{3, 0, 0, 0.0, {}}, r, cfg, 1);
       r.gather_masters();
       const std::vector<float> whole = to_host(*ops, m.params_flat());
       ops->fill(m.params_flat(), 0.0f);
