@@ -104,7 +104,6 @@ static bool shapes_ok(cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t A, cublasLt
   const uint64_t bk = d->tb ? B->cols : B->rows, bn = d->tb ? B->rows : B->cols;
   if (am != m || bn != n || ak != bk || C->rows != m || C->cols != n || A->t != B->t || C->t != D->t) return false;
   if ((d->epi & 128) && (d->aux_ld % 8 != 0 || d->aux_ld < int64_t(m) || !d->aux)) return false;
-  if (d->epi == CUBLASLT_EPILOGUE_BGRADB && !d->bias) return false;
   return true;
 }
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t A,
@@ -137,9 +136,7 @@ static double gelu_grad(double x) {
 }
 // D = alpha op(A) op(B) + beta C (double sums in order, rounded once to f32 as an fp32 accumulator
 // would be), then the epilogue: + bias (per row of the column-major D), GELU (tanh approximation,
-// writing its input to the aux matrix), the GELU gradient (from the aux matrix), or the bias
-// gradient of B (BGRADB: the sums of op(B) over k, one per column of D, in D's dtype, written to the
-// bias pointer).
+// writing its input to the aux matrix) or the GELU gradient (from the aux matrix).
 cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const void* alpha_p, const void* A,
                               cublasLtMatrixLayout_t la, const void* B, cublasLtMatrixLayout_t lb, const void* beta_p,
                               const void* C, cublasLtMatrixLayout_t lc, void* D, cublasLtMatrixLayout_t ld,
@@ -160,12 +157,6 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
   for (int64_t j = 0; j < n; ++j)
     for (int64_t p = 0; p < k; ++p)
       b[size_t(j * k + p)] = d->tb ? rd(B, lb->t, j + p * lb->ld) : rd(B, lb->t, p + j * lb->ld);
-  if (d->epi == CUBLASLT_EPILOGUE_BGRADB)  // the sums of op(B)'s columns, in order, rounded once
-    for (int64_t j = 0; j < n; ++j) {
-      double s = 0.0;
-      for (int64_t p = 0; p < k; ++p) s += b[size_t(j * k + p)];
-      wr(const_cast<void*>(d->bias), ld->t, j, s);
-    }
   auto finish = [&](int64_t i, int64_t j, double s) {
     float acc = alpha * float(s);
     if (beta != 0.0f) acc += beta * float(rd(C, lc->t, i + j * lc->ld));

@@ -1,14 +1,10 @@
 // CUDA backend: matrix products through cuBLASLt (gemm, linear forward/backward, the GELU epilogues
-// of the GPT-2 MLP, grouped linear for the MoE experts), and the bias gradient either in the weight
-// gradient's product (BGRADB epilogue) or by the deterministic column-sum kernel.
-#include <fmt/format.h>
-
+// of the GPT-2 MLP, grouped linear for the MoE experts), and the bias gradient by the deterministic
+// column-sum kernel.
 #include <algorithm>
-#include <functional>
 
 #include "lib/kernels/cuda/cuda_kernel_util.cuh"
 #include "lib/kernels/cuda/cuda_matmul.cuh"
-#include "lib/kernels/cuda/cuda_timing.cuh"
 #include "lib/kernels/op_checks.h"
 
 namespace mpigpt::cuda {
@@ -205,82 +201,6 @@ void rowmajor_gemm(CudaOps& ops, const char* op, bool ta, bool tb, int64_t M, in
   MPIGPT_CUDA_LAUNCHED();
 }
 
-// A linear layer's weight and bias gradients: dweight (OC,IC) f32 += dout (N,OC)^T @ inp (N,IC) and
-// dbias (OC) f32 += the column sums of dout. Two ways:
-//  - fused: one product whose BGRADB epilogue sums dout's columns while the product reads them,
-//    into a scratch that is then added to dbias (the epilogue overwrites);
-//  - separate: the product, then column_sums_accumulate, which reads dout once more (at GPT-2
-//    124M with 64 x 1024 tokens a micro-batch, 11 GB a step).
-// Without autotuning, fused wherever cuBLASLt has an algorithm for it (one pass over dout fewer).
-// With it, the first call of a large enough configuration times both on scratch outputs (the real
-// gradients are added to once), keeps the faster (separate unless fused is 3% faster) and leaves a
-// note; the choice is kept per configuration (CudaOps::bias_grad_fused). separate(dw, db) is the
-// second way, linear_backward's own for either gradient alone.
-void weight_and_bias_grads(CudaOps& ops, const char* op, int64_t N, int64_t OC, int64_t IC, const Tensor& dout,
-                           const void* inp, float* dweight, float* dbias, DType dt,
-                           const std::function<void(float*, float*)>& separate) {
-  if (N == 0 || OC == 0 || IC == 0) {  // nothing for an epilogue to fuse into
-    separate(dweight, dbias);
-    return;
-  }
-  auto fused = [&](float* dw, float* db) {
-    // Freed on return: its readers are queued on the stream before the block is handed out again.
-    const CudaOps::Scratch sums = ops.scratch(size_t(OC) * sizeof(float));
-    LtMatmul mm = rowmajor_product(true, false, OC, IC, N, dout.ptr, inp, dw, dt, DType::F32, 1.0f, 1.0f);
-    mm.bgrad = sums.ptr;
-    if (!run_matmul(ops, mm, op)) return false;
-    const Tensor b(db, {OC}, DType::F32, Device::CUDA);
-    ops.add(b, b, Tensor(sums.ptr, {OC}, DType::F32, Device::CUDA));
-    return true;
-  };
-  const CudaOps::BiasGradKey key = {N, OC, IC, int64_t(dt), alignment(dout.ptr), alignment(inp),
-                                    alignment(dweight), alignment(dbias)};
-  auto& choices = ops.bias_grad_fused();
-  if (const auto it = choices.find(key); it != choices.end()) {
-    if (!it->second || !fused(dweight, dbias)) separate(dweight, dbias);
-    return;
-  }
-  const double flop = 2.0 * double(N) * double(OC) * double(IC);
-  if (!ops.gemm_autotune() || flop < ops.gemm_autotune_min_flop()) {
-    const bool ran = fused(dweight, dbias);
-    if (!ran) separate(dweight, dbias);
-    choices[key] = ran;
-    return;
-  }
-  // Measured on scratch gradients; each way's first run (where its products are planned and tuned)
-  // comes before the timing.
-  const CudaOps::Scratch dw = ops.scratch(size_t(OC * IC) * sizeof(float));
-  const CudaOps::Scratch db = ops.scratch(size_t(OC) * sizeof(float));
-  float* const w = static_cast<float*>(dw.ptr);
-  float* const b = static_cast<float*>(db.ptr);
-  separate(w, b);
-  const bool fused_runs = fused(w, b);
-  wait_for_stream(ops.cuda_stream(), "the timing of the bias-gradient ways");
-  bool chosen = false;
-  std::string times;
-  if (fused_runs) {
-    const CandidateTimes t = time_candidates(
-        ops.cuda_stream(), {true, true},
-        [&](size_t i) {
-          if (i == 0) {
-            separate(w, b);
-            return true;
-          }
-          return fused(w, b);
-        },
-        0.02, 0);
-    chosen = t.fastest == 1;
-    times = fmt::format("separate column sums {:.3f} ms, bias-gradient epilogue {:.3f} ms", t.seconds[0] * 1e3,
-                        t.seconds[1] * 1e3);
-  } else {
-    times = "cuBLASLt has no bias-gradient epilogue for this product";
-  }
-  ops.add_note(fmt::format("{}, weight and bias gradients of {} x {} over {} rows ({}): {} ({})", op, OC, IC, N,
-                           dtype_name(dt), chosen ? "epilogue" : "separate column sums", times));
-  choices[key] = chosen;
-  if (!chosen || !fused(dweight, dbias)) separate(dweight, dbias);
-}
-
 // Row-major c (M,N) = gelu(a (M,K) op(b) + bias) with aux = a op(b) + bias (Gelu::Forward, b
 // stored (N,K)), or c = (a op(b)) * gelu'(aux) (Gelu::Backward, b stored (K,N), no bias), through
 // cuBLASLt's GELU epilogues, all in bf16. False, with nothing queued, where they do not apply:
@@ -362,18 +282,13 @@ void CudaOps::linear_backward_impl(Tensor dinp, Tensor dweight, Tensor dbias, Te
   const int64_t IC = dweight.defined() ? mat_of(inp).cols : 0;
   // The product and the column sums, each where its gradient is asked for. In bf16 the product reads
   // bf16 and writes f32 (with 32F compute one of cuBLASLt's supported type combinations), so dweight
-  // accumulates in fp32 across micro-batches.
-  auto separate = [&](float* dw, float* db) {
-    if (dw)
-      rowmajor_gemm(*this, op, true, false, OC, IC, N, dout.ptr, inp.ptr, dw, dt, DType::F32, nullptr, 1.0f, 1.0f);
-    if (db) column_sums_accumulate(*this, db, dout, N, OC);
-  };
-  float* const dw = dweight.defined() ? ptr<float>(dweight) : nullptr;
-  float* const db = dbias.defined() ? ptr<float>(dbias) : nullptr;
-  if (dw && db)
-    weight_and_bias_grads(*this, op, N, OC, IC, dout, inp.ptr, dw, db, dt, separate);
-  else
-    separate(dw, db);
+  // accumulates in fp32 across micro-batches. cuBLASLt's bias-gradient epilogue (BGRADB) would sum
+  // dbias inside the product, but on an H200 it was 0.4-10% slower than the product plus the
+  // column-sum kernel at every GPT-2 124M and 1.3B shape.
+  if (dweight.defined())
+    rowmajor_gemm(*this, op, true, false, OC, IC, N, dout.ptr, inp.ptr, ptr<float>(dweight), dt, DType::F32, nullptr,
+                  1.0f, 1.0f);
+  if (dbias.defined()) column_sums_accumulate(*this, ptr<float>(dbias), dout, N, OC);
 }
 
 void CudaOps::linear_gelu_forward_impl(Tensor out, Tensor pre, Tensor inp, Tensor weight, Tensor bias) {

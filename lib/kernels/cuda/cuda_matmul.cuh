@@ -14,9 +14,7 @@ enum class Gelu { None, Forward, Backward };
 
 // One column-major product D (m,n) = alpha op(A) op(B) + beta C with D at C (ld ldc) and C read
 // from Cin when given (same layout), else from D itself; op(A) (m,k), op(B) (k,n); bias (m) added
-// by the epilogue when given; bgrad (n), when given, overwritten by the epilogue with the sums of
-// op(B) over k (cuBLASLt's BGRADB: the bias gradient of a weight-gradient product, whose B is the
-// output gradient), in D's dtype, with alpha 1 and no bias or GELU.
+// by the epilogue when given.
 struct LtMatmul {
   bool ta = false, tb = false;
   int64_t m = 0, n = 0, k = 0;
@@ -32,7 +30,6 @@ struct LtMatmul {
   float alpha = 1.0f, beta = 0.0f;
   Gelu gelu = Gelu::None;
   void* aux = nullptr;
-  void* bgrad = nullptr;
 };
 
 // The largest power of two (up to 256, cuBLASLt's default assumption) dividing the address.
@@ -42,7 +39,7 @@ inline uint32_t alignment(const void* p) {
   return uint32_t(std::min<uintptr_t>(256, a & (~a + 1)));
 }
 
-// Runs the product; false (and nothing queued) when it has an epilogue (bias, GELU, bias gradient)
+// Runs the product; false (and nothing queued) when it has an epilogue (bias, GELU)
 // and no algorithm supports it for this product, so the caller can do the epilogue's work itself.
 bool run_matmul(CudaOps& ops, const LtMatmul& mm, const char* op);
 

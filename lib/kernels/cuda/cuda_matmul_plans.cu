@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <map>
 #include <vector>
 
 #include "lib/kernels/cuda/cuda_matmul.cuh"
-#include "lib/kernels/cuda/cuda_timing.cuh"
 
 namespace mpigpt::cuda {
 
@@ -17,7 +17,7 @@ namespace mpigpt::cuda {
 namespace {
 // Everything the heuristic's answer depends on. Pointer alignments are part of it: cuBLASLt picks
 // vectorised kernels only for pointers that allow them (row slices of a grouped matmul do not).
-using PlanKey = std::array<int64_t, 19>;
+using PlanKey = std::array<int64_t, 18>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -68,11 +68,6 @@ namespace {
 cudaDataType_t cuda_type(DType dt) { return dt == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 
 uint32_t epilogue_of(const LtMatmul& mm) {
-  if (mm.bgrad) {
-    MPIGPT_CHECK(mm.gelu == Gelu::None && !mm.bias && mm.alpha == 1.0f,
-                 "cuBLASLt product: the bias-gradient epilogue takes no bias or GELU, and alpha 1");
-    return CUBLASLT_EPILOGUE_BGRADB;
-  }
   switch (mm.gelu) {
     case Gelu::Forward:
       return mm.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
@@ -89,9 +84,6 @@ uint32_t epilogue_of(const LtMatmul& mm) {
 void set_epilogue_pointers(cublasLtMatmulDesc_t desc, const LtMatmul& mm) {
   if (mm.bias)
     MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bias, sizeof(mm.bias)));
-  if (mm.bgrad)  // the bias gradient goes where a bias would be read from
-    MPIGPT_CUBLAS(
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &mm.bgrad, sizeof(mm.bgrad)));
   if (mm.aux)
     MPIGPT_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &mm.aux,
                                                  sizeof(mm.aux)));
@@ -109,13 +101,14 @@ cublasStatus_t launch_matmul(CudaOps& ops, const Plan& p, const LtMatmul& mm, co
 // The heuristic's candidates that autotuning times (cuBLASLt offers up to 8 for the model's shapes).
 constexpr int kTuneCandidates = 8;
 
-// Autotuning: which of the heuristic's candidates runs the product fastest on its own operands,
-// timed by time_candidates (cuda_timing.cuh: a 50 ms warm-up of candidate 0, then interleaved
-// rounds, `reps` runs each, best round kept). The result D goes to the product's own output when
-// nothing is read from it (beta 0, or C read from Cin): the chosen algorithm's run overwrites it.
-// An accumulation in place (beta != 0, C = D) writes to a scratch D instead, so the real one is
-// added to exactly once. Candidate 0 stays unless another is at least 3% faster: near-ties keep the
-// heuristic's choice whatever the timing noise.
+// Autotuning: which of the heuristic's candidates runs the product fastest on its own operands.
+// Candidate 0 first runs for 50 ms (an idle GPU's clocks ramp up over tens of ms); then 3 rounds
+// run every usable candidate `reps` times between two synchronisations, each keeping its best
+// round (a drift in clocks reaches every candidate alike). The result D goes to the product's own
+// output when nothing is read from it (beta 0, or C read from Cin): the chosen algorithm's run
+// overwrites it. An accumulation in place (beta != 0, C = D) writes to a scratch D instead, so the
+// real one is added to exactly once. Candidate 0 stays unless another is at least 3% faster:
+// near-ties keep the heuristic's choice whatever the timing noise.
 int fastest_candidate(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cublasLtMatmulHeuristicResult_t* cand,
                       int found) {
   const bool in_place = mm.beta != 0.0f && !mm.Cin;
@@ -124,12 +117,34 @@ int fastest_candidate(CudaOps& ops, const Plan& p, const LtMatmul& mm, const cub
                                             : nullptr};
   void* const d = in_place ? out.ptr : mm.C;
   const int reps = int(std::clamp(2e11 / product_flop(mm), 2.0, 20.0));
-  auto run = [&](size_t i) { return launch_matmul(ops, p, mm, cand[i].algo, d) == CUBLAS_STATUS_SUCCESS; };
+  auto run = [&](int i) { return launch_matmul(ops, p, mm, cand[i].algo, d) == CUBLAS_STATUS_SUCCESS; };
   MPIGPT_CUBLAS(launch_matmul(ops, p, mm, cand[0].algo, d));  // the heuristic's first choice runs: the fallback
   std::vector<bool> usable(size_t(found), false);  // not usable: cannot run here, never chosen
-  for (int i = 0; i < found; ++i) usable[size_t(i)] = cand[i].state == CUBLAS_STATUS_SUCCESS && run(size_t(i));
-  wait_for_stream(ops.cuda_stream(), "the timing of GEMM candidates");
-  return int(time_candidates(ops.cuda_stream(), usable, run, 0.05, reps).fastest);
+  for (int i = 0; i < found; ++i) usable[size_t(i)] = cand[i].state == CUBLAS_STATUS_SUCCESS && run(i);
+  const char* what = "the timing of GEMM candidates";
+  wait_for_stream(ops.cuda_stream(), what);
+  using Clock = std::chrono::steady_clock;
+  auto since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  for (const auto t0 = Clock::now(); since(t0) < 0.05;) {
+    for (int r = 0; r < reps; ++r) run(0);
+    wait_for_stream(ops.cuda_stream(), what);
+  }
+  std::vector<double> best(size_t(found), 0.0);  // seconds per run in the best round; 0: did not run
+  for (int round = 0; round < 3; ++round)
+    for (int i = 0; i < found; ++i) {
+      if (!usable[size_t(i)]) continue;
+      const auto start = Clock::now();
+      bool ran = true;
+      for (int r = 0; r < reps && ran; ++r) ran = run(i);
+      wait_for_stream(ops.cuda_stream(), what);
+      usable[size_t(i)] = ran;
+      const double s = since(start) / reps;
+      best[size_t(i)] = !ran ? 0.0 : round == 0 ? s : std::min(best[size_t(i)], s);
+    }
+  int fastest = 0;
+  for (int i = 1; i < found; ++i)
+    if (best[size_t(i)] > 0.0 && best[size_t(i)] < best[size_t(fastest)] * (fastest == 0 ? 0.97 : 1.0)) fastest = i;
+  return fastest;
 }
 
 Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
@@ -137,7 +152,7 @@ Plan& plan_for(CudaOps& ops, const LtMatmul& mm) {
                        mm.lda,       mm.ldb,        mm.ldc,        int64_t(mm.ab), int64_t(mm.cd),
                        mm.bias != nullptr, alignment(mm.A), alignment(mm.B), alignment(mm.C),
                        mm.bias ? alignment(mm.bias) : 0, int64_t(mm.gelu), mm.aux ? alignment(mm.aux) : 0,
-                       mm.Cin ? alignment(mm.Cin) : 0, mm.bgrad ? alignment(mm.bgrad) : 0};
+                       mm.Cin ? alignment(mm.Cin) : 0};
   auto& cache = ops.matmul_plans();
   auto it = cache.plans.find(key);
   if (it != cache.plans.end()) return it->second;
@@ -211,10 +226,7 @@ std::string describe(const LtMatmul& mm) {
                      "alignment A {} B {} C {}",
                      mm.m, mm.n, mm.k, mm.ta ? "T" : "N", mm.tb ? "T" : "N", mm.lda, mm.ldb, mm.ldc,
                      dtype_name(mm.ab), dtype_name(mm.cd),
-                     mm.gelu != Gelu::None ? ", GELU epilogue"
-                     : mm.bias             ? ", bias epilogue"
-                     : mm.bgrad            ? ", bias-gradient epilogue"
-                                           : "",
+                     mm.gelu != Gelu::None ? ", GELU epilogue" : mm.bias ? ", bias epilogue" : "",
                      alignment(mm.A),
                      alignment(mm.B), alignment(mm.C));
 }

@@ -4,8 +4,6 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
-#include <array>
-#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -82,11 +80,6 @@ class CudaOps final : public Ops {
   MatmulPlans& matmul_plans();
   // How many matmul configurations in the plan cache had their algorithm chosen by timing.
   size_t gemm_tuned_plans();
-  // linear_backward's way to the weight and bias gradients, per configuration (cuda_matmul.cu): true
-  // where one product with cuBLASLt's bias-gradient epilogue runs them, false where the product and
-  // separate column sums do.
-  using BiasGradKey = std::array<int64_t, 8>;
-  std::map<BiasGradKey, bool>& bias_grad_fused() { return bias_grad_fused_; }
   // adamw_runs' chunk tables on the device, one per run list met (cuda_optim.cu).
   struct AdamTables;
   AdamTables& adam_tables();
@@ -207,7 +200,6 @@ class CudaOps final : public Ops {
   bool tune_ = false, tune_paused_ = false;
   CudaOptions::Attention attention_ = CudaOptions::Attention::Default;
   std::vector<std::string> notes_;
-  std::map<BiasGradKey, bool> bias_grad_fused_;
   std::unique_ptr<CudnnSdpa> sdpa_;  // created on first use
   std::string cudnn_missing_;        // why cuDNN could not be loaded (then never tried again)
   double tune_min_flop_ = kTuneMinFlop;

@@ -52,24 +52,6 @@ inline size_t tuned_products(Ops& gpu) {
   return 0;
 #endif
 }
-// linear_backward's ways to the weight and bias gradients so far (CudaOps::bias_grad_fused): how
-// many configurations, and in how many the product's bias-gradient epilogue runs them.
-struct BiasGradWays {
-  size_t configurations = 0, fused = 0;
-};
-inline BiasGradWays bias_grad_ways(Ops& gpu) {
-  BiasGradWays w;
-#ifdef MPIGPT_WITH_CUDA
-  for (const auto& [key, fused] : dynamic_cast<cuda::CudaOps&>(gpu).bias_grad_fused()) {
-    ++w.configurations;
-    w.fused += fused ? 1 : 0;
-  }
-#else
-  (void)gpu;
-#endif
-  return w;
-}
-
 // The bf16 unit roundoff (8 significand bits): the unit of the tests' bf16 tolerances.
 constexpr double kBf16U = 1.0 / 256;
 
