@@ -21,6 +21,8 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none --mca pml ob
   --mca oob_tcp_if_include lo
 
 FORTUNES := $(filter-out %.dat %.u8,$(wildcard /usr/share/games/fortunes/*))
+# Debian's python3 is the one `make deps` gives matplotlib (another may come first in PATH).
+PYTHON3  := $(firstword $(wildcard /usr/bin/python3) python3)
 RUN_NP   ?= 1
 
 .PHONY: all build deps run test test-sanitize bench bench-parallel bench-moe bench-checkpoint bench-attention bench-gpu bundle clean
@@ -60,7 +62,7 @@ run: deps build $(BUILD)/data/fortunes.idx
 	$(MPIRUN) -np $(RUN_NP) -x OMP_NUM_THREADS=$$(( $(JOBS) / $(RUN_NP) > 0 ? $(JOBS) / $(RUN_NP) : 1 )) \
 	  $(BUILD)/mpigpt train --config inputs/tiny.ini --data.path $(BUILD)/data/fortunes \
 	  --training.metrics_file $(BUILD)/tiny_metrics.jsonl
-	python3 scripts/plot_metrics.py $(BUILD)/tiny_metrics.jsonl --label "inputs/tiny.ini" --output $(BUILD)/tiny_loss.png
+	$(PYTHON3) scripts/plot_metrics.py $(BUILD)/tiny_metrics.jsonl --label "inputs/tiny.ini" --output $(BUILD)/tiny_loss.png
 
 test: deps build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900

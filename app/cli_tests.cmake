@@ -169,8 +169,8 @@ ckpt_test(ckpt_train_iters_0 ok "resumed from .*/iter_0000000/checkpoint.h5 at i
 # Outputs in folders others can write: a planted link is replaced, never written through; a
 # conversion never re-points an existing save directory; prepare-data never replaces a dataset
 # without --overwrite.
-ckpt_test(ckpt_outputs_no_links ok "^keep keep regular$"
-  "rm -rf ${CLI_DIR}/ln && mkdir -p ${CLI_DIR}/ln/hf ${CLI_DIR}/ln/s && echo keep > ${CLI_DIR}/ln/victim && ln -s ${CLI_DIR}/ln/victim ${CLI_DIR}/ln/hf/config.json && ln -s ${CLI_DIR}/ln/victim ${CLI_DIR}/ln/s/latest.tmp && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/ln/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/ln/s ${CLI_DIR}/ln/hf > /dev/null && echo $(cat ${CLI_DIR}/ln/victim) $(cat ${CLI_DIR}/ln/victim) $(stat -c %F ${CLI_DIR}/ln/hf/config.json | cut -d' ' -f1)")
+ckpt_test(ckpt_outputs_no_links ok "^keep regular regular regular$"
+  "rm -rf ${CLI_DIR}/ln && mkdir -p ${CLI_DIR}/ln/hf ${CLI_DIR}/ln/s/iter_0000001.partial && echo keep > ${CLI_DIR}/ln/victim && for f in hf/config.json s/latest.tmp s/iter_0000001.partial/checkpoint.h5 m.jsonl m.jsonl.tmp\; do ln -s ${CLI_DIR}/ln/victim ${CLI_DIR}/ln/$f\; done && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/ln/s --training.metrics_file ${CLI_DIR}/ln/m.jsonl > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/ln/s ${CLI_DIR}/ln/hf > /dev/null && echo $(cat ${CLI_DIR}/ln/victim) $(stat -c %F ${CLI_DIR}/ln/hf/config.json ${CLI_DIR}/ln/m.jsonl ${CLI_DIR}/ln/s/iter_0000001/checkpoint.h5 | cut -d' ' -f1)")
 ckpt_test(convert_into_save_dir fail "convert: .*/cs/s is not empty. a converted model starts a checkpoint directory of its own"
   "rm -rf ${CLI_DIR}/cs && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/cs/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/cs/s ${CLI_DIR}/cs/hf > /dev/null && ${BIN} convert --from hf ${CLI_DIR}/cs/hf ${CLI_DIR}/cs/s")
 cli_test(prepare_overwrite ok "^refused: .*/ow/c.bin exists already. pass --overwrite to replace it.* replaced: [0-9]+ documents"
