@@ -194,6 +194,20 @@ ckpt_test(no_mfu_shared_cores_np2 ok "^no MFU: 2 ranks x 32 threads share this n
 ckpt_test(rank_listeners_np2 ok "^rank listeners: [0-9]+, on other than loopback: 0$"
   "${PROJECT_SOURCE_DIR}/app/testdata/listeners.sh ${CLI_DIR}/listeners.log ${MPIRUN_STR} -np 2 ${BIN} train ${CK} --training.train_iters 100000 --training.log_interval 1")
 
+# Uneven pipeline stages: bad parallel.pipeline_layout values name the field and the fix; a run
+# saved with even stages resumes with uneven ones (checkpoints hold global tensors) to the losses
+# of the uninterrupted run.
+set(DRY "${BIN} train ${TINY} --dry-run --world-size 2 --parallel.pp 2 --parallel.pipeline_layout")
+cli_test(pipeline_layout_entries fail "parallel.pipeline_layout = '1,0,1' has 3 entries, but parallel.pp . parallel.vpp = 2.1 = 2 virtual stages need one each" "${DRY} 1,0,1")
+cli_test(pipeline_layout_sum fail "parallel.pipeline_layout = '1,2' adds up to 3 layers, but model.num_layers = 2" "${DRY} 1,2")
+cli_test(pipeline_layout_word fail "parallel.pipeline_layout = '1,x': 'x' is not a number of layers .0 or more." "${DRY} 1,x")
+cli_test(pipeline_layout_negative fail "parallel.pipeline_layout = '3,-1': '-1' is not a number of layers" "${DRY} 3,-1")
+cli_test(pipeline_layout_dry_run ok "pp 1\\) \\| layers none, 1-1 \\+head" "${BIN} train ${TINY} --dry-run --world-size 2 --parallel.pp 2 --parallel.vpp 2 --training.global_batch 8 --parallel.pipeline_layout 1,0,0,1")
+set(UNEVEN "${MPIRUN_STR} -np 2 ${BIN} train ${CK} --model.num_layers 4 --parallel.pp 2 --training.train_iters 4 --training.log_interval 1")
+set(ITER34 "grep -o 'iter [34]/4 | samples [0-9]* | lr [^|]*| loss [0-9.]*'")
+ckpt_test(resume_uneven_np2 ok "^same losses at iterations 3 and 4$"
+  "rm -rf ${CLI_DIR}/ue && ${UNEVEN} --checkpoint.save ${CLI_DIR}/ue/s --checkpoint.save_interval 2 > ${CLI_DIR}/ue.a && ${UNEVEN} --parallel.pipeline_layout 1,3 --checkpoint.load ${CLI_DIR}/ue/s/iter_0000002 > ${CLI_DIR}/ue.b && ${ITER34} ${CLI_DIR}/ue.a > ${CLI_DIR}/ue.a34 && ${ITER34} ${CLI_DIR}/ue.b > ${CLI_DIR}/ue.b34 && [ $(wc -l < ${CLI_DIR}/ue.a34) = 2 ] && cmp ${CLI_DIR}/ue.a34 ${CLI_DIR}/ue.b34 && echo same losses at iterations 3 and 4")
+
 # Interchange: checkpoint -> Hugging Face -> checkpoint is bit-identical (every model checksum),
 # and training starts from the llm.c export of it.
 ckpt_test(ckpt_convert_roundtrip ok "weights: from the llm.c model"

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <tuple>
 
 #include "lib/core/error.h"
@@ -139,11 +140,16 @@ void match_messages(const Schedule& schedule, int pp, SimResult& res) {
 
 }  // namespace
 
-std::vector<std::vector<int>> layers_of_stage(int num_layers, int pp, int vpp, int pp_rank) {
-  const int per_block = num_layers / (pp * vpp);
-  std::vector<std::vector<int>> chunks(vpp);
-  for (int v = 0; v < vpp; ++v)
-    for (int i = 0; i < per_block; ++i) chunks[v].push_back(virtual_stage(pp, pp_rank, v) * per_block + i);
+std::vector<std::pair<int, int>> layers_of_stage(const std::vector<int>& stage_layers, int pp, int pp_rank) {
+  MPIGPT_CHECK(pp >= 1 && !stage_layers.empty() && stage_layers.size() % size_t(pp) == 0 && pp_rank < pp,
+               "layers_of_stage: {} virtual stages over pp = {}", stage_layers.size(), pp);
+  const int vpp = int(stage_layers.size()) / pp;
+  std::vector<std::pair<int, int>> chunks;
+  for (int v = 0; v < vpp; ++v) {
+    const int s = virtual_stage(pp, pp_rank, v);
+    const int first = std::accumulate(stage_layers.begin(), stage_layers.begin() + s, 0);
+    chunks.push_back({first, first + stage_layers[size_t(s)]});
+  }
   return chunks;
 }
 

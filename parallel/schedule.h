@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mpigpt {
@@ -32,9 +33,11 @@ using Schedule = std::vector<std::vector<Action>>;
 // from the last rank's chunk c back to rank 0's chunk c+1.
 inline int virtual_stage(int pp, int pp_rank, int chunk) { return chunk * pp + pp_rank; }
 
-// Global layer indices held by pipeline rank `pp_rank`, per model chunk (virtual stage):
-// chunk v holds layer block v*pp + pp_rank of num_layers / (pp*vpp) consecutive layers.
-std::vector<std::vector<int>> layers_of_stage(int num_layers, int pp, int vpp, int pp_rank);
+// The layers [first, end) held by pipeline rank `pp_rank` in each of its model chunks, where
+// stage_layers[s] is the number of layers of virtual stage s (pp * vpp entries, in stage order,
+// from pipeline_layers() of the configuration) and chunk v is virtual stage v*pp + pp_rank. A chunk
+// may hold no layer (first == end).
+std::vector<std::pair<int, int>> layers_of_stage(const std::vector<int>& stage_layers, int pp, int pp_rank);
 
 // The 1F1B schedule of one step with m micro-batches over pp ranks holding vpp model chunks
 // each, in Megatron-LM's order: plain 1F1B for vpp == 1 (any m >= 1), Megatron's interleaved 1F1B

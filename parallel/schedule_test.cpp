@@ -94,14 +94,22 @@ void check_structure(const Schedule& s, int pp, int vpp, int m) {
 
 }  // namespace
 
-TEST_CASE("chunk v on pipeline rank p holds layer block v*pp+p; all layers exactly once") {
-  CHECK(layers_of_stage(8, 2, 2, 1) == std::vector<std::vector<int>>{{2, 3}, {6, 7}});
-  CHECK(layers_of_stage(8, 4, 1, 3) == std::vector<std::vector<int>>{{6, 7}});
-  for (int pp : {1, 2, 4})
-    for (int vpp : {1, 2}) {
+TEST_CASE("chunk v on pipeline rank p holds virtual stage v*pp+p's layers; all layers exactly once") {
+  using Ranges = std::vector<std::pair<int, int>>;
+  CHECK(layers_of_stage({2, 2, 2, 2}, 2, 1) == Ranges{{2, 4}, {6, 8}});
+  CHECK(layers_of_stage({2, 2, 2, 2}, 4, 3) == Ranges{{6, 8}});
+  // Uneven: stages of 1, 3, 3, 1 layers; pp 2 x vpp 2 puts stages 1 and 3 on rank 1.
+  CHECK(layers_of_stage({1, 3, 3, 1}, 2, 0) == Ranges{{0, 1}, {4, 7}});
+  CHECK(layers_of_stage({1, 3, 3, 1}, 2, 1) == Ranges{{1, 4}, {7, 8}});
+  CHECK(layers_of_stage({0, 5, 3}, 3, 0) == Ranges{{0, 0}});  // a stage may hold no layer
+  for (const std::vector<int>& stages : std::vector<std::vector<int>>{{16}, {8, 8}, {4, 4, 4, 4}, {3, 5, 6, 2},
+                                                                       {2, 2, 2, 2, 2, 2, 2, 2}, {0, 7, 9, 0}})
+    for (int pp : {1, 2, 4}) {
+      if (stages.size() % size_t(pp) != 0) continue;
       std::multiset<int> all;
       for (int p = 0; p < pp; ++p)
-        for (const auto& c : layers_of_stage(16, pp, vpp, p)) all.insert(c.begin(), c.end());
+        for (const auto& [first, end] : layers_of_stage(stages, pp, p))
+          for (int l = first; l < end; ++l) all.insert(l);
       CHECK(all.size() == 16);
       CHECK(std::set<int>(all.begin(), all.end()).size() == 16);
     }

@@ -73,6 +73,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(parallel, tp, "tensor-parallel size (heads and MLP split over tp ranks)", {"tensor_model_parallel_size"}),
       MPIGPT_OPTION(parallel, pp, "pipeline-parallel stages", {"pipeline_model_parallel_size"}),
       MPIGPT_OPTION(parallel, vpp, "virtual stages (model chunks) per pipeline rank; >1 = interleaved 1F1B", {"virtual_pipeline_model_parallel_size"}),
+      MPIGPT_OPTION(parallel, pipeline_layout, "layers per virtual stage in stage order, e.g. 5,7,7,5 (empty: even)"),
       MPIGPT_OPTION(parallel, cp, "context-parallel size (sequence split over cp ranks)", {"context_parallel_size"}),
       MPIGPT_OPTION(parallel, cp_comm_type, "context-parallel attention: p2p (ring) | all_gather"),
       MPIGPT_OPTION(parallel, ep, "expert-parallel size", {"expert_model_parallel_size"}),

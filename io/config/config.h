@@ -16,6 +16,7 @@ struct ParallelConfig {
   int tp = 1;                           // tensor-parallel size (heads and MLP split over tp ranks)
   int pp = 1;                           // pipeline-parallel stages
   int vpp = 1;                          // virtual stages (model chunks) per pipeline rank; >1 = interleaved 1F1B
+  std::string pipeline_layout;          // layers per virtual stage in stage order, e.g. 5,7,7,5 (empty: even)
   int cp = 1;                           // context-parallel size (sequence split over cp ranks)
   std::string cp_comm_type = "p2p";     // context-parallel attention: p2p (ring) | all_gather
   int ep = 1;                           // expert-parallel size
@@ -149,6 +150,12 @@ struct Config {
 // "every:N" = the layers l with l % N == N-1, or a comma list of layer indices); a flag per layer.
 // Throws naming model.moe_layers on bad syntax or a layer >= num_layers.
 std::vector<bool> parse_moe_layers(const std::string& spec, int num_layers);
+
+// The number of layers of each of the pp * vpp virtual stages, in stage order (stage v*pp + r is
+// rank r's chunk v): parallel.pipeline_layout, or num_layers split evenly when it is empty. Throws
+// naming parallel.pipeline_layout (or the sizes) when the counts are not whole, are negative, are
+// not one per virtual stage or do not add up to num_layers.
+std::vector<int> pipeline_layers(const ParallelConfig& p, int num_layers);
 
 // Parse `args` (everything after the subcommand) into a Config: `--config FILE` (repeatable,
 // later files override earlier ones) and then `--section.key value` / `--key value` overrides.

@@ -295,6 +295,19 @@ TEST_CASE("config: the full example lists every option at its default") {
   CHECK(c.to_ini() == parsed({}).to_ini());
 }
 
+TEST_CASE("config: pipeline_layers is parallel.pipeline_layout, or the even split") {
+  mpigpt::ParallelConfig p;
+  p.pp = 2;
+  p.vpp = 2;
+  CHECK(mpigpt::pipeline_layers(p, 8) == std::vector<int>{2, 2, 2, 2});
+  p.pipeline_layout = "0,3,4,1";
+  CHECK(mpigpt::pipeline_layers(p, 8) == std::vector<int>{0, 3, 4, 1});
+  CHECK_THROWS_WITH_AS(mpigpt::pipeline_layers(p, 9), doctest::Contains("adds up to 8 layers, but model.num_layers = 9"),
+                       mpigpt::Error);
+  p.pipeline_layout.clear();
+  CHECK_THROWS_WITH_AS(mpigpt::pipeline_layers(p, 6), doctest::Contains("parallel.pipeline_layout"), mpigpt::Error);
+}
+
 TEST_CASE("config: resolve_defaults per family") {
   Config g = parsed({"--hidden", "256", "--num_heads", "8", "--seq_len", "512"});
   CHECK(g.model.num_kv_heads == 8);

@@ -8,6 +8,7 @@
 #include <charconv>
 #include <cstdint>
 #include <initializer_list>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -202,10 +203,7 @@ void check_layout(const Config& c, int world_size) {
          "(dp = world size {} / (tp*pp*cp)); set global_batch to a multiple of {}",
          t.global_batch, t.micro_batch, dp, per_step, world_size, per_step);
 
-  if (m.num_layers % (p.pp * p.vpp) != 0)
-    fail("model.num_layers = {} is not divisible by parallel.pp * parallel.vpp = {}*{} = {}; every "
-         "virtual stage needs the same number of layers: change num_layers, pp or vpp",
-         m.num_layers, p.pp, p.vpp, p.pp * p.vpp);
+  pipeline_layers(p, m.num_layers);
   if (m.num_heads % p.tp != 0)
     fail("model.num_heads = {} is not divisible by parallel.tp = {}; each tp rank holds whole heads: "
          "choose a tp that divides num_heads", m.num_heads, p.tp);
@@ -333,6 +331,35 @@ std::vector<bool> parse_moe_layers(const std::string& spec, int num_layers) {
   if (std::find(moe.begin(), moe.end(), true) == moe.end())
     fail("model.moe_layers = '{}' selects no layer of model.num_layers = {}; {}", spec, num_layers, syntax);
   return moe;
+}
+
+std::vector<int> pipeline_layers(const ParallelConfig& p, int num_layers) {
+  const int stages = p.pp * p.vpp;
+  if (p.pipeline_layout.empty()) {
+    if (num_layers % stages != 0)
+      fail("model.num_layers = {} is not divisible by parallel.pp * parallel.vpp = {}*{} = {}; every virtual stage "
+           "needs the same number of layers: change num_layers, pp or vpp, or give each stage its count in "
+           "parallel.pipeline_layout", num_layers, p.pp, p.vpp, stages);
+    return std::vector<int>(size_t(stages), num_layers / stages);
+  }
+  const std::string& spec = p.pipeline_layout;
+  std::vector<int> layers;
+  for (const std::string& t : split(spec, ',')) {
+    int v = -1;
+    auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+    if (t.empty() || ec != std::errc() || end != t.data() + t.size() || v < 0)
+      fail("parallel.pipeline_layout = '{}': '{}' is not a number of layers (0 or more); write one count per "
+           "virtual stage, e.g. 5,7,7,5", spec, t);
+    layers.push_back(v);
+  }
+  if (int(layers.size()) != stages)
+    fail("parallel.pipeline_layout = '{}' has {} entries, but parallel.pp * parallel.vpp = {}*{} = {} virtual "
+         "stages need one each (stage v*pp + r is pipeline rank r's chunk v)", spec, layers.size(), p.pp, p.vpp, stages);
+  const int total = std::accumulate(layers.begin(), layers.end(), 0);
+  if (total != num_layers)
+    fail("parallel.pipeline_layout = '{}' adds up to {} layers, but model.num_layers = {}: make the counts add up to "
+         "{}", spec, total, num_layers, num_layers);
+  return layers;
 }
 
 int Config::dp(int world_size) const {

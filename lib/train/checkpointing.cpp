@@ -13,6 +13,7 @@
 #include <fstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "lib/core/error.h"
 #include "lib/core/new_file.h"
@@ -251,8 +252,9 @@ void write_save(const std::string& file, const CheckpointMeta& meta, ModelRunner
         w.write(moment_name(k, global[g].name), stored_shape(global[g]), plans[g].moments[k]);
     const ParallelConfig& pc = cfg.parallel;
     write_meta(w, meta, cfg, d, r.optimizer().steps(),
-               fmt::format("{} ranks: tp {} pp {} vpp {} cp {} ep {} expert_tp {} dp {} (order {}), sequence "
-                           "parallel {}, distributed optimizer {}", world.size(), pc.tp, pc.pp, pc.vpp, pc.cp, pc.ep,
+               fmt::format("{} ranks: tp {} pp {} vpp {} (layers per virtual stage {}) cp {} ep {} expert_tp {} dp {} "
+                           "(order {}), sequence parallel {}, distributed optimizer {}", world.size(), pc.tp, pc.pp,
+                           pc.vpp, fmt::join(pipeline_layers(pc, cfg.model.num_layers), ","), pc.cp, pc.ep,
                            pc.expert_tp, r.mesh().dp_size(), pc.order, pc.sequence_parallel ? "on" : "off",
                            cfg.engine.distributed_optimizer ? "on" : "off"));
     if (midway) midway(meta.iteration);

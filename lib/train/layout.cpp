@@ -25,8 +25,9 @@ std::string layout_report(const Config& cfg, int world) {
   for (int r = 0; r < world; ++r) {
     const int p = d.coord(r, "pp");
     std::string layers;
-    for (const auto& chunk : layers_of_stage(cfg.model.num_layers, pp, vpp, p))
-      layers += fmt::format("{}{}-{}", layers.empty() ? "" : ", ", chunk.front(), chunk.back());
+    for (const auto& [first, end] : layers_of_stage(pipeline_layers(cfg.parallel, cfg.model.num_layers), pp, p))
+      layers += std::string(layers.empty() ? "" : ", ") +
+                (first == end ? std::string("none") : std::to_string(first) + "-" + std::to_string(end - 1));
     std::string extra;
     if (p == 0) extra += " +embedding";
     if (p == pp - 1) extra += " +head";

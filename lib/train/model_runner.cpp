@@ -83,8 +83,7 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   pp_rank_ = mesh.coords().pp;
   placement_.tp = pc.tp;
   placement_.tp_rank = mesh.coords().tp;
-  for (const auto& layers : layers_of_stage(d.L, pc.pp, pc.vpp, pp_rank_))
-    placement_.chunks.push_back({layers.front(), layers.back() + 1});
+  placement_.chunks = layers_of_stage(pipeline_layers(pc, d.L), pc.pp, pp_rank_);
   placement_.first_stage = pp_rank_ == 0;
   placement_.last_stage = pp_rank_ == pc.pp - 1;
 

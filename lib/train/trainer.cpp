@@ -501,7 +501,7 @@ bool TrainingRun::save_or_stop(int64_t it, double lr, const TerminationGuard& te
 void TrainingRun::save(int64_t it, double lr) {
   const CheckpointConfig& ck = cfg_.checkpoint;
   const int64_t GB = tc_.global_batch;
-  CheckpointMeta meta{it, it * GB, it * GB * d_.T, lr};
+  CheckpointMeta meta{it, it * GB, it * GB * d_.T, lr, {}};
   const SaveStats st = save_checkpoint(ck.save, meta, runner_, cfg_, ck.keep_last, opts_.in_save);
   result_.saves.push_back(st);
   if (logs())
