@@ -40,7 +40,7 @@ cli_test(cuda_device_np2 fail "has no CUDA device visible|2 ranks run on host .*
 cli_test(missing_data_np2 fail "/nonexistent/corpus" "${MPIRUN_STR} -np 2 ${BIN} train ${TINY} --data.path /nonexistent/corpus")
 # An error every rank meets is printed once, by rank 0, not once per rank.
 cli_test(error_once_np4 ok "^1 error line: mpigpt: error .rank 0 of 4.: "
-  "${MPIRUN_STR} -np 4 ${BIN} train ${TINY} --training.global_batch 8 --data.path /nonexistent/corpus > ${CLI_DIR}/once.log 2>&1 || echo \"$(grep -c 'error.*nonexistent/corpus' ${CLI_DIR}/once.log) error line: $(grep 'error.*nonexistent/corpus' ${CLI_DIR}/once.log)\"")
+  "mkdir -p ${CLI_DIR} && ${MPIRUN_STR} -np 4 ${BIN} train ${TINY} --training.global_batch 8 --data.path /nonexistent/corpus > ${CLI_DIR}/once.log 2>&1 || echo \"$(grep -c 'error.*nonexistent/corpus' ${CLI_DIR}/once.log) error line: $(grep 'error.*nonexistent/corpus' ${CLI_DIR}/once.log)\"")
 
 # Data preparation and the data-file failure modes, on a scratch copy.
 set(PREP "rm -rf ${CLI_DIR}/$T && mkdir -p ${CLI_DIR}/$T && ${BIN} prepare-data --output ${CLI_DIR}/$T/c --format delimited --delimiter %")
@@ -181,12 +181,14 @@ cli_test(prepare_llmc_train ok "iter +3/3 .*loss [0-9]"
 
 # What a user looks at: the loss plot of two runs overlaid (a PNG), and a file that is no metrics
 # file named; ranks that share the cores print no MFU (a GEMM timed then measures a share of them).
-set(PLOT "${MPIGPT_PYTHON3} ${PROJECT_SOURCE_DIR}/scripts/plot_metrics.py")
-set(PLOT_RUN "${BIN} train ${CK} --training.train_iters 6 --training.log_interval 2 --training.eval_interval 3")
-ckpt_test(plot_two_runs ok "^plot: .*/pl/loss.png \\(2 run\\(s\\), 6 logged steps\\) PNG$"
-  "rm -rf ${CLI_DIR}/pl && ${PLOT_RUN} --training.metrics_file ${CLI_DIR}/pl/a.jsonl > /dev/null && ${PLOT_RUN} --training.lr 1e-2 --training.metrics_file ${CLI_DIR}/pl/b.jsonl > /dev/null && echo $(${PLOT} ${CLI_DIR}/pl/a.jsonl ${CLI_DIR}/pl/b.jsonl --label a --label 'lr 1e-2' --output ${CLI_DIR}/pl/loss.png) $(head -c 4 ${CLI_DIR}/pl/loss.png | tail -c 3)")
-cli_test(plot_not_metrics fail "plot_metrics: error: .*/CMakeLists.txt:1 is not a JSON object. is it an mpigpt metrics file"
-  "${PLOT} ${PROJECT_SOURCE_DIR}/CMakeLists.txt --output ${CLI_DIR}/never.png")
+if(MPIGPT_PYTHON3)
+  set(PLOT "${MPIGPT_PYTHON3} ${PROJECT_SOURCE_DIR}/scripts/plot_metrics.py")
+  set(PLOT_RUN "${BIN} train ${CK} --training.train_iters 6 --training.log_interval 2 --training.eval_interval 3")
+  ckpt_test(plot_two_runs ok "^plot: .*/pl/loss.png \\(2 run\\(s\\), 6 logged steps\\) PNG$"
+    "rm -rf ${CLI_DIR}/pl && ${PLOT_RUN} --training.metrics_file ${CLI_DIR}/pl/a.jsonl > /dev/null && ${PLOT_RUN} --training.lr 1e-2 --training.metrics_file ${CLI_DIR}/pl/b.jsonl > /dev/null && echo $(${PLOT} ${CLI_DIR}/pl/a.jsonl ${CLI_DIR}/pl/b.jsonl --label a --label 'lr 1e-2' --output ${CLI_DIR}/pl/loss.png) $(head -c 4 ${CLI_DIR}/pl/loss.png | tail -c 3)")
+  cli_test(plot_not_metrics fail "plot_metrics: error: .*/CMakeLists.txt:1 is not a JSON object. is it an mpigpt metrics file"
+    "${PLOT} ${PROJECT_SOURCE_DIR}/CMakeLists.txt --output ${CLI_DIR}/never.png")
+endif()
 ckpt_test(no_mfu_shared_cores_np2 ok "^no MFU: 2 ranks x 32 threads share this node's [0-9]+ cores, 0 MFU figures$"
   "${MPIRUN_STR} -np 2 -x OMP_NUM_THREADS=32 -x OMP_WAIT_POLICY=passive ${BIN} train ${CK} --training.peak_tflops 0 --training.train_iters 2 --training.log_interval 1 > ${CLI_DIR}/nomfu.log 2>&1 && echo \"$(grep -o 'no MFU: [^,]*' ${CLI_DIR}/nomfu.log), $(grep -c 'MFU [0-9]' ${CLI_DIR}/nomfu.log) MFU figures\"")
 # On one machine the ranks open no TCP port on a network interface (the tests' mpirun settings,

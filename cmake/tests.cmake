@@ -8,7 +8,7 @@ file(GLOB_RECURSE test_srcs CONFIGURE_DEPENDS
 # While developing one part, `-DMPIGPT_TEST_FILTER=io/` builds only the matching test files and
 # `-DMPIGPT_TEST_LIBS=mpigpt_io` links only the libraries they need.
 set(MPIGPT_TEST_FILTER "" CACHE STRING "regex: only test files whose path matches")
-set(MPIGPT_TEST_LIBS mpigpt_train CACHE STRING "libraries the test binary links")
+set(MPIGPT_TEST_LIBS mpigpt_train mpigpt_plan CACHE STRING "libraries the test binary links")
 if(MPIGPT_TEST_FILTER)
   list(FILTER test_srcs INCLUDE REGEX "${MPIGPT_TEST_FILTER}")
 endif()
@@ -62,6 +62,10 @@ foreach(src ${test_srcs})
   endif()
 endforeach()
 
+# The Debian interpreter first: matplotlib and numpy come from Debian packages (make deps), which
+# a pyenv or virtualenv python3 earlier on PATH does not see. The plot and regression tests use it.
+find_program(MPIGPT_PYTHON3 python3 PATHS /usr/bin NO_DEFAULT_PATH)
+find_program(MPIGPT_PYTHON3 python3)
 if(EXISTS ${PROJECT_SOURCE_DIR}/app/cli_tests.cmake AND NOT MPIGPT_TEST_FILTER)
   include(${PROJECT_SOURCE_DIR}/app/cli_tests.cmake)
 endif()

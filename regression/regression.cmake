@@ -4,11 +4,8 @@
 # `ctest -LE regression` everything else. Included from the top-level CMakeLists.txt after
 # cmake/tests.cmake, whose MPIGPT_MPIRUN and MPIGPT_TEST_ENV it uses.
 
-# The Debian interpreter first: matplotlib and numpy come from Debian packages (make deps), which
-# a pyenv or virtualenv python3 earlier on PATH does not see. Any python3 runs the comparison;
-# only curves.png needs matplotlib.
-find_program(MPIGPT_PYTHON3 python3 PATHS /usr/bin NO_DEFAULT_PATH)
-find_program(MPIGPT_PYTHON3 python3)
+# MPIGPT_PYTHON3 comes from cmake/tests.cmake (any python3 runs the comparison; only curves.png
+# needs matplotlib).
 if(NOT MPIGPT_PYTHON3)
   message(STATUS "mpigpt: no python3, the loss-curve regression test is not registered")
   return()
