@@ -215,6 +215,13 @@ ckpt_test(resume_uneven_np2 ok "^same losses at iterations 3 and 4$"
 ckpt_test(ckpt_convert_roundtrip ok "weights: from the llm.c model"
   "rm -rf ${CLI_DIR}/cv && ${BIN} train ${CK} --training.train_iters 3 --checkpoint.save ${CLI_DIR}/cv/a >/dev/null && ${BIN} convert --to hf ${CLI_DIR}/cv/a ${CLI_DIR}/cv/hf && ${BIN} convert --from hf ${CLI_DIR}/cv/hf ${CLI_DIR}/cv/b && ${BIN} checkpoint info ${CLI_DIR}/cv/a | grep '^model/' > ${CLI_DIR}/cv/a.txt && ${BIN} checkpoint info ${CLI_DIR}/cv/b | grep '^model/' > ${CLI_DIR}/cv/b.txt && test -s ${CLI_DIR}/cv/a.txt && diff ${CLI_DIR}/cv/a.txt ${CLI_DIR}/cv/b.txt && ${BIN} convert --to llmc ${CLI_DIR}/cv/b ${CLI_DIR}/cv/m.bin && ${BIN} train ${CK} --model.num_layers 2 --training.train_iters 2 --init-from-llmc ${CLI_DIR}/cv/m.bin")
 
+# A tokenizer with added tokens: a larger model.vocab_size grows the model's vocabulary on load
+# (new rows the mean of the old ones); a smaller one is refused.
+ckpt_test(vocab_grow ok "vocabulary grown from 257 to 300 words .*iter +2/2 .*loss [0-9].*llm.c model .*vocabulary grown from 257 to 384 words"
+  "rm -rf ${CLI_DIR}/vg && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/vg/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/vg/s ${CLI_DIR}/vg/hf > /dev/null && ${BIN} convert --to llmc ${CLI_DIR}/vg/s ${CLI_DIR}/vg/m.bin > /dev/null && ${BIN} train ${CK} --init-from-hf ${CLI_DIR}/vg/hf --model.vocab_size 300 --training.train_iters 2 --training.log_interval 1 2>&1 | tr '\\n' ' ' && ${BIN} train ${CK} --init-from-llmc ${CLI_DIR}/vg/m.bin --model.vocab_size 384 --training.train_iters 1 2>&1 | tr '\\n' ' '")
+ckpt_test(vocab_shrink fail "model.vocab_size = 200 is smaller than the 257 words of .*/vs/hf: a vocabulary cannot shrink"
+  "rm -rf ${CLI_DIR}/vs && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/vs/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/vs/s ${CLI_DIR}/vs/hf > /dev/null && ${BIN} train ${CK} --init-from-hf ${CLI_DIR}/vs/hf --model.vocab_size 200")
+
 # Context parallelism and packed sequences: bad settings end every rank with the field named;
 # a cp2 run with packing evaluates, saves, and resumes on one rank (parameters are replicated
 # over cp, so the checkpoint holds no trace of the cp layout).

@@ -370,7 +370,14 @@ void Config::adopt_model(const ModelConfig& m, const std::string& source) {
   take("num_kv_heads", model.num_kv_heads, m.num_kv_heads);
   take("ffn_hidden", model.ffn_hidden, m.ffn_hidden);
   take("max_position", model.max_position, m.max_position);
-  take("vocab_size", model.vocab_size, m.vocab_size);
+  // A larger vocabulary is a tokenizer with added tokens: the model grows on load (grow_vocab).
+  if (!(user_set.count("model.vocab_size") && model.vocab_size > m.vocab_size)) {
+    if (user_set.count("model.vocab_size") && model.vocab_size < m.vocab_size)
+      fail("model.vocab_size = {} is smaller than the {} words of {}: a vocabulary cannot shrink; leave "
+           "model.vocab_size out, or give {} or more for a tokenizer with added tokens", model.vocab_size,
+           m.vocab_size, source, m.vocab_size);
+    take("vocab_size", model.vocab_size, m.vocab_size);
+  }
   take("norm_eps", model.norm_eps, m.norm_eps);
   take("rope_theta", model.rope_theta, m.rope_theta);
   take("tie_embeddings", model.tie_embeddings, m.tie_embeddings);

@@ -301,6 +301,27 @@ void repad_vocab(TensorMap& ours, int vocab, int padded_vocab) {
   }
 }
 
+void grow_vocab(TensorMap& ours, int vocab, int new_vocab, int padded_vocab, const std::string& source) {
+  if (new_vocab < vocab)
+    fail("model.vocab_size = {} is smaller than the {} words of {}: a vocabulary cannot shrink; leave "
+         "model.vocab_size out, or give {} or more for a tokenizer with added tokens", new_vocab, vocab, source, vocab);
+  check_vocab(new_vocab, padded_vocab, "grow_vocab");
+  repad_vocab(ours, vocab, vocab);  // exactly the words' rows (any padding checked zero)
+  for (const char* name : {"embedding.word.weight", "lm_head.weight"}) {
+    auto it = ours.find(name);
+    if (it == ours.end()) continue;
+    HostTensor& t = it->second;
+    const int64_t C = t.shape[1];
+    std::vector<double> mean(size_t(C), 0.0);
+    for (int64_t r = 0; r < vocab; ++r)
+      for (int64_t c = 0; c < C; ++c) mean[size_t(c)] += t.data[size_t(r * C + c)];
+    t.data.resize(size_t(int64_t(padded_vocab) * C), 0.0f);
+    for (int64_t r = vocab; r < new_vocab; ++r)
+      for (int64_t c = 0; c < C; ++c) t.data[size_t(r * C + c)] = float(mean[size_t(c)] / vocab);
+    t.shape = Shape{padded_vocab, C};
+  }
+}
+
 void save_hf_model(const std::string& dir, const TensorMap& ours, const ModelConfig& m, int vocab,
                    uint64_t shard_bytes) {
   const TensorMap hf = to_hf(ours, m, vocab);

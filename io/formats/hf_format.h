@@ -59,6 +59,13 @@ ModelConfig model_config_from_hf(const nlohmann::json& cfg, int* vocab = nullptr
 // `padded_vocab` rows: rows [vocab, padded_vocab) zero; rows beyond must be zero when cutting.
 void repad_vocab(TensorMap& ours, int vocab, int padded_vocab);
 
+// Grows the vocabulary tensors of `ours` from `vocab` to `new_vocab` words (a tokenizer with added
+// tokens), padded to `padded_vocab` rows: each new row is the mean of the `vocab` existing rows
+// (torchtune's resize_token_embeddings default), padding zero. new_vocab ==
+// vocab only re-pads; a smaller new_vocab is an error (a vocabulary does not shrink). `source`
+// names the model in messages.
+void grow_vocab(TensorMap& ours, int vocab, int new_vocab, int padded_vocab, const std::string& source);
+
 // A whole HF model directory: config.json plus model.safetensors (or shards + index above
 // `shard_bytes`). Tokenizer files are not written.
 void save_hf_model(const std::string& dir, const TensorMap& ours, const ModelConfig& m, int vocab,

@@ -215,6 +215,31 @@ TEST_CASE("hf: model directories (config.json + sharded safetensors) and vocabul
                        Error);
 }
 
+TEST_CASE("hf: a grown vocabulary keeps the rows, gives new words the mean row, and never shrinks") {
+  const int V = 37, Vp = 64;
+  const TensorMap orig = random_ours(tiny_llama(), V, Vp, 9);
+  TensorMap ours = orig;
+  grow_vocab(ours, V, 45, 128, "the test model");
+  for (const char* name : {"embedding.word.weight", "lm_head.weight"}) {
+    CAPTURE(name);
+    const HostTensor& a = orig.at(name);
+    const HostTensor& b = ours.at(name);
+    REQUIRE(b.shape == Shape{128, 16});
+    for (int64_t i = 0; i < V * 16; ++i) REQUIRE(b.data[size_t(i)] == a.data[size_t(i)]);
+    for (int64_t c = 0; c < 16; ++c) {
+      double mean = 0;
+      for (int64_t r = 0; r < V; ++r) mean += a.data[size_t(r * 16 + c)];
+      for (int64_t r = V; r < 45; ++r) CHECK(b.data[size_t(r * 16 + c)] == float(mean / V));
+      for (int64_t r = 45; r < 128; ++r) CHECK(b.data[size_t(r * 16 + c)] == 0.0f);
+    }
+  }
+  ours = orig;
+  grow_vocab(ours, V, V, Vp, "the test model");  // the same size: a re-pad
+  check_bit_identical(orig, ours);
+  CHECK_THROWS_WITH_AS(grow_vocab(ours, V, 30, Vp, "hf_dir"),
+                       doctest::Contains("model.vocab_size = 30 is smaller than the 37 words of hf_dir"), Error);
+}
+
 TEST_CASE("hf: missing, extra and misshapen tensors are errors naming the tensor") {
   const int V = 37, Vp = 64;
   const ModelConfig g = tiny_gpt2();

@@ -321,14 +321,26 @@ void TrainingRun::log_setup() const {
 // the save; the data order and the learning rate follow from the iteration alone.
 void TrainingRun::load_start() {
   const CheckpointConfig& ck = cfg_.checkpoint;
-  if (!ck.init_from_hf.empty()) {
-    load_weights(runner_, load_hf_model(ck.init_from_hf, cfg_.model, d_.V, d_.Vp), ck.init_from_hf);
-    if (logs()) log_line("weights: from the Hugging Face model {}", ck.init_from_hf);
-  } else if (!ck.init_from_llmc.empty()) {
-    TensorMap w = read_llmc_model(ck.init_from_llmc, nullptr, nullptr, nullptr);
-    repad_vocab(w, d_.V, d_.Vp);  // llm.c pads to 128, this layout to 128 * tp
-    load_weights(runner_, w, ck.init_from_llmc);
-    if (logs()) log_line("weights: from the llm.c model {}", ck.init_from_llmc);
+  // A model to start from, its vocabulary grown to model.vocab_size when that is larger (added
+  // tokens) and re-padded to this layout's padding (llm.c pads to 128, a layout to 128 * tp).
+  const bool hf = !ck.init_from_hf.empty();
+  if (hf || !ck.init_from_llmc.empty()) {
+    const std::string& from = hf ? ck.init_from_hf : ck.init_from_llmc;
+    int vocab = 0;
+    TensorMap w;
+    if (hf) {
+      read_hf_config(from, &vocab);
+      w = load_hf_model(from, cfg_.model, vocab, vocab);
+    } else {
+      w = read_llmc_model(from, nullptr, &vocab, nullptr);
+    }
+    grow_vocab(w, vocab, d_.V, d_.Vp, from);
+    load_weights(runner_, w, from);
+    if (logs())
+      log_line("weights: from the {} model {}{}", hf ? "Hugging Face" : "llm.c", from,
+               d_.V > vocab ? fmt::format("; vocabulary grown from {} to {} words (each new row the mean of the "
+                                          "model's rows)", vocab, d_.V)
+                            : std::string());
   }
   result_.first_iter = 1;
   if (!ck.load.empty()) {
