@@ -221,6 +221,14 @@ ckpt_test(vocab_grow ok "vocabulary grown from 257 to 300 words .*iter +2/2 .*lo
   "rm -rf ${CLI_DIR}/vg && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/vg/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/vg/s ${CLI_DIR}/vg/hf > /dev/null && ${BIN} convert --to llmc ${CLI_DIR}/vg/s ${CLI_DIR}/vg/m.bin > /dev/null && ${BIN} train ${CK} --init-from-hf ${CLI_DIR}/vg/hf --model.vocab_size 300 --training.train_iters 2 --training.log_interval 1 2>&1 | tr '\\n' ' ' && ${BIN} train ${CK} --init-from-llmc ${CLI_DIR}/vg/m.bin --model.vocab_size 384 --training.train_iters 1 2>&1 | tr '\\n' ' '")
 ckpt_test(vocab_shrink fail "model.vocab_size = 200 is smaller than the 257 words of .*/vs/hf: a vocabulary cannot shrink"
   "rm -rf ${CLI_DIR}/vs && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/vs/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/vs/s ${CLI_DIR}/vs/hf > /dev/null && ${BIN} train ${CK} --init-from-hf ${CLI_DIR}/vs/hf --model.vocab_size 200")
+# Fine-tuning from an mpigpt save (weights only, fresh optimizer, iteration 1 on) is the same start
+# as from its Hugging Face export: the same losses; it grows the vocabulary as the imports do;
+# with checkpoint.load it is refused.
+set(LOSSES "grep -o 'iter [12]/2 | samples [0-9]* | lr [^|]*| loss [0-9.]*'")
+ckpt_test(init_from_checkpoint ok "^same as from HF: 2 steps. vocabulary grown from 257 to 300 words"
+  "rm -rf ${CLI_DIR}/ic && ${BIN} train ${CK} --training.train_iters 3 --checkpoint.save ${CLI_DIR}/ic/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/ic/s ${CLI_DIR}/ic/hf > /dev/null && ${BIN} train ${CK} --init-from-checkpoint ${CLI_DIR}/ic/s --training.train_iters 2 --training.log_interval 1 | ${LOSSES} > ${CLI_DIR}/ic/a && ${BIN} train ${CK} --init-from-hf ${CLI_DIR}/ic/hf --training.train_iters 2 --training.log_interval 1 | ${LOSSES} > ${CLI_DIR}/ic/b && [ $(wc -l < ${CLI_DIR}/ic/a) = 2 ] && cmp ${CLI_DIR}/ic/a ${CLI_DIR}/ic/b && echo same as from HF: 2 steps. $(${BIN} train ${CK} --init-from-checkpoint ${CLI_DIR}/ic/s/iter_0000003 --model.vocab_size 300 --training.train_iters 1 | grep -o 'vocabulary grown from [0-9]* to [0-9]* words')")
+ckpt_test(init_from_checkpoint_and_load fail "give at most one place to start from"
+  "${BIN} train ${CK} --init-from-checkpoint ${CLI_DIR}/ic/s --checkpoint.load ${CLI_DIR}/ic/s")
 
 # Context parallelism and packed sequences: bad settings end every rank with the field named;
 # a cp2 run with packing evaluates, saves, and resumes on one rank (parameters are replicated

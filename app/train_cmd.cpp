@@ -14,6 +14,7 @@
 #include "io/formats/hf_format.h"
 #include "io/formats/llmc_model.h"
 #include "lib/core/log.h"
+#include "lib/train/checkpointing.h"
 #include "lib/train/layout.h"
 #include "lib/train/trainer.h"
 
@@ -149,6 +150,9 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     read_llmc_model(cfg.checkpoint.init_from_llmc, &m, &vocab, nullptr);
     m.vocab_size = vocab;
     cfg.adopt_model(m, cfg.checkpoint.init_from_llmc);
+  } else if (!cfg.checkpoint.init_from_checkpoint.empty()) {
+    const std::string& from = cfg.checkpoint.init_from_checkpoint;
+    cfg.adopt_model(read_checkpoint_config(from, "checkpoint.init_from_checkpoint = " + from).model, from);
   }
   if (world_size != mpi.size() && !dry_run)
     fail("--world-size {} only plans a layout with --dry-run; this job has {} rank(s)", world_size, mpi.size());

@@ -160,6 +160,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(checkpoint, keep_last, "keep only the newest N saves (0: keep all)"),
       MPIGPT_OPTION(checkpoint, init_from_hf, "start from a Hugging Face model directory (config.json + safetensors)"),
       MPIGPT_OPTION(checkpoint, init_from_llmc, "start from an llm.c GPT-2 model file (gpt2_124M.bin)"),
+      MPIGPT_OPTION(checkpoint, init_from_checkpoint, "start from an mpigpt save's weights: fresh optimizer, iteration 0"),
   };
   return table;
 }

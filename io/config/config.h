@@ -118,6 +118,7 @@ struct CheckpointConfig {
   int keep_last = 0;                    // keep only the newest N saves (0: keep all)
   std::string init_from_hf;             // start from a Hugging Face model directory (config.json + safetensors)
   std::string init_from_llmc;           // start from an llm.c GPT-2 model file (gpt2_124M.bin)
+  std::string init_from_checkpoint;     // start from an mpigpt save's weights: fresh optimizer, iteration 0
 };
 
 struct Config {

@@ -116,7 +116,7 @@ void check_ranges(const Config& c) {
   at_least("training.train_iters", t.train_iters, int64_t{0});
   if (t.train_iters == 0 && c.checkpoint.save.empty())
     fail("training.train_iters = 0 trains nothing: it saves the initial model (random, or from "
-         "checkpoint.init_from_hf/llmc) to checkpoint.save, which is not set; set it, or train for some steps");
+         "checkpoint.init_from_*) to checkpoint.save, which is not set; set it, or train for some steps");
   at_least("training.warmup_iters", t.warmup_iters, int64_t{0});
   at_least("training.decay_iters", t.decay_iters, int64_t{0});
   at_least("training.eval_interval", t.eval_interval, int64_t{0});
@@ -140,11 +140,12 @@ void check_ranges(const Config& c) {
   at_least("checkpoint.keep_last", c.checkpoint.keep_last, 0);
   {
     const CheckpointConfig& k = c.checkpoint;
-    const int starts = !k.load.empty() + !k.init_from_hf.empty() + !k.init_from_llmc.empty();
+    const int starts =
+        !k.load.empty() + !k.init_from_hf.empty() + !k.init_from_llmc.empty() + !k.init_from_checkpoint.empty();
     if (starts > 1)
-      fail("checkpoint.load = '{}', checkpoint.init_from_hf = '{}' and checkpoint.init_from_llmc = '{}': give at most "
-           "one place to start from (load resumes a run, init_from_* only takes the weights)", k.load, k.init_from_hf,
-           k.init_from_llmc);
+      fail("checkpoint.load = '{}', checkpoint.init_from_hf = '{}', checkpoint.init_from_llmc = '{}' and "
+           "checkpoint.init_from_checkpoint = '{}': give at most one place to start from (load resumes a run, "
+           "init_from_* only takes the weights)", k.load, k.init_from_hf, k.init_from_llmc, k.init_from_checkpoint);
   }
   if (c.checkpoint.save_interval > 0 && c.checkpoint.save.empty())
     fail("checkpoint.save_interval = {} but checkpoint.save is empty; set checkpoint.save = DIR to save, "

@@ -446,6 +446,22 @@ void load_weights(ModelRunner& r, const TensorMap& global, const std::string& so
   host.upload();
 }
 
+namespace {
+
+Config saved_config(const CheckpointReader& in, const std::string& file) {
+  Config cfg = parse_config_text(in.attr_string("config"), file + " (its saved configuration)");
+  cfg.model.vocab_size = int(in.attr_int("model.vocab_size"));  // 0 in the INI: it came from the tokenizer
+  cfg.resolve_defaults();
+  return cfg;
+}
+
+}  // namespace
+
+Config read_checkpoint_config(const std::string& root, const std::string& given) {
+  const std::string file = resolve_checkpoint(root, given);
+  return saved_config(CheckpointReader(MPI_COMM_SELF, file), file);
+}
+
 TensorMap read_model_tensors(const std::string& root, Config* cfg, const std::string& given) {
   const std::string file = resolve_checkpoint(root, given);
   CheckpointReader in(MPI_COMM_SELF, file);
@@ -459,11 +475,7 @@ TensorMap read_model_tensors(const std::string& root, Config* cfg, const std::st
     in.read(n, {Piece{Box{0, rows, 0, cols}, t.data.data()}});
     out[n.substr(6)] = std::move(t);
   }
-  if (cfg) {
-    *cfg = parse_config_text(in.attr_string("config"), file + " (its saved configuration)");
-    cfg->model.vocab_size = int(in.attr_int("model.vocab_size"));  // 0 in the INI: it came from the tokenizer
-    cfg->resolve_defaults();
-  }
+  if (cfg) *cfg = saved_config(in, file);
   return out;
 }
 

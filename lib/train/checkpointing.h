@@ -77,6 +77,8 @@ void load_weights(ModelRunner& runner, const TensorMap& global, const std::strin
 // One process: every model tensor of the save `root` points to, and (if cfg) its configuration;
 // `given` as for resolve_checkpoint.
 TensorMap read_model_tensors(const std::string& root, Config* cfg, const std::string& given = {});
+// One process: the configuration of the save `root` points to (its model shape resolved).
+Config read_checkpoint_config(const std::string& root, const std::string& given = {});
 // One process: a save (iteration 0, zero Adam moments) of whole tensors into root/iter_0000000.
 void write_model_checkpoint(const std::string& root, const TensorMap& model, const Config& cfg, const GptDims& d,
                             const std::string& source);

@@ -323,21 +323,25 @@ void TrainingRun::load_start() {
   const CheckpointConfig& ck = cfg_.checkpoint;
   // A model to start from, its vocabulary grown to model.vocab_size when that is larger (added
   // tokens) and re-padded to this layout's padding (llm.c pads to 128, a layout to 128 * tp).
-  const bool hf = !ck.init_from_hf.empty();
-  if (hf || !ck.init_from_llmc.empty()) {
-    const std::string& from = hf ? ck.init_from_hf : ck.init_from_llmc;
+  const bool hf = !ck.init_from_hf.empty(), llmc = !ck.init_from_llmc.empty();
+  if (hf || llmc || !ck.init_from_checkpoint.empty()) {
+    const std::string& from = hf ? ck.init_from_hf : llmc ? ck.init_from_llmc : ck.init_from_checkpoint;
     int vocab = 0;
     TensorMap w;
     if (hf) {
       read_hf_config(from, &vocab);
       w = load_hf_model(from, cfg_.model, vocab, vocab);
-    } else {
+    } else if (llmc) {
       w = read_llmc_model(from, nullptr, &vocab, nullptr);
+    } else {  // an mpigpt save: its weights only (Megatron's --finetune)
+      Config saved;
+      w = read_model_tensors(from, &saved, "checkpoint.init_from_checkpoint = " + from);
+      vocab = saved.model.vocab_size;
     }
     grow_vocab(w, vocab, d_.V, d_.Vp, from);
     load_weights(runner_, w, from);
     if (logs())
-      log_line("weights: from the {} model {}{}", hf ? "Hugging Face" : "llm.c", from,
+      log_line("weights: from the {} {}{}", hf ? "Hugging Face model" : llmc ? "llm.c model" : "checkpoint", from,
                d_.V > vocab ? fmt::format("; vocabulary grown from {} to {} words (each new row the mean of the "
                                           "model's rows)", vocab, d_.V)
                             : std::string());
