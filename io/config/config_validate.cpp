@@ -152,14 +152,8 @@ void check_ranges(const Config& c) {
          "or save_interval = 0", c.checkpoint.save_interval);
 }
 
-// Needs check_ranges() first: the sizes here are known positive.
-void check_layout(const Config& c, int world_size) {
-  const ParallelConfig& p = c.parallel;
-  const EngineConfig& e = c.engine;
-  const TrainingConfig& t = c.training;
-  const ModelConfig& m = c.model;
-  const int dp = c.dp(world_size);
-
+// The expert grid (expert_tp x ep x expert-dp) must re-divide each pipeline stage's ranks.
+void check_expert_grid(const ParallelConfig& p, int world_size, int dp) {
   const int dense = world_size / p.pp;  // the expert grid re-divides each pipeline stage's ranks
   if (dense % (p.expert_tp * p.ep) != 0)
     fail("parallel.expert_tp * parallel.ep = {}*{} = {} does not divide the {} ranks of a pipeline stage "
@@ -185,25 +179,11 @@ void check_layout(const Config& c, int world_size) {
            p.tp, p.cp, dp, expert_stride, p.expert_tp, p.ep, dense / (p.expert_tp * p.ep),
            p.cp > 1 ? " (the expert grid has no cp axis: ep takes the place of cp and dp)" : "");
   }
+}
 
-  if (e.comm == "nccl" && e.backend != "cuda")
-    fail("engine.comm = nccl needs engine.backend = cuda (it is {}): NCCL moves GPU memory, host tensors always go "
-         "through MPI; set engine.comm = auto (or mpi), or engine.backend = cuda", e.backend);
-  if (e.attention_backend == "cudnn") check_cudnn_attention(c);
-  if (e.overlap_param_gather && !(e.distributed_optimizer && e.overlap_grad_reduce))
-    fail("engine.overlap_param_gather = true needs engine.distributed_optimizer = true and "
-         "engine.overlap_grad_reduce = true (they are {} and {}); turn both on or overlap_param_gather off",
-         e.distributed_optimizer, e.overlap_grad_reduce);
-  if (t.precision == "bf16" && e.grad_accum_dtype != "fp32")
-    fail("training.precision = bf16 needs engine.grad_accum_dtype = fp32 (it is {}): bf16 gradients lose "
-         "small updates when accumulated; set engine.grad_accum_dtype = fp32", e.grad_accum_dtype);
-
-  const int64_t per_step = int64_t{t.micro_batch} * dp;
-  if (t.global_batch % per_step != 0)
-    fail("training.global_batch = {} is not divisible by training.micro_batch * dp = {}*{} = {} "
-         "(dp = world size {} / (tp*pp*cp)); set global_batch to a multiple of {}",
-         t.global_batch, t.micro_batch, dp, per_step, world_size, per_step);
-
+// The model's dimensions must split over the layout: layers over the pipeline, heads and MLP over
+// tp, the sequence over cp.
+void check_model_split(const ModelConfig& m, const ParallelConfig& p) {
   pipeline_layers(p, m.num_layers);
   if (m.num_heads % p.tp != 0)
     fail("model.num_heads = {} is not divisible by parallel.tp = {}; each tp rank holds whole heads: "
@@ -229,6 +209,37 @@ void check_layout(const Config& c, int world_size) {
   if (m.family == "gpt2" && m.max_position < m.seq_len)
     fail("model.max_position = {} is smaller than model.seq_len = {}; the learned position table needs a row "
          "per position: set max_position >= seq_len (or 0 for = seq_len)", m.max_position, m.seq_len);
+}
+
+// Needs check_ranges() first: the sizes here are known positive.
+void check_layout(const Config& c, int world_size) {
+  const ParallelConfig& p = c.parallel;
+  const EngineConfig& e = c.engine;
+  const TrainingConfig& t = c.training;
+  const ModelConfig& m = c.model;
+  const int dp = c.dp(world_size);
+
+  check_expert_grid(p, world_size, dp);
+
+  if (e.comm == "nccl" && e.backend != "cuda")
+    fail("engine.comm = nccl needs engine.backend = cuda (it is {}): NCCL moves GPU memory, host tensors always go "
+         "through MPI; set engine.comm = auto (or mpi), or engine.backend = cuda", e.backend);
+  if (e.attention_backend == "cudnn") check_cudnn_attention(c);
+  if (e.overlap_param_gather && !(e.distributed_optimizer && e.overlap_grad_reduce))
+    fail("engine.overlap_param_gather = true needs engine.distributed_optimizer = true and "
+         "engine.overlap_grad_reduce = true (they are {} and {}); turn both on or overlap_param_gather off",
+         e.distributed_optimizer, e.overlap_grad_reduce);
+  if (t.precision == "bf16" && e.grad_accum_dtype != "fp32")
+    fail("training.precision = bf16 needs engine.grad_accum_dtype = fp32 (it is {}): bf16 gradients lose "
+         "small updates when accumulated; set engine.grad_accum_dtype = fp32", e.grad_accum_dtype);
+
+  const int64_t per_step = int64_t{t.micro_batch} * dp;
+  if (t.global_batch % per_step != 0)
+    fail("training.global_batch = {} is not divisible by training.micro_batch * dp = {}*{} = {} "
+         "(dp = world size {} / (tp*pp*cp)); set global_batch to a multiple of {}",
+         t.global_batch, t.micro_batch, dp, per_step, world_size, per_step);
+
+  check_model_split(m, p);
 
   if (p.ep > 1 && p.tp > 1 && !p.sequence_parallel)
     fail("parallel.ep = {} with parallel.tp = {} needs parallel.sequence_parallel = true (the MoE token "
