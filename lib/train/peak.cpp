@@ -32,11 +32,7 @@ double dense_bf16_peak_flops(const std::string& gpu) {
 }
 
 double measured_peak_flops(Ops& ops) {
-  if (ops.device() == Device::CUDA) {
-    const double table = dense_bf16_peak_flops(ops.name());
-    if (table > 0) return table;
-  }
-  // An unknown GPU is timed on bf16 operands big enough to fill it; the CPU on fp32.
+  // A GPU is timed on bf16 operands big enough to fill it; the CPU on fp32.
   const bool gpu = ops.device() == Device::CUDA;
   const int64_t n = gpu ? 8192 : 1024;
   const DType dt = gpu ? DType::BF16 : DType::F32;

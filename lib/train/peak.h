@@ -12,9 +12,8 @@ namespace mpigpt {
 // Megatron-LM and llm.c report MFU against.
 double dense_bf16_peak_flops(const std::string& gpu);
 
-// The backend's peak: the table's figure for a known GPU (named by the backend), else a measured
-// GEMM rate (bf16 on a GPU, fp32 on the CPU: the best rate of a large GEMM on this machine, what
-// the hardware can really do here).
+// The backend's measured GEMM rate: the best of a large GEMM on this machine (bf16 8192^3 on a
+// GPU, fp32 1024^3 on the CPU), what the hardware can really do here.
 double measured_peak_flops(Ops& ops);
 
 // What MFU is measured against, per rank: flops 0 where no figure would be true, and `what` says
@@ -23,9 +22,10 @@ struct MfuPeak {
   double flops = 0;
   std::string what;
 };
-// training.peak_tflops when > 0; else measured_peak_flops, except on the CPU when the `node_ranks`
-// ranks of this node times this rank's OpenMP threads outnumber the node's `cores`: a GEMM then
-// measures a share of the machine, and MFU against it would read high.
+// training.peak_tflops when > 0; else a GPU's dense_bf16_peak_flops, or measured_peak_flops,
+// except on the CPU when the `node_ranks` ranks of this node times this rank's OpenMP threads
+// outnumber the node's `cores`: a GEMM then measures a share of the machine, and MFU against it
+// would read high.
 MfuPeak mfu_peak(double peak_tflops, Ops& ops, int node_ranks, unsigned cores);
 
 }  // namespace mpigpt
