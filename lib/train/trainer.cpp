@@ -375,7 +375,8 @@ TrainResult TrainingRun::loop() {
   for (int64_t it = result_.first_iter; it <= tc_.train_iters; ++it) {
     const StepResult s = step(it);
     record(it, s);
-    if ((data_.valid || !data_.train) && tc_.eval_interval > 0 && (it % tc_.eval_interval == 0 || it == tc_.train_iters)) validate(it);
+    const bool has_valid = data_.valid || !data_.train;  // synthetic data has a validation stream too
+    if (has_valid && tc_.eval_interval > 0 && (it % tc_.eval_interval == 0 || it == tc_.train_iters)) validate(it);
     if (save_or_stop(it, s.lr, term)) break;
   }
   result_.activation_bytes = int64_t(runner_.activation_bytes());
@@ -487,7 +488,7 @@ double TrainingRun::evaluate() {
   for (int64_t k = 1; k <= tc_.eval_iters; ++k) {
     count += double(read_batch(k, false));
     loss += runner_.forward_only(tokens_.data(), targets_.data(), positions_.empty() ? nullptr : positions_.data(),
-                                 int(per_rank_ / tc_.micro_batch));
+                                 num_micro_);
   }
   dp_cp_.allreduce_sum(&loss, 1);
   return loss / std::max(count, 1.0);
