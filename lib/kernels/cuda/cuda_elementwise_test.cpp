@@ -73,7 +73,7 @@ TEST_CASE("cuda embedding forward/backward match the CPU (vocabulary slice, toke
       }
 
       // Backward: the F32 gradients accumulate onto what they hold. Each element sums at most a
-      // few O(1) rows; the GPU adds them with atomics in any order: a few fp32 roundings.
+      // few O(1) rows, in n order on both sides, but grouped otherwise: a few fp32 roundings.
       const auto dout = in_dtype(random_normal(size_t(N * C), 301, 2), dt);
       const auto dte0 = random_normal(size_t(rows * C), 301, 3), dpe0 = random_normal(size_t(maxT * C), 301, 4);
       auto g_dout = to_device(*ops, dout, {N, C}, dt);
@@ -95,6 +95,47 @@ TEST_CASE("cuda embedding forward/backward match the CPU (vocabulary slice, toke
       auto g_dpe = to_device(*ops, dpe0, {maxT, C});
       ops->embedding_backward(Tensor(), g_dpe.t, g_dout.t, g_tok.t, g_pos.t, vocab_start);
       check_close(to_host(*ops, g_dpe.t), dpe, 1e-6, 1e-6, "dwpe alone");
+    }
+  }
+}
+
+TEST_CASE("cuda embedding backward: long runs of one token, the same bits on every run") {
+  auto ops = cuda_ops_or_skip();
+  // 1000 tokens, 60% of them token 3 (a run over many 32-place chunks), the rest spread over 40
+  // rows; positions n % 50. Both scalar and packed columns.
+  const int64_t N = 1000, rows = 40, maxT = 50;
+  std::vector<int32_t> tokens(static_cast<size_t>(N)), pos(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) {
+    tokens[size_t(n)] = n % 5 < 3 ? 3 : int32_t((n * 7) % rows);
+    pos[size_t(n)] = int32_t(n % maxT);
+  }
+  for (int64_t C : {int64_t(64), int64_t(13)}) {
+    CAPTURE(C);
+    const auto dout = random_normal(size_t(N * C), 302, 0);
+    auto g_tok = to_device(*ops, tokens, {N});
+    auto g_pos = to_device(*ops, pos, {N});
+    auto g_dout = to_device(*ops, dout, {N, C});
+    // A double reference, and the bound of any order of fp32 additions: count * 2^-24 * sum |x|.
+    std::vector<double> want(static_cast<size_t>(rows * C)), bound(static_cast<size_t>(rows * C));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c) {
+        const size_t i = size_t(tokens[size_t(n)] * C + c);
+        want[i] += dout[size_t(n * C + c)];
+        bound[i] += std::fabs(dout[size_t(n * C + c)]) * double(N) * std::ldexp(1.0, -24);
+      }
+    std::vector<float> first;
+    for (int run = 0; run < 3; ++run) {
+      auto g_dte = zeros(*ops, {rows, C});
+      auto g_dpe = zeros(*ops, {maxT, C});
+      ops->embedding_backward(g_dte.t, g_dpe.t, g_dout.t, g_tok.t, g_pos.t, 0);
+      const auto got = to_host(*ops, g_dte.t);
+      if (run == 0) {
+        first = got;
+        size_t bad = 0;
+        for (size_t i = 0; i < got.size(); ++i) bad += !(std::fabs(got[i] - want[i]) <= bound[i]);
+        CHECK_MESSAGE(bad == 0, bad, " of ", got.size(), " dwte elements outside the fp32 summation bound");
+      }
+      CHECK_MESSAGE(got == first, "run ", run, " gave other bits than run 0");
     }
   }
 }

@@ -54,49 +54,132 @@ __global__ void embedding_forward_kernel(T* __restrict__ out, const int32_t* __r
   }
 }
 
-// d[0:W) += v[0:W) atomically: one 16-byte atomic per 4 floats on sm_90 (W % 4 == 0 and d 16-byte
-// aligned by the launch condition), else scalar atomics.
-template <int W>
-__device__ __forceinline__ void atomic_add_floats(float* d, const float (&v)[W]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kVector = W % 4 == 0;
-#else
-  constexpr bool kVector = false;
-#endif
-  if constexpr (kVector) {
-#pragma unroll
-    for (int q = 0; q < W / 4; ++q)
-      atomicAdd(reinterpret_cast<float4*>(d) + q, make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]));
-  } else {
-#pragma unroll
-    for (int j = 0; j < W; ++j) atomicAdd(d + j, v[j]);
+// ---- backward: a deterministic scatter-add of dout rows by key ----------------------------------
+// d (rows,C) f32 += the dout rows n whose key k = keys[n] - off is in [0, rows), added up in order of
+// n and grouped the same way on every run (sort by key, then segmented sums, as PyTorch's; no float
+// atomics), so that a run and its resumption give the same bits. Sorting: a count per key, a scan,
+// a placement by integer atomics, then each bucket put in order of n. P = start[rows] keys sort.
+
+__global__ void count_keys_kernel(int32_t* count, const int32_t* keys, int64_t N, int64_t rows, int64_t off) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k = keys[n] - off;
+    if (k >= 0 && k < rows) atomicAdd(count + k, 1);
   }
 }
 
-// dwte (rows,C) += dout rows by token - vocab_start (rows outside [0, rows) skipped); dwpe (maxT,C)
-// += dout rows by position (out-of-range positions skipped). Either may be null. Float atomics: one
-// pass over dout, no sort, but the order in which repeated tokens add up varies from run to run, so
-// dwte/dwpe are reproducible only to fp32 rounding (not bitwise, unlike the CPU backend).
-template <class T, int W>
-__global__ void embedding_backward_kernel(float* dwte, float* dwpe, const T* __restrict__ dout,
-                                          const int32_t* __restrict__ tokens, const int32_t* __restrict__ positions,
-                                          int64_t N, int64_t C, int64_t rows, int64_t max_pos, int64_t vocab_start) {
-  const int64_t PC = C / W, total = N * PC;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t n = i / PC, c = (i - n * PC) * W;
-    const Pack<T, W> g = *reinterpret_cast<const Pack<T, W>*>(dout + n * C + c);
-    float v[W];
-#pragma unroll
-    for (int j = 0; j < W; ++j) v[j] = to_f(g.v[j]);
-    if (dwte) {
-      const int64_t r = int64_t(tokens[n]) - vocab_start;
-      if (r >= 0 && r < rows) atomic_add_floats<W>(dwte + r * C + c, v);
-    }
-    if (dwpe) {
-      const int64_t p = positions[n];
-      if (p >= 0 && p < max_pos) atomic_add_floats<W>(dwpe + p * C + c, v);
-    }
+// start[0..rows] = exclusive prefix sums of count; cursor = start. One block, a run of keys a thread.
+constexpr int kScan = 512;
+__global__ void scan_keys_kernel(int32_t* start, int32_t* cursor, const int32_t* count, int64_t rows) {
+  __shared__ int32_t part[kScan];
+  const int64_t per = (rows + kScan - 1) / kScan, a = min(rows, threadIdx.x * per), b = min(rows, a + per);
+  int32_t s = 0;
+  for (int64_t k = a; k < b; ++k) s += count[k];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int o = 1; o < kScan; o <<= 1) {  // inclusive scan of the threads' totals
+    const int32_t v = int(threadIdx.x) >= o ? part[threadIdx.x - o] : 0;
+    __syncthreads();
+    part[threadIdx.x] += v;
+    __syncthreads();
   }
+  s = part[threadIdx.x] - s;
+  for (int64_t k = a; k < b; ++k) {  // cursor may be count itself: read before writing
+    const int32_t n = count[k];
+    start[k] = cursor[k] = s;
+    s += n;
+  }
+  if (threadIdx.x == kScan - 1) start[rows] = s;
+}
+
+// slot[cursor[k]++] = n: each bucket gets its members in an order that varies from run to run.
+__global__ void place_keys_kernel(int32_t* slot, int32_t* cursor, const int32_t* keys, int64_t N, int64_t rows,
+                                  int64_t off) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k = keys[n] - off;
+    if (k >= 0 && k < rows) slot[atomicAdd(cursor + k, 1)] = int32_t(n);
+  }
+}
+
+// sorted = slot with each bucket in order of n (a member's place: the members below it).
+__global__ void order_buckets_kernel(int32_t* sorted, const int32_t* slot, const int32_t* start,
+                                     const int32_t* keys, int64_t rows, int64_t off) {
+  const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= start[rows]) return;
+  const int32_t v = slot[p];
+  const int64_t k = keys[v] - off;
+  int32_t r = start[k];
+  for (int32_t q = start[k]; q < start[k + 1]; ++q) r += slot[q] < v;
+  sorted[r] = v;
+}
+
+// Segmented sums over chunks of kChunk sorted places, one thread per (chunk j, pack of W columns).
+// A run of one key inside the chunk is added to d directly (this thread is its only writer); a run
+// cut by the chunk's start goes to part[2j], one cut only by its end to part[2j+1], for the fold.
+constexpr int kChunk = 32;
+template <class T, int W>
+__global__ void chunk_sums_kernel(float* d, float* part, const T* __restrict__ dout, const int32_t* sorted,
+                                  const int32_t* start, const int32_t* keys, int64_t rows, int64_t C, int64_t off,
+                                  int64_t chunks) {
+  const int64_t PC = C / W, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, P = start[rows];
+  const int64_t j = i / PC, c = (i - j * PC) * W, a = j * kChunk, e = min(P, a + kChunk);
+  if (j >= chunks || a >= P) return;
+  for (int64_t p = a; p < e;) {
+    const int64_t k = keys[sorted[p]] - off;
+    float acc[W] = {};
+    const int64_t q0 = p;
+    for (; p < e && keys[sorted[p]] - off == k; ++p) {
+      const Pack<T, W> g = load_pack<W>(dout + sorted[p] * C + c);
+#pragma unroll
+      for (int w = 0; w < W; ++w) acc[w] += to_f(g.v[w]);
+    }
+    const bool before = q0 == a && a > 0 && keys[sorted[a - 1]] - off == k;
+    const bool after = p == e && e < P && keys[sorted[e]] - off == k;
+    float* out = before ? part + (2 * j) * C + c : after ? part + (2 * j + 1) * C + c : d + k * C + c;
+#pragma unroll
+    for (int w = 0; w < W; ++w) out[w] = (before || after) ? acc[w] : out[w] + acc[w];
+  }
+}
+
+// For each run cut by a chunk's end that started in that chunk: its part plus the next chunks'
+// leading parts, in order, added to d.
+template <int W>
+__global__ void fold_chunks_kernel(float* d, const float* part, const int32_t* sorted, const int32_t* start,
+                                   const int32_t* keys, int64_t rows, int64_t C, int64_t off, int64_t chunks) {
+  const int64_t PC = C / W, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, P = start[rows];
+  const int64_t j = i / PC, c = (i - j * PC) * W, a = j * kChunk, e = min(P, a + kChunk);
+  if (j >= chunks || e >= P) return;
+  const int64_t k = keys[sorted[e - 1]] - off;
+  if (keys[sorted[e]] - off != k || (a > 0 && keys[sorted[a - 1]] - off == k)) return;
+  float acc[W];
+#pragma unroll
+  for (int w = 0; w < W; ++w) acc[w] = part[(2 * j + 1) * C + c + w];
+  for (int64_t jj = j + 1, aa = e; aa < P && keys[sorted[aa]] - off == k; ++jj, aa += kChunk) {
+#pragma unroll
+    for (int w = 0; w < W; ++w) acc[w] += part[(2 * jj) * C + c + w];
+  }
+#pragma unroll
+  for (int w = 0; w < W; ++w) d[k * C + c + w] += acc[w];
+}
+
+template <class T, int W>
+void scatter_rows_sorted(CudaOps& ops, float* d, int64_t rows, const T* dout, const int32_t* keys, int64_t N,
+                         int64_t C, int64_t off) {
+  const int64_t chunks = (N + kChunk - 1) / kChunk, ints = 2 * (rows + 1) + 2 * N;
+  CudaOps::Scratch ws = ops.scratch(size_t(ints) * sizeof(int32_t) + size_t(2 * chunks * C) * sizeof(float));
+  int32_t *count = static_cast<int32_t*>(ws.ptr), *start = count + rows + 1, *slot = start + rows + 1,
+          *sorted = slot + N;
+  float* part = reinterpret_cast<float*>(sorted + N);
+  cudaStream_t s = ops.cuda_stream();
+  MPIGPT_CUDA(cudaMemsetAsync(count, 0, size_t(rows) * sizeof(int32_t), s));
+  count_keys_kernel<<<grid_for(N), kThreads, 0, s>>>(count, keys, N, rows, off);
+  scan_keys_kernel<<<1, kScan, 0, s>>>(start, count, count, rows);  // count becomes the cursor
+  place_keys_kernel<<<grid_for(N), kThreads, 0, s>>>(slot, count, keys, N, rows, off);
+  order_buckets_kernel<<<unsigned((N + kThreads - 1) / kThreads), kThreads, 0, s>>>(sorted, slot, start, keys, rows,
+                                                                                     off);
+  const unsigned g = unsigned((chunks * (C / W) + kThreads - 1) / kThreads);
+  chunk_sums_kernel<T, W><<<g, kThreads, 0, s>>>(d, part, dout, sorted, start, keys, rows, C, off, chunks);
+  fold_chunks_kernel<W><<<g, kThreads, 0, s>>>(d, part, sorted, start, keys, rows, C, off, chunks);
+  MPIGPT_CUDA_LAUNCHED();
 }
 
 }  // namespace
@@ -133,33 +216,21 @@ void CudaOps::embedding_forward_impl(Tensor out, Tensor tokens, Tensor positions
 void CudaOps::embedding_backward_impl(Tensor dwte, Tensor dwpe, Tensor dout, Tensor tokens, Tensor positions,
                                       int64_t vocab_start) {
   // dwte (rows,C) f32 += scatter of dout (N,C) rows by token; dwpe (maxT,C) f32 += scatter by position
-  const char* op = "embedding_backward";
-  const DType dt = dout.dtype;
   const RowsCols mo = rows_cols(dout);
   const int64_t N = mo.rows, C = mo.cols;
-  int64_t rows = 0, max_pos = 0;
-  if (dwte.defined()) {
-    rows = rows_cols(dwte).rows;
-  }
-  if (dwpe.defined()) {
-    max_pos = rows_cols(dwpe).rows;
-  }
-  if ((!dwte.defined() && !dwpe.defined()) || N == 0 || C == 0) return;
-  dispatch_float(dt, op, [&](auto tag) {
+  if (N == 0 || C == 0) return;
+  dispatch_float(dout.dtype, "embedding_backward", [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
-    const bool vec = C % V == 0 && aligned16(dout) && aligned16(dwte) && aligned16(dwpe);  // undefined: nullptr
-    float* dE = dwte.defined() ? ptr<float>(dwte) : nullptr;
-    float* dP = dwpe.defined() ? ptr<float>(dwpe) : nullptr;
-    const int32_t* tok = dwte.defined() ? ptr<int32_t>(tokens) : nullptr;
-    const int32_t* pos = dwpe.defined() ? ptr<int32_t>(positions) : nullptr;
-    if (vec)
-      embedding_backward_kernel<T, V><<<grid_for(N * C / V), kThreads, 0, cuda_stream()>>>(
-          dE, dP, ptr<T>(dout), tok, pos, N, C, rows, max_pos, vocab_start);
-    else
-      embedding_backward_kernel<T, 1><<<grid_for(N * C), kThreads, 0, cuda_stream()>>>(
-          dE, dP, ptr<T>(dout), tok, pos, N, C, rows, max_pos, vocab_start);
-    MPIGPT_CUDA_LAUNCHED();
+    const auto scatter = [&](Tensor d, Tensor keys, int64_t off) {
+      if (!d.defined()) return;
+      if (C % V == 0 && aligned16(dout))
+        scatter_rows_sorted<T, V>(*this, ptr<float>(d), rows_cols(d).rows, ptr<T>(dout), ptr<int32_t>(keys), N, C, off);
+      else
+        scatter_rows_sorted<T, 1>(*this, ptr<float>(d), rows_cols(d).rows, ptr<T>(dout), ptr<int32_t>(keys), N, C, off);
+    };
+    scatter(dwte, tokens, vocab_start);
+    scatter(dwpe, positions, 0);
   });
 }
 
