@@ -60,10 +60,9 @@ struct Tolerance {
 inline Tolerance tolerance(DType dt) { return dt == DType::F32 ? Tolerance{1e-4, 1e-4} : Tolerance{1e-2, 2e-2}; }
 
 // The GPU's forward and backward of random inputs against the CPU backend's. between_passes runs
-// after the forward (a test may switch the GPU's attention backend there); with deterministic,
-// a second backward must give bitwise the same gradient.
-inline void compare(const Geometry& g, DType dt, Ops& gpu, Ops& cpu, const std::function<void()>& between_passes = {},
-                    bool deterministic = true) {
+// after the forward (a test may switch the GPU's attention backend there); a second backward must
+// give bitwise the same gradient.
+inline void compare(const Geometry& g, DType dt, Ops& gpu, Ops& cpu, const std::function<void()>& between_passes = {}) {
   const Shape sqkv{g.B, g.T, g.R()}, sout{g.B, g.T, g.C()};
   auto qkv = random_normal(size_t(g.B * g.T * g.R()), 301, uint64_t(g.T * 1000 + g.HD));
   auto dout = random_normal(size_t(g.B * g.T * g.C()), 302, uint64_t(g.T * 1000 + g.HD));
@@ -101,9 +100,8 @@ inline void compare(const Geometry& g, DType dt, Ops& gpu, Ops& cpu, const std::
   r = allclose(dqkv, dqkv_cpu, tol.grad, tol.grad);
   CHECK_MESSAGE(r.ok, "dqkv: ", r.str());
 
-  // The builtin kernels sum every gradient element in one thread in a fixed order: a rerun is
-  // bitwise equal.
-  if (!deterministic) return;
+  // Every backward is deterministic (the builtin kernels sum each gradient element in one thread in
+  // a fixed order; cuDNN's is asked for its deterministic reductions): a rerun is bitwise equal.
   gpu.attention_backward(d_dqkv.t, d_dout.t, d_qkv.t, d_out.t, d_saved.t, g.NH, g.NKV, g.HD);
   CHECK(to_host(gpu, d_dqkv.t) == dqkv);
 }

@@ -49,7 +49,6 @@ bool CudnnSdpa::prepare(const SdpaShape&, std::string* why) {
 }
 SdpaPlans CudnnSdpa::plans(const SdpaShape&) const { return {}; }
 size_t CudnnSdpa::workspace_bytes(const SdpaShape&) const { return 0; }
-std::vector<SdpaBinding> cudnn_sdpa_bindings(const SdpaShape&, bool) { throw Error(cudnn_load_error()); }
 void CudnnSdpa::forward(const SdpaShape&, void*, float*, const void*, void*) { throw Error(cudnn_load_error()); }
 void CudnnSdpa::backward(const SdpaShape&, void*, const void*, const void*, const void*, const float*, void*) {
   throw Error(cudnn_load_error());
@@ -209,34 +208,20 @@ void make_plan(Planned& p, Target target) {
   fail("no cuDNN engine runs the {} graph{}", p.graph.name(), tried);
 }
 
-// The buffers of one call, by SdpaBuffer.
-struct Buffers {
-  void *qkv = nullptr, *out = nullptr, *dout = nullptr, *dqkv = nullptr;
-  float *lse = nullptr, *rowdot = nullptr, *dq_accum = nullptr;
+// One user tensor of an execution: its id and where it lies (a host scalar's address for the
+// by-value ones, read when the call is queued).
+struct Bound {
+  SdpaTensorId uid;
+  const void* ptr;
 };
 
-// Queues plan p with the variant pack of the bindings over buffers b, and the workspace.
-void execute(cudnnHandle_t handle, const Planned& p, const std::vector<SdpaBinding>& bindings, const Buffers& b,
-             void* workspace) {
+// Queues plan p with the variant pack of the tensors, and the workspace.
+void execute(cudnnHandle_t handle, const Planned& p, const std::vector<Bound>& tensors, void* workspace) {
   std::vector<int64_t> uids;
   std::vector<void*> ptrs;
-  for (const SdpaBinding& e : bindings) {
-    void* base = nullptr;
-    int64_t size = 2;  // bf16
-    switch (e.buffer) {
-      case SdpaBuffer::Qkv: base = b.qkv; break;
-      case SdpaBuffer::Out: base = b.out; break;
-      case SdpaBuffer::DOut: base = b.dout; break;
-      case SdpaBuffer::DQkv: base = b.dqkv; break;
-      case SdpaBuffer::Lse: base = b.lse, size = 4; break;
-      case SdpaBuffer::RowDot: base = b.rowdot, size = 4; break;
-      case SdpaBuffer::DQAccum: base = b.dq_accum, size = 4; break;
-      case SdpaBuffer::Scalar: base = const_cast<float*>(&e.value), size = 0; break;  // read when the call is queued
-    }
-    if (base == nullptr || e.first < 0)
-      fail("cuDNN attention: the {}'s tensor {} has no buffer in this call", p.graph.name(), int64_t(e.uid));
-    ptrs.push_back(static_cast<char*>(base) + e.first * size);
-    uids.push_back(e.uid);
+  for (const Bound& t : tensors) {
+    uids.push_back(t.uid);
+    ptrs.push_back(const_cast<void*>(t.ptr));
   }
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, p.graph.name() + " variant pack");
   pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, &workspace)
@@ -319,31 +304,26 @@ size_t CudnnSdpa::workspace_bytes(const SdpaShape& shape) const {
   return std::max(size_t(p.fwd.info.workspace), backward_workspace(shape).total + size_t(p.bwd.info.workspace));
 }
 
-std::vector<SdpaBinding> cudnn_sdpa_bindings(const SdpaShape& s, bool backward) {
-  using B = SdpaBuffer;
-  const int64_t k = int64_t(s.NH) * s.HD, v = int64_t(s.NH + s.NKV) * s.HD;  // K's and V's columns in a row
-  const float scale = float(1.0 / std::sqrt(double(s.HD)));
-  std::vector<SdpaBinding> b = {{kSdpaQ, B::Qkv, 0},         {kSdpaK, B::Qkv, k},
-                                {kSdpaV, B::Qkv, v},         {kSdpaO, B::Out, 0},
-                                {kSdpaStats, B::Lse, 0},     {kSdpaScale, B::Scalar, 0, scale},
-                                {kSdpaMaskValue, B::Scalar, 0, mask_value()}};
-  if (backward)
-    b.insert(b.end(), {{kSdpaDO, B::DOut, 0},
-                       {kSdpaDQ, B::DQkv, 0},
-                       {kSdpaDK, B::DQkv, k},
-                       {kSdpaDV, B::DQkv, v},
-                       {kSdpaOne, B::Scalar, 0, 1.0f},
-                       {kSdpaRowDot, B::RowDot, 0},
-                       {kSdpaDQAccum, B::DQAccum, 0}});
-  return b;
+namespace {
+
+// The element offsets of K's and V's columns in a qkv row, and the host scalars of a call.
+struct CallConstants {
+  int64_t k, v;
+  float scale, mask, one = 1.0f;
+};
+CallConstants constants(const SdpaShape& s) {
+  return {int64_t(s.NH) * s.HD, int64_t(s.NH + s.NKV) * s.HD, float(1.0 / std::sqrt(double(s.HD))), mask_value()};
 }
+const void* bf16_at(const void* base, int64_t element) { return static_cast<const char*>(base) + 2 * element; }
+
+}  // namespace
 
 void CudnnSdpa::forward(const SdpaShape& shape, void* out, float* lse, const void* qkv, void* workspace) {
-  Buffers b;
-  b.qkv = const_cast<void*>(qkv);
-  b.out = out;
-  b.lse = lse;
-  execute(as_handle(handle_), plans_.at(shape)->fwd, cudnn_sdpa_bindings(shape, false), b, workspace);
+  const CallConstants c = constants(shape);
+  execute(as_handle(handle_), plans_.at(shape)->fwd,
+          {{kSdpaQ, qkv}, {kSdpaK, bf16_at(qkv, c.k)}, {kSdpaV, bf16_at(qkv, c.v)}, {kSdpaO, out}, {kSdpaStats, lse},
+           {kSdpaScale, &c.scale}, {kSdpaMaskValue, &c.mask}},
+          workspace);
 }
 
 void CudnnSdpa::backward(const SdpaShape& shape, void* dqkv, const void* dout, const void* qkv, const void* out,
@@ -354,15 +334,13 @@ void CudnnSdpa::backward(const SdpaShape& shape, void* dqkv, const void* dout, c
   if (cudnn().GetVersion() < 90600)
     if (cudaMemsetAsync(ws, 0, layout.rowdot, static_cast<cudaStream_t>(stream_)) != cudaSuccess)
       fail("cuDNN attention: clearing the fp32 dQ (cudaMemsetAsync of {} bytes) failed", layout.rowdot);
-  Buffers b;
-  b.qkv = const_cast<void*>(qkv);
-  b.out = const_cast<void*>(out);
-  b.dout = const_cast<void*>(dout);
-  b.dqkv = dqkv;
-  b.lse = const_cast<float*>(lse);
-  b.dq_accum = reinterpret_cast<float*>(ws);
-  b.rowdot = reinterpret_cast<float*>(ws + layout.rowdot);
-  execute(as_handle(handle_), plans_.at(shape)->bwd, cudnn_sdpa_bindings(shape, true), b, ws + layout.total);
+  const CallConstants c = constants(shape);
+  execute(as_handle(handle_), plans_.at(shape)->bwd,
+          {{kSdpaQ, qkv}, {kSdpaK, bf16_at(qkv, c.k)}, {kSdpaV, bf16_at(qkv, c.v)}, {kSdpaO, out}, {kSdpaStats, lse},
+           {kSdpaScale, &c.scale}, {kSdpaMaskValue, &c.mask}, {kSdpaDO, dout}, {kSdpaDQ, dqkv},
+           {kSdpaDK, bf16_at(dqkv, c.k)}, {kSdpaDV, bf16_at(dqkv, c.v)}, {kSdpaOne, &c.one},
+           {kSdpaRowDot, ws + layout.rowdot}, {kSdpaDQAccum, ws}},
+          ws + layout.total);
 }
 
 #endif

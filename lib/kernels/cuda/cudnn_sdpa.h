@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -38,49 +37,6 @@ enum SdpaTensorId : int64_t {
   kSdpaDO, kSdpaDQ, kSdpaDK, kSdpaDV, kSdpaOne, kSdpaRowDot, kSdpaDQAccum,     // backward
   kSdpaFirstVirtual = 100
 };
-
-// Where an execution finds each user tensor of a graph: one entry of its variant pack. A tensor
-// lies in one of the call's buffers from element `first` of it on (elements of that buffer's type:
-// bf16 for qkv, out, dout and dqkv; fp32 for lse and the backward's fp32 workspace tensors), or is
-// a host scalar of value `value`. CudnnSdpa makes its variant packs from this list, and the tests'
-// host interpreter binds its buffers from it, so that the layout the interpreter checks is the one
-// the GPU is given.
-enum class SdpaBuffer { Qkv, Out, Lse, DOut, DQkv, RowDot, DQAccum, Scalar };
-struct SdpaBinding {
-  SdpaTensorId uid;
-  SdpaBuffer buffer;
-  int64_t first = 0;  // the tensor's first element in the buffer
-  float value = 0;    // a scalar's
-};
-// The forward's or the backward's bindings; the masked scores' value is the loaded cuDNN's (-inf
-// from 9.10 on, the lowest float before). Throws when cuDNN cannot be loaded.
-std::vector<SdpaBinding> cudnn_sdpa_bindings(const SdpaShape& shape, bool backward);
-
-// The forward or backward graph of a shape, for the tests: every operation built and finalized by
-// cuDNN (which checks every attribute, tensor shape and data type) but not planned, so no GPU is
-// needed; throws mpigpt::Error naming a descriptor cuDNN rejects. The tests' host interpreter
-// (cudnn_sdpa_graph_test.cpp) evaluates the result against a reference, so that what the graphs
-// compute (strides, scale, mask, statistics, gradients) is checked without a GPU. The operations in
-// order, each with the settings and tensors it was made with; every tensor's id, dims, strides,
-// data type and flags are read back from cuDNN's finalized descriptor (cudnnBackendGetAttribute).
-// (cuDNN 9 returns nothing from a pointwise operation or descriptor: CUDNN_STATUS_NOT_SUPPORTED.)
-// Names are cuDNN's without their prefixes: data types "FLOAT", "BFLOAT16", "INT32", "BOOLEAN";
-// pointwise modes "MUL", "EXP", "GEN_INDEX", ...; reductions "ADD", "MAX"; others "<kind> <number>".
-struct SdpaGraphTensor {
-  int64_t uid = 0;
-  std::string dtype;
-  std::array<int64_t, 4> dims{}, strides{};
-  bool is_virtual = false, by_value = false;
-};
-struct SdpaGraphOp {
-  std::string kind;       // "matmul" (y = x b), "pointwise", "reduction" or "reshape"
-  std::string mode;       // the pointwise mode or the reduction's operator
-  std::string precision;  // the computation's data type (matmul, pointwise, reduction)
-  int64_t axis = -1;      // GEN_INDEX's
-  SdpaGraphTensor x, y;
-  std::optional<SdpaGraphTensor> b, t;  // the second operand (matmul, binary pointwise), the selector
-};
-std::vector<SdpaGraphOp> cudnn_sdpa_describe_graph(const SdpaShape& shape, bool backward);
 
 // How cuDNN planned one graph: heuristics mode A's engine configurations are tried in order and
 // the first whose execution plan finalizes is kept (CudnnSdpa::prepare).

@@ -1,5 +1,4 @@
-// The operation graphs of cuDNN's fused attention (cudnn_sdpa.cu plans and runs them), and, for the
-// tests, their description with every tensor as cuDNN holds it (cudnn_sdpa_describe_graph).
+// The operation graphs of cuDNN's fused attention (cudnn_sdpa.cu plans and runs them).
 #include <fmt/format.h>
 
 #include "lib/core/error.h"
@@ -9,13 +8,7 @@
 
 namespace mpigpt::cuda {
 
-#ifndef MPIGPT_HAVE_CUDNN
-
-std::vector<SdpaGraphOp> cudnn_sdpa_describe_graph(const SdpaShape&, bool) {
-  throw Error(cudnn_load_error());
-}
-
-#else
+#ifdef MPIGPT_HAVE_CUDNN
 
 namespace sdpa {
 
@@ -181,116 +174,6 @@ void build_backward(Graph& g, const SdpaShape& s) {
 }
 
 }  // namespace sdpa
-
-using sdpa::check;
-using sdpa::Desc;
-using sdpa::Graph;
-
-// ---- the graphs described for the tests (cudnn_sdpa_describe_graph) ---------------------
-
-namespace {
-
-std::string dtype_name(cudnnDataType_t t) {
-  switch (t) {
-    case CUDNN_DATA_FLOAT: return "FLOAT";
-    case CUDNN_DATA_BFLOAT16: return "BFLOAT16";
-    case CUDNN_DATA_INT32: return "INT32";
-    case CUDNN_DATA_BOOLEAN: return "BOOLEAN";
-    default: return fmt::format("data type {}", int(t));
-  }
-}
-
-std::string pointwise_name(cudnnPointwiseMode_t m) {
-  switch (m) {
-    case CUDNN_POINTWISE_ADD: return "ADD";
-    case CUDNN_POINTWISE_SUB: return "SUB";
-    case CUDNN_POINTWISE_MUL: return "MUL";
-    case CUDNN_POINTWISE_DIV: return "DIV";
-    case CUDNN_POINTWISE_EXP: return "EXP";
-    case CUDNN_POINTWISE_LOG: return "LOG";
-    case CUDNN_POINTWISE_IDENTITY: return "IDENTITY";
-    case CUDNN_POINTWISE_CMP_GE: return "CMP_GE";
-    case CUDNN_POINTWISE_GEN_INDEX: return "GEN_INDEX";
-    case CUDNN_POINTWISE_BINARY_SELECT: return "BINARY_SELECT";
-    default: return fmt::format("pointwise mode {}", int(m));
-  }
-}
-
-std::string reduction_name(cudnnReduceTensorOp_t op) {
-  switch (op) {
-    case CUDNN_REDUCE_TENSOR_ADD: return "ADD";
-    case CUDNN_REDUCE_TENSOR_MAX: return "MAX";
-    default: return fmt::format("reduction {}", int(op));
-  }
-}
-
-// Values of one attribute of d: exactly n of them.
-template <class T>
-void read(const Desc& d, cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, T* values,
-          int64_t n = 1) {
-  int64_t got = 0;
-  check(cudnn().BackendGetAttribute(d.get(), name, type, n, &got, values),
-        fmt::format("reading attribute {} of {}", int(name), d.what()));
-  if (got != n) fail("cuDNN attention: attribute {} of {} has {} values, not {}", int(name), d.what(), got, n);
-}
-template <class T>
-T read(const Desc& d, cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type) {
-  T v{};
-  read(d, name, type, &v);
-  return v;
-}
-
-// A tensor's attributes as cuDNN holds them.
-SdpaGraphTensor read_tensor(const Desc& t) {
-  SdpaGraphTensor r;
-  r.dtype = dtype_name(read<cudnnDataType_t>(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE));
-  read(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, r.dims.data(), 4);
-  read(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, r.strides.data(), 4);
-  r.uid = read<int64_t>(t, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64);
-  r.is_virtual = read<bool>(t, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN);
-  r.by_value = read<bool>(t, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN);
-  return r;
-}
-
-const char* kind_name(cudnnBackendDescriptorType_t type) {
-  switch (type) {
-    case CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR: return "matmul";
-    case CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR: return "pointwise";
-    case CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR: return "reduction";
-    case CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR: return "reshape";
-    default: fail("cuDNN attention: operation descriptor type {} is not described", int(type));
-  }
-}
-
-SdpaGraphOp read_op(const Graph::Op& set) {
-  SdpaGraphOp r;
-  r.kind = kind_name(set.type);
-  if (set.type == CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR) {
-    r.mode = pointwise_name(cudnnPointwiseMode_t(set.mode));
-    r.axis = set.axis;
-  } else if (set.type == CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR) {
-    r.mode = reduction_name(cudnnReduceTensorOp_t(set.mode));
-  }
-  if (set.type != CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR) r.precision = dtype_name(set.precision);
-  r.x = read_tensor(*set.x);
-  r.y = read_tensor(*set.y);
-  if (set.b) r.b = read_tensor(*set.b);
-  if (set.t) r.t = read_tensor(*set.t);
-  return r;
-}
-
-}  // namespace
-
-std::vector<SdpaGraphOp> cudnn_sdpa_describe_graph(const SdpaShape& shape, bool backward) {
-  Graph g(backward ? "backward" : "forward");
-  if (backward)
-    sdpa::build_backward(g, shape);
-  else
-    sdpa::build_forward(g, shape);
-  std::vector<SdpaGraphOp> ops;
-  for (const Graph::Op& op : g.op_list()) ops.push_back(read_op(op));
-  return ops;
-}
 
 #endif
 

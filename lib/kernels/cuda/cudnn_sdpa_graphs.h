@@ -90,7 +90,7 @@ class Graph {
     // No padding value: the frontend sets one only for padded (variable-length) sequences, and the
     // fused engines match the attention pattern as the frontend builds it.
     mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, &fp32).finalize();
-    Desc& op = add_op({CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, &a, &b, nullptr, &c, 0, fp32}, "matmul", what);
+    Desc& op = add_op(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul", what);
     op.set(CUDNN_ATTR_OPERATION_MATMUL_ADESC, a)
         .set(CUDNN_ATTR_OPERATION_MATMUL_BDESC, b)
         .set(CUDNN_ATTR_OPERATION_MATMUL_CDESC, c)
@@ -106,8 +106,7 @@ class Graph {
         .set(CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, &precision);
     if (axis >= 0) pw.set(CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, &axis);
     pw.finalize();
-    Desc& op =
-        add_op({CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, &x, b, t, &y, mode, precision, axis}, "pointwise", what);
+    Desc& op = add_op(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pointwise", what);
     op.set(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw).set(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
     if (b) op.set(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
     if (t) op.set(CUDNN_ATTR_OPERATION_POINTWISE_TDESC, *t);
@@ -123,10 +122,13 @@ class Graph {
     Desc& rd = descs_.emplace_back(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, label("reduction", what));
     const cudnnDataType_t fp32 = CUDNN_DATA_FLOAT;
     rd.set(CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, &fp32)
-        .set(CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, &mode)
-        .finalize();
-    Desc& op =
-        add_op({CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, &x, nullptr, nullptr, &y, mode, fp32}, "reduction", what);
+        .set(CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, &mode);
+    // Deterministic (the frontend's deterministic backward): the same bits on every run, so that a
+    // resumed run repeats the uninterrupted one. A cuDNN without the attribute ignores it.
+    const bool yes = true;
+    (void)cudnn().BackendSetAttribute(rd.get(), cudnnBackendAttributeName_t(1602), CUDNN_TYPE_BOOLEAN, 1, &yes);
+    rd.finalize();
+    Desc& op = add_op(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "reduction", what);
     op.set(CUDNN_ATTR_OPERATION_REDUCTION_DESC, rd)
         .set(CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x)
         .set(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y)
@@ -135,27 +137,14 @@ class Graph {
 
   // The same values seen with other strides (a transpose) or another dtype.
   void reshape(const char* what, const Desc& x, const Desc& y) {
-    Desc& op = add_op({CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, &x, nullptr, nullptr, &y}, "reshape", what);
+    Desc& op = add_op(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, "reshape", what);
     op.set(CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x).set(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y).finalize();
   }
 
-  // One operation: its descriptor type, its tensors (x and y; b the second operand of a matmul or
-  // binary pointwise operation, t the selector; null when absent), the pointwise mode or reduction
-  // operator, the computation's data type, GEN_INDEX's axis and the operation's descriptor. Kept
-  // for cudnn_sdpa_describe_graph, since cuDNN 9 returns none of these from a pointwise operation.
-  struct Op {
-    cudnnBackendDescriptorType_t type;
-    const Desc *x = nullptr, *b = nullptr, *t = nullptr, *y = nullptr;
-    int64_t mode = 0;
-    cudnnDataType_t precision = CUDNN_DATA_FLOAT;
-    int64_t axis = -1;
-    const Desc* desc = nullptr;
-  };
-  // The operations in creation order, and their descriptors (an operation graph's).
-  const std::vector<Op>& op_list() const { return ops_; }
+  // The operations' descriptors in creation order (an operation graph's).
   std::vector<cudnnBackendDescriptor_t> ops() const {
     std::vector<cudnnBackendDescriptor_t> v;
-    for (const Op& op : ops_) v.push_back(op.desc->get());
+    for (const Desc* op : ops_) v.push_back(op->get());
     return v;
   }
   const std::string& name() const { return name_; }
@@ -164,17 +153,16 @@ class Graph {
   std::string label(const char* kind, const char* what) const {
     return fmt::format("{} {} {} (operation {})", name_, kind, what, ops_.size() + 1);
   }
-  Desc& add_op(Op op, const char* kind, const char* what) {
-    Desc& d = descs_.emplace_back(op.type, label(kind, what));
-    op.desc = &d;
-    ops_.push_back(op);
+  Desc& add_op(cudnnBackendDescriptorType_t type, const char* kind, const char* what) {
+    Desc& d = descs_.emplace_back(type, label(kind, what));
+    ops_.push_back(&d);
     return d;
   }
 
   std::string name_;
   int64_t next_virtual_ = kSdpaFirstVirtual;
   std::deque<Desc> tensors_, descs_;  // deques: references stay valid as they grow
-  std::vector<Op> ops_;
+  std::vector<const Desc*> ops_;
 };
 
 // The forward and backward graphs of shape s (cudnn_sdpa_graphs.cu says what they compute).
