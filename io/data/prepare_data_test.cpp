@@ -3,7 +3,9 @@
 
 #include <doctest/doctest.h>
 
+#include "io/data/dataset.h"
 #include "io/data/indexed_dataset.h"
+#include "io/data/loss_mask.h"
 #include "io/data/tokenizer.h"
 #include "io/io_testing.h"
 #include "lib/core/error.h"
@@ -76,6 +78,53 @@ TEST_CASE("prepare-data: jsonl format and its errors name file:line") {
   CHECK_FALSE(std::filesystem::exists(tmp / "x.idx"));
   CHECK_THROWS_WITH_AS(run_prepare_data({"--output", tmp / "x", "--format", "jsonl", tmp / "c.jsonl"}, 0),
                        doctest::Contains("c.jsonl:1 has no \"text\" field"), Error);
+}
+
+TEST_CASE("prepare-data: instruction data writes a loss mask, and the dataset drops the prompts' targets") {
+  TempDir tmp;
+  // Byte tokens: document 1 = "ab" + "XY" + EOD, document 2 (empty prompt) = "Z" + EOD; a record
+  // with a blank response is skipped.
+  write_file(tmp / "sft.jsonl", "{\"q\": \"ab\", \"a\": \"XY\"}\n{\"q\": \"\", \"a\": \"Z\"}\n{\"q\": \"c\", \"a\": \" \"}\n");
+  const std::string out = tmp / "s";
+  CHECK(run_prepare_data({"--output", out, "--format", "jsonl", "--prompt-key", "q", "--response-key", "a",
+                          tmp / "sft.jsonl"}, 0) == 0);
+  using V = std::vector<std::string>;
+  CHECK(documents(out) == V{"abXY|", "Z|"});
+  const auto mask = LossMask::open_if_present(out, 7);
+  REQUIRE(mask != nullptr);
+  std::vector<uint8_t> bytes(7);
+  mask->read(0, 7, bytes.data());
+  CHECK(bytes == std::vector<uint8_t>{0, 0, 1, 1, 1, 1, 1});
+  CHECK(mask->counted() == 5);
+
+  // The stream "abXY|Z|" in order, windows of 3 + 1 tokens: window 0 = a b X Y -> targets b X Y,
+  // b a prompt token (-1); window 1 = Y | Z | -> targets | Z |, all counted.
+  GptDataset ds(TokenSource::open(out), Split::Train, 0.0, 3, 1, 257, false);
+  std::vector<int32_t> tok(3), tgt(3);
+  ds.get(0, tok.data(), tgt.data());
+  CHECK(tgt == std::vector<int32_t>{-1, 'X', 'Y'});
+  ds.get(1, tok.data(), tgt.data());
+  CHECK(tgt == std::vector<int32_t>{256, 'Z', 256});
+
+  // Errors: one key alone, another input format, an llm.c output, a mask of another dataset.
+  CHECK_THROWS_WITH_AS(run_prepare_data({"--output", tmp / "e", "--format", "jsonl", "--prompt-key", "q",
+                                         tmp / "sft.jsonl"}, 0),
+                       doctest::Contains("needs both --prompt-key and --response-key"), Error);
+  CHECK_THROWS_WITH_AS(run_prepare_data({"--output", tmp / "e", "--prompt-key", "q", "--response-key", "a",
+                                         tmp / "sft.jsonl"}, 0),
+                       doctest::Contains("add --format jsonl"), Error);
+  CHECK_THROWS_WITH_AS(run_prepare_data({"--output", tmp / "e", "--format", "jsonl", "--output-format", "llmc",
+                                         "--prompt-key", "q", "--response-key", "a", tmp / "sft.jsonl"}, 0),
+                       doctest::Contains("needs --output-format megatron"), Error);
+  CHECK_THROWS_WITH_AS(run_prepare_data({"--output", tmp / "e", "--format", "jsonl", "--prompt-key", "q",
+                                         "--response-key", "answer", tmp / "sft.jsonl"}, 0),
+                       doctest::Contains("sft.jsonl:1 has no \"answer\" field; name the field with --response-key"),
+                       Error);
+  write_file(tmp / "other.jsonl", "{\"text\": \"longer text\"}\n");
+  CHECK(run_prepare_data({"--output", tmp / "o", "--format", "jsonl", tmp / "other.jsonl"}, 0) == 0);
+  std::filesystem::copy_file(out + ".mask", tmp / "o.mask");
+  CHECK_THROWS_WITH_AS(TokenSource::open(tmp / "o"),
+                       doctest::Contains("o.mask is for 7 tokens (31 bytes), but its dataset has 12 tokens"), Error);
 }
 
 TEST_CASE("prepare-data: gpt2 tokenizer writes GPT-2 ids with EOD 50256") {

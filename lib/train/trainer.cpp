@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "io/data/dataset.h"
+#include "io/data/loss_mask.h"
 #include "io/data/tokenizer.h"
 #include "io/formats/hf_format.h"
 #include "io/formats/llmc_model.h"
@@ -301,9 +302,14 @@ void TrainingRun::log_setup() const {
   }
   log_line("batch: global {} = {} data-parallel ranks x {} micro-batches x {} sequences of {} tokens",
            tc_.global_batch, dp_.size(), num_micro_, tc_.micro_batch, d.T);
-  if (data_.train)
-    log_line("data: {} ({} train samples per epoch{})", cfg_.data.path, data_.train->samples_per_epoch(),
-             data_.valid ? fmt::format(", {} validation", data_.valid->samples_per_epoch()) : std::string());
+  if (data_.train) {
+    const LossMask* mask = data_.train->source().loss_mask();
+    log_line("data: {} ({} train samples per epoch{}){}", cfg_.data.path, data_.train->samples_per_epoch(),
+             data_.valid ? fmt::format(", {} validation", data_.valid->samples_per_epoch()) : std::string(),
+             mask ? fmt::format("; loss mask {}: {:.1f}% of the tokens count", mask->path(),
+                                100.0 * double(mask->counted()) / double(data_.train->source().num_tokens()))
+                  : std::string());
+  }
   const DpMemory mem = runner_.memory();
   // In bf16 the compute copy of the weights comes on top of the fp32 masters.
   const int64_t copy = d.act == DType::F32 ? 0 : mem.params / 4 * int64_t(dtype_size(d.act));

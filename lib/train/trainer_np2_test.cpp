@@ -3,6 +3,11 @@
 #include <doctest/doctest.h>
 #include <mpi.h>
 
+#include <filesystem>
+#include <string>
+
+#include "io/data/prepare_data.h"
+#include "io/io_testing.h"
 #include "lib/train/trainer.h"
 
 using namespace mpigpt;
@@ -61,4 +66,42 @@ TEST_CASE("dp=2 reproduces the single-rank loss curve and validation losses (bot
       CHECK(dp2.val_losses[i].second == doctest::Approx(single.val_losses[i].second).epsilon(1e-6));
     }
   }
+}
+
+TEST_CASE("dp=2 reproduces the single-rank curve on instruction data: the loss counts the responses only") {
+  // Prompt/response records (byte tokens), each rank preparing its own copy. The loss is summed over
+  // the response tokens of the global batch and divided by their count, the same in both layouts.
+  testing::TempDir tmp;
+  std::string records;
+  for (int i = 0; i < 60; ++i)
+    records += fmt::format("{{\"q\": \"question {} of {}?\", \"a\": \"the answer is {}.\"}}\n", i, i * 7 % 13, i * i);
+  testing::write_file(tmp / "sft.jsonl", records);
+  const std::string prefix = tmp / "sft";
+  REQUIRE(run_prepare_data({"--output", prefix, "--format", "jsonl", "--prompt-key", "q", "--response-key", "a",
+                            tmp / "sft.jsonl"}, 0) == 0);
+  Config cfg = small_config("gpt2");
+  cfg.model.vocab_size = 257;
+  cfg.data.path = prefix;
+  cfg.data.valid_fraction = 0.1;
+  TrainOptions opts;
+  opts.quiet = true;
+  const auto ops = make_cpu_ops();
+  cfg.validate(1);
+  const TrainResult single = train(cfg, Mesh(MPI_COMM_SELF, MeshSizes{}), *ops, opts);
+  cfg.validate(2);
+  const TrainResult dp2 = train(cfg, Mesh(MPI_COMM_WORLD, MeshSizes{}), *ops, opts);
+  REQUIRE(single.losses.size() == dp2.losses.size());
+  for (size_t i = 0; i < single.losses.size(); ++i) {
+    CAPTURE(i);
+    CHECK(dp2.losses[i] == doctest::Approx(single.losses[i]).epsilon(1e-5));
+    CHECK(dp2.grad_norms[i] == doctest::Approx(single.grad_norms[i]).epsilon(1e-4));
+  }
+  REQUIRE(dp2.val_losses.size() == single.val_losses.size());
+  for (size_t i = 0; i < single.val_losses.size(); ++i)
+    CHECK(dp2.val_losses[i].second == doctest::Approx(single.val_losses[i].second).epsilon(1e-6));
+  // Without the mask every token counts: another curve from the first step on.
+  std::filesystem::remove(prefix + ".mask");
+  cfg.validate(1);
+  const TrainResult unmasked = train(cfg, Mesh(MPI_COMM_SELF, MeshSizes{}), *ops, opts);
+  CHECK(unmasked.losses.front() != doctest::Approx(single.losses.front()).epsilon(1e-3));
 }
