@@ -161,6 +161,11 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(checkpoint, init_from_hf, "start from a Hugging Face model directory (config.json + safetensors)"),
       MPIGPT_OPTION(checkpoint, init_from_llmc, "start from an llm.c GPT-2 model file (gpt2_124M.bin)"),
       MPIGPT_OPTION(checkpoint, init_from_checkpoint, "start from an mpigpt save's weights: fresh optimizer, iteration 0"),
+
+      MPIGPT_OPTION(lora, rank, "adapter rank r (0: off, every weight is trained)", {"lora_rank", "lora_dim"}),
+      MPIGPT_OPTION(lora, alpha, "the adapters' update is scaled by alpha / rank", {"lora_alpha"}),
+      MPIGPT_OPTION(lora, targets, "linear layers that get adapters: any of qkv, proj, fc1, fc2", {"target_modules", "lora_target_modules"}),
+      MPIGPT_OPTION(lora, dropout, "dropout on the adapters' input (only 0 is supported)", {"lora_dropout"}),
   };
   return table;
 }
@@ -315,6 +320,7 @@ const std::vector<std::pair<std::string, std::string>>& config_sections() {
       {"model", "The network."},
       {"data", "Where the tokens come from."},
       {"checkpoint", "Where checkpoints go."},
+      {"lora", "LoRA fine-tuning: low-rank adapters trained on a frozen model."},
   };
   return sections;
 }

@@ -121,6 +121,14 @@ struct CheckpointConfig {
   std::string init_from_checkpoint;     // start from an mpigpt save's weights: fresh optimizer, iteration 0
 };
 
+// LoRA fine-tuning: low-rank adapters trained on a frozen model.
+struct LoraConfig {
+  int rank = 0;                         // adapter rank r (0: off, every weight is trained)
+  double alpha = 16.0;                  // the adapters' update is scaled by alpha / rank
+  std::string targets = "qkv,proj,fc1,fc2"; // linear layers that get adapters: any of qkv, proj, fc1, fc2
+  double dropout = 0.0;                 // dropout on the adapters' input (only 0 is supported)
+};
+
 struct Config {
   ParallelConfig parallel;
   EngineConfig engine;
@@ -128,6 +136,7 @@ struct Config {
   ModelConfig model;
   DataConfig data;
   CheckpointConfig checkpoint;
+  LoraConfig lora;
   std::vector<std::string> sources;     // config files read, for messages
   // Options given in a file or on the command line ("model.tie_embeddings"), so that a family
   // default never overrides what the user wrote; config_set() records them.

@@ -250,7 +250,7 @@ TEST_CASE("config: the option table is exactly the fields and comments of config
     for (const auto& [key, comment] : fields[type]) want_options.emplace_back(section + "." + key, comment);
   }
   for (const ConfigOption& o : mpigpt::config_options()) got_options.emplace_back(o.name(), o.description);
-  REQUIRE(want_sections.size() == 6);
+  REQUIRE(want_sections.size() == 7);
   CHECK(want_options.size() > 60);
   CHECK(mpigpt::config_sections() == want_sections);
   CHECK(got_options == want_options);
@@ -570,4 +570,30 @@ TEST_CASE("config: validate names the field, the value and the fix: mixture of e
   CHECK(every2 == std::vector<bool>{false, true, false, true});
   CHECK(list == std::vector<bool>{true, false, true, false});
   CHECK(mpigpt::parse_moe_layers("all", 3) == std::vector<bool>{true, true, true});
+}
+
+TEST_CASE("config: validate names the field, the value and the fix: LoRA") {
+  CHECK_NOTHROW(parsed({"--lora.rank=8"}).validate(1));
+  CHECK_NOTHROW(parsed({"--lora.rank=8", "--lora.targets=qkv, fc2", "--tp=2", "--sequence_parallel", "--pp=2",
+                        "--global_batch=8"}).validate(4));
+  CHECK_NOTHROW(parsed({"--lora.dropout=0.1"}).validate(1));  // inert while lora.rank = 0
+  CHECK_FAILS(parsed({"--lora.rank=-1"}).validate(1), "lora.rank = -1 must be at least 0");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--lora.targets=qkv,up_proj"}).validate(1),
+              "lora.targets = 'qkv,up_proj': 'up_proj' is not a linear layer LoRA adapts; write a comma list of qkv, "
+              "proj, fc1, fc2");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--lora.targets", ""}).validate(1), "lora.targets = '' names no layer");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--lora.alpha=0"}).validate(1), "lora.alpha = 0 must be positive");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--lora.dropout=0.05"}).validate(1),
+              "lora.dropout = 0.05 is not supported: the adapters train without dropout; set lora.dropout = 0");
+  CHECK_FAILS(parsed({"--lora.rank=300"}).validate(1),
+              "lora.rank = 300 is larger than the smallest adapted layer's 256 features (model.hidden = 256, "
+              "model.ffn_hidden = 1024): a low-rank update needs rank <= 256");
+  CHECK_NOTHROW(parsed({"--lora.rank=40", "--hidden=64", "--ffn_hidden=32", "--lora.targets=qkv,proj"}).validate(1));
+  CHECK_FAILS(parsed({"--lora.rank=40", "--hidden=64", "--ffn_hidden=32"}).validate(1), "needs rank <= 32");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--save=ck"}).validate(1),
+              "checkpoint.save = ck with lora.rank = 8: LoRA runs cannot save or resume checkpoints yet");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--load=ck"}).validate(1), "checkpoint.load = ck with lora.rank = 8");
+  CHECK_NOTHROW(parsed({"--lora.rank=8", "--init_from_checkpoint=ck"}).validate(1));
+  CHECK_FAILS(parsed({"--lora.rank=8", "--num_experts=4"}).validate(1),
+              "lora.rank = 8 with model.num_experts = 4: LoRA does not adapt mixture-of-experts models yet");
 }

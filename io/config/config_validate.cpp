@@ -11,6 +11,7 @@
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/config/config.h"
@@ -312,6 +313,39 @@ void check_moe(const Config& c) {
          "route its own share of the tokens (as Megatron requires); turn sequence_parallel on", m.num_experts, p.tp);
 }
 
+void check_lora(const Config& c) {
+  const LoraConfig& l = c.lora;
+  const ModelConfig& m = c.model;
+  at_least("lora.rank", l.rank, 0);
+  if (l.rank == 0) return;
+  if (!(l.alpha > 0)) fail("lora.alpha = {} must be positive; the adapters' update is scaled by alpha / rank (e.g. 16)", l.alpha);
+  if (l.dropout != 0)
+    fail("lora.dropout = {} is not supported: the adapters train without dropout; set lora.dropout = 0", l.dropout);
+  const char* names = "write a comma list of qkv, proj, fc1, fc2";
+  int smallest = m.hidden;  // every target reads or writes the C channels; fc1 and fc2 also the F hidden units
+  bool any = false;
+  for (std::string t : split(l.targets, ',')) {
+    t.erase(0, t.find_first_not_of(" \t"));
+    t.erase(t.find_last_not_of(" \t") + 1);
+    if (t != "qkv" && t != "proj" && t != "fc1" && t != "fc2")
+      fail("lora.targets = '{}': '{}' is not a linear layer LoRA adapts; {}", l.targets, t, names);
+    if (t == "fc1" || t == "fc2") smallest = std::min(smallest, m.ffn_hidden);
+    any = true;
+  }
+  if (!any) fail("lora.targets = '{}' names no layer; {}", l.targets, names);
+  if (l.rank > smallest)
+    fail("lora.rank = {} is larger than the smallest adapted layer's {} features (model.hidden = {}, model.ffn_hidden "
+         "= {}): a low-rank update needs rank <= {}; lower lora.rank (e.g. 8 or 16)", l.rank, smallest, m.hidden,
+         m.ffn_hidden, smallest);
+  for (const auto& [name, dir] : {std::pair{"checkpoint.save", c.checkpoint.save}, {"checkpoint.load", c.checkpoint.load}})
+    if (!dir.empty())
+      fail("{} = {} with lora.rank = {}: LoRA runs cannot save or resume checkpoints yet (adapter checkpoints are "
+           "to come); leave {} unset, or train without LoRA (lora.rank = 0)", name, dir, l.rank, name);
+  if (m.num_experts > 0)
+    fail("lora.rank = {} with model.num_experts = {}: LoRA does not adapt mixture-of-experts models yet; set "
+         "lora.rank = 0 (full fine-tuning) or use a dense model", l.rank, m.num_experts);
+}
+
 }  // namespace
 
 std::vector<bool> parse_moe_layers(const std::string& spec, int num_layers) {
@@ -391,6 +425,7 @@ void Config::validate(int world_size) const {
   check_ranges(*this);
   check_layout(*this, world_size);
   check_moe(*this);
+  check_lora(*this);
 }
 
 }  // namespace mpigpt

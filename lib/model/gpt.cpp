@@ -45,6 +45,12 @@ GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const Tens
   }
   MPIGPT_CHECK(buffer_numel < 0 || buffer_numel >= buffer_numel_, "buffer of {} < {}", buffer_numel, buffer_numel_);
   if (buffer_numel > 0) buffer_numel_ = buffer_numel;
+  grad_numel_ = buffer_numel_;
+  for (const auto& p : table_)
+    if (p.frozen && p.numel() > 0) grad_numel_ = std::min(grad_numel_, p.offset);
+  for (const auto& p : table_)
+    MPIGPT_CHECK(p.frozen || p.offset + p.numel() <= grad_numel_, "{} is trained but lies after a frozen parameter",
+                 p.name);
   if (d.moe.E > 0) {
     MoeConfig mc;
     mc.num_experts = d.moe.E;
@@ -83,7 +89,7 @@ GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const Tens
     moe_ = std::make_unique<MoeLayer>(mc, ops, d.C, dispatcher_.get(), group, etp > 1 ? moe.expert_tp : nullptr);
   }
   params_ = Buffer(ops, size_t(buffer_numel_) * 4);
-  grads_ = Buffer(ops, size_t(buffer_numel_) * 4);
+  grads_ = Buffer(ops, size_t(grad_numel_) * 4);
   if (d.act != DType::F32) {
     MPIGPT_CHECK(d.act == DType::BF16, "GPT: activation dtype {} is not f32 or bf16", dtype_name(d.act));
     cparams_ = Buffer(ops, size_t(buffer_numel_) * dtype_size(d.act));
@@ -189,7 +195,9 @@ void GPT::setup(const ModelPlacement& pl) {
   arena_.plan(&dqkv_, {N_, (nh_ + 2 * nkv_) * HD}, d_.act);
   arena_.plan(&datt_, {N_, nh_ * HD}, d_.act);
   arena_.plan(&dfc_, {N_, g ? Fl : 2 * Fl}, d_.act);
-  if (!g) arena_.plan(&dact_, {N_, Fl}, d_.act);  // GELU's backward is fused into the projection's
+  // GELU's backward is fused into the projection's, unless a LoRA update joins the projection's input gradient.
+  if (!g || d_.lora.adapts(kLoraFc2)) arena_.plan(&dact_, {N_, Fl}, d_.act);
+  if (d_.lora.on()) arena_.plan(&dlora_, {N_, d_.lora.rank}, d_.act);
   arena_.plan(&ce_max_, {N_});
   arena_.plan(&ce_sum_, {N_});
   arena_.plan(&ce_target_, {N_});
@@ -282,10 +290,15 @@ void GPT::plan_block(Arena& A, BlockActs& a, bool dense, bool att_saved) const {
   A.plan(&a.n2, {Nl_, C}, d_.act);
   if (g) A.plan(&a.n2_mean, {Nl_});
   A.plan(&a.n2_rstd, {Nl_});
+  const LoraDims& lo = d_.lora;
+  if (lo.adapts(kLoraQkv)) A.plan(&a.uqkv, {N_, lo.rank}, d_.act);
+  if (lo.adapts(kLoraProj)) A.plan(&a.uproj, {N_, lo.rank}, d_.act);
   if (!dense) return;
   if (sp) A.plan(&a.n2_full, {N_, C}, d_.act);
   A.plan(&a.fc, {N_, g ? Fl : 2 * Fl}, d_.act);
   A.plan(&a.act, {N_, Fl}, d_.act);
+  if (lo.adapts(kLoraFc1)) A.plan(&a.ufc, {N_, lo.rank}, d_.act);
+  if (lo.adapts(kLoraFc2)) A.plan(&a.ufp, {N_, lo.rank}, d_.act);
 }
 
 // Without sequence parallelism the column-parallel input is the norm output itself.
@@ -347,17 +360,19 @@ Tensor GPT::at(const Buffer& buf, const ParamInfo& p, DType dt) const { return a
 
 Tensor GPT::view_of(const Buffer& buf, const std::string& name, DType dt) const {
   for (const auto& p : table_)
-    if (p.name == name) return at(buf, p, dt);
+    if (p.name == name) return p.frozen && &buf == &grads_ ? Tensor() : at(buf, p, dt);  // frozen: no gradient
   return Tensor();  // not a parameter of this family (e.g. biases in Llama)
 }
 
 GPT::Block GPT::weights(const Buffer& buf, int l, DType dt) const {
   const std::string p = "layers." + std::to_string(l) + ".";
-  auto v = [&](const char* n) { return view_of(buf, p + n, dt); };
+  auto v = [&](const std::string& n) { return view_of(buf, p + n, dt); };
+  auto lora = [&](const std::string& layer) { return Lora{v(layer + ".lora_A.weight"), v(layer + ".lora_B.weight")}; };
   Block b{v("attn_norm.weight"), v("attn_norm.bias"), v("attn.qkv.weight"), v("attn.qkv.bias"),
           v("attn.proj.weight"), v("attn.proj.bias"), v("mlp_norm.weight"), v("mlp_norm.bias"),
           v("mlp.fc.weight"),    v("mlp.fc.bias"),    v("mlp.proj.weight"), v("mlp.proj.bias"),
-          false,                 MoeWeights{}};
+          false,                 MoeWeights{},          lora("attn.qkv"),      lora("attn.proj"),
+          lora("mlp.fc"),        lora("mlp.proj")};
   if (d_.is_moe(l)) {
     b.is_moe = true;
     MoeWeights& m = b.moe;
@@ -379,7 +394,7 @@ GPT::Block GPT::weights(const Buffer& buf, int l, DType dt) const {
 
 Tensor GPT::param(int i) const { return at(params_, table_.at(i), DType::F32); }
 
-Tensor GPT::grad(int i) const { return at(grads_, table_.at(i), DType::F32); }
+Tensor GPT::grad(int i) const { return table_.at(i).frozen ? Tensor() : at(grads_, table_.at(i), DType::F32); }
 
 Tensor GPT::logits() const {
   const Slot* s = find(num_chunks() - 1, 0);

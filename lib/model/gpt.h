@@ -86,7 +86,9 @@ class GPT {
   int64_t local_seq_len() const { return Tl_; }  // T / cp
   const std::vector<ParamInfo>& params() const { return table_; }
   Tensor params_flat() const { return params_.tensor({buffer_numel_}); }
-  Tensor grads_flat() const { return grads_.tensor({buffer_numel_}); }
+  // The gradients of the trained parameters: every parameter's, or under LoRA the adapters' only
+  // (the frozen ones, laid out last, have none: grad(i) is undefined for them).
+  Tensor grads_flat() const { return grads_.tensor({grad_numel_}); }
   Tensor param(int i) const;
   Tensor grad(int i) const;
   // Parameter i as forward and backward read it: param(i) when computing in f32, else its copy in
@@ -169,13 +171,19 @@ class GPT {
   Tensor logits() const;
 
  private:
+  struct Lora {  // a linear layer's LoRA factors (undefined: not adapted; gradients: not wanted)
+    Tensor A, B;
+    bool on() const { return A.defined(); }
+  };
   struct Block {  // one layer's weights (views into the flat buffers) ...
     Tensor n1w, n1b, qkvw, qkvb, projw, projb, n2w, n2b, fcw, fcb, fpw, fpb;
     bool is_moe = false;
     MoeWeights moe;  // the MoE layer's weights in place of fc/fp
+    Lora lqkv, lproj, lfc, lfp;
   };
   struct BlockActs {  // ... and the activations its backward needs
     Tensor n1, n1_mean, n1_rstd, n1_full, qkv, att_saved, att, mid, n2, n2_mean, n2_rstd, n2_full, fc, act;
+    Tensor uqkv, uproj, ufc, ufp;  // LoRA: s x A^T of each adapted layer (N, r)
   };
   struct Slot {  // the activations of one micro-batch in one chunk
     explicit Slot(Ops& ops) : arena(ops) {}
@@ -229,6 +237,10 @@ class GPT {
   MoeLosses block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor x_out);
   void attention_core(const Slot& s, BlockActs& a);
   void block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor dres);
+  void mlp_backward(const Block& w, const Block& g, BlockActs& a, Tensor dres);
+  // A layer's LoRA update (lib/model/lora.h) when it is adapted; nothing otherwise.
+  void lora_forward(const Lora& w, Tensor out, Tensor u, Tensor x);
+  void lora_backward(const Lora& w, const Lora& g, Tensor dx, Tensor dout, Tensor x, Tensor u);
   double head_forward(Slot& s, float dloss);
   void head_backward(Slot& s);
 
@@ -248,6 +260,7 @@ class GPT {
   int moe_forwards_ = 0;
   std::vector<ParamInfo> table_;
   int64_t num_params_ = 0, buffer_numel_ = 0;
+  int64_t grad_numel_ = 0;  // the gradient buffer: up to the first frozen parameter
   Buffer params_, grads_;
   Buffer cparams_;           // the compute copy of params_ when d.act is not f32
   std::vector<char> stale_;  // per chunk: cparams_ lags params_
@@ -269,7 +282,7 @@ class GPT {
 
   Arena arena_;  // shared by every chunk: positions and backward scratch
   Tensor positions_;
-  Tensor dres_, dn_, full_, dqkv_, datt_, dfc_, dact_, ce_max_, ce_sum_, ce_target_;
+  Tensor dres_, dn_, full_, dqkv_, datt_, dfc_, dact_, dlora_, ce_max_, ce_sum_, ce_target_;
 };
 
 }  // namespace mpigpt

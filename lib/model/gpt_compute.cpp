@@ -1,6 +1,7 @@
 // GPT forward and backward per model chunk and micro-batch, for both families, with tensor
 // and sequence parallelism through the TensorParallel pairs.
 #include "lib/model/gpt.h"
+#include "lib/model/lora.h"
 
 namespace mpigpt {
 
@@ -107,10 +108,12 @@ MoeLosses GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Ten
   norm_forward(a.n1, a.n1_mean, a.n1_rstd, x_in, w.n1w, w.n1b);
   Tensor n1 = tp_.column_input_forward(a.n1_full, a.n1);
   ops_.linear_forward(a.qkv, n1, w.qkvw, w.qkvb);
+  lora_forward(w.lqkv, a.qkv, a.uqkv, n1);
   if (!d_.gpt2()) ops_.rope_forward(a.qkv, positions(s), nh_, nkv_, d_.HD(), d_.rope_theta);
   attention_core(s, a);
   Tensor mid = tp_.row_output_target(a.mid, full_);
   ops_.linear_forward(mid, a.att, w.projw, bias_here ? w.projb : Tensor());
+  lora_forward(w.lproj, mid, a.uproj, a.att);  // row-parallel: each rank's partial update, summed with the base's
   tp_.row_output_forward(a.mid, mid);
   residual_norm_forward(a.mid, a.n2, a.n2_mean, a.n2_rstd, a.mid, x_in, w.n2w, w.n2b);  // mid += x_in, then norm2
   if (w.is_moe) {  // on this rank's rows (the SP shard); the dispatcher reaches the experts
@@ -119,18 +122,24 @@ MoeLosses GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Ten
     return L;
   }
   Tensor n2 = tp_.column_input_forward(a.n2_full, a.n2);
-  if (d_.gpt2()) {
+  if (d_.gpt2() && !w.lfc.on()) {
     ops_.linear_gelu_forward(a.act, a.fc, n2, w.fcw, w.fcb);
-  } else {
+  } else {  // the LoRA update joins the product before the activation
     ops_.linear_forward(a.fc, n2, w.fcw, w.fcb);
-    ops_.swiglu_forward(a.act, a.fc);
+    lora_forward(w.lfc, a.fc, a.ufc, n2);
+    if (d_.gpt2())
+      ops_.gelu_forward(a.act, a.fc);
+    else
+      ops_.swiglu_forward(a.act, a.fc);
   }
   if (tp_.size() == 1) {  // x_out = mid + proj(...) in one product (the residual read as its C)
     ops_.linear_residual_forward(x_out, a.act, w.fpw, w.fpb, a.mid);
+    lora_forward(w.lfp, x_out, a.ufp, a.act);
     return {};
   }
   Tensor out = tp_.row_output_target(x_out, full_);
   ops_.linear_forward(out, a.act, w.fpw, bias_here ? w.fpb : Tensor());
+  lora_forward(w.lfp, out, a.ufp, a.act);
   tp_.row_output_forward(x_out, out);
   ops_.add(x_out, x_out, a.mid);
   return {};
@@ -167,8 +176,10 @@ void GPT::backward_chunk(int c, int mb, const GradsFinal& final) {
     if (final) final(layer_params_[local_of_layer_[l]].first, layer_params_[local_of_layer_[l]].second);
   }
   if (ch.embed) {
-    Tensor dx0 = tp_.row_output_backward(full_, dres_);
-    ops_.embedding_backward(dwte_, dwpe_, dx0, s->tokens, positions(*s), int64_t(tp_.rank()) * dwte_.size(0));
+    if (dwte_.defined()) {  // else frozen (LoRA): nothing below the first layer wants a gradient
+      Tensor dx0 = tp_.row_output_backward(full_, dres_);
+      ops_.embedding_backward(dwte_, dwpe_, dx0, s->tokens, positions(*s), int64_t(tp_.rank()) * dwte_.size(0));
+    }
     if (final) final(embed_params_.first, embed_params_.second);
   }
   release(c, mb);
@@ -193,21 +204,15 @@ void GPT::block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor 
   if (w.is_moe) {  // x_out = mid + moe(norm2(mid)), on this rank's rows
     moe_->backward(dn_, *m, dres, w.moe, g.moe, aux_scale_);
     dn2 = dn_;
-  } else {  // x_out = mid + proj(act(fc(norm2(mid))))
-    Tensor dout = tp_.row_output_backward(full_, dres);
-    if (d_.gpt2()) {
-      ops_.linear_backward_gelu(dfc_, g.fpw, g.fpb, dout, a.act, w.fpw, a.fc);
-    } else {
-      ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
-      ops_.swiglu_backward(dfc_, dact_, a.fc);
-    }
-    ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, a.n2_full, w.fcw);
+  } else {
+    mlp_backward(w, g, a, dres);
     dn2 = tp_.column_input_backward(dn_, full_);
   }
   norm_backward(dres, g.n2w, g.n2b, dn2, a.mid, a.n2_mean, a.n2_rstd, w.n2w);  // dres = d(mid)
   // mid = x_in + proj(attention(qkv(norm1(x_in))))
   Tensor dmid = tp_.row_output_backward(full_, dres);
   ops_.linear_backward(datt_, g.projw, g.projb, dmid, a.att, w.projw);
+  lora_backward(w.lproj, g.lproj, datt_, dmid, a.att, a.uproj);
   // Selective recomputation: the attention state again (a.att gets the same values once more).
   if (recomputes_attention()) attention_core(s, a);
   if (masked_)
@@ -217,8 +222,38 @@ void GPT::block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor 
     ops_.attention_backward(as3(dqkv_), as3(datt_), as3(a.qkv), as3(a.att), a.att_saved, nh_, nkv_, d_.HD());
   if (!d_.gpt2()) ops_.rope_backward(dqkv_, positions(s), nh_, nkv_, d_.HD(), d_.rope_theta);
   ops_.linear_backward(full_, g.qkvw, g.qkvb, dqkv_, a.n1_full, w.qkvw);
+  lora_backward(w.lqkv, g.lqkv, full_, dqkv_, a.n1_full, a.uqkv);
   Tensor dn1 = tp_.column_input_backward(dn_, full_);
   norm_backward(dres, g.n1w, g.n1b, dn1, x_in, a.n1_mean, a.n1_rstd, w.n1w);  // dres = d(x_in)
+}
+
+// x_out = mid + proj(act(fc(norm2(mid)))) of a dense layer: from dres = d(x_out), the (partial over
+// tp) gradient of norm2's output into full_.
+void GPT::mlp_backward(const Block& w, const Block& g, BlockActs& a, Tensor dres) {
+  Tensor dout = tp_.row_output_backward(full_, dres);
+  if (w.lfp.on()) {  // the update's input gradient joins the projection's before the activation's backward
+    ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
+    lora_backward(w.lfp, g.lfp, dact_, dout, a.act, a.ufp);
+    if (d_.gpt2())
+      ops_.gelu_backward(dfc_, dact_, a.fc);
+    else
+      ops_.swiglu_backward(dfc_, dact_, a.fc);
+  } else if (d_.gpt2()) {
+    ops_.linear_backward_gelu(dfc_, g.fpw, g.fpb, dout, a.act, w.fpw, a.fc);
+  } else {
+    ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
+    ops_.swiglu_backward(dfc_, dact_, a.fc);
+  }
+  ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, a.n2_full, w.fcw);
+  lora_backward(w.lfc, g.lfc, full_, dfc_, a.n2_full, a.ufc);
+}
+
+void GPT::lora_forward(const Lora& w, Tensor out, Tensor u, Tensor x) {
+  if (w.on()) mpigpt::lora_forward(ops_, out, u, x, w.A, w.B, d_.lora.scale());
+}
+
+void GPT::lora_backward(const Lora& w, const Lora& g, Tensor dx, Tensor dout, Tensor x, Tensor u) {
+  if (w.on()) mpigpt::lora_backward(ops_, dx, g.A, g.B, dlora_, dout, x, u, w.A, w.B, d_.lora.scale());
 }
 
 

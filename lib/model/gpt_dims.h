@@ -26,6 +26,18 @@ struct MoeDims {
   std::vector<bool> layers;      // per layer: a MoE layer
 };
 
+// LoRA adapters (lib/model/lora.h): which linear layers of every block carry them, their rank and
+// scale. rank 0: none, every parameter is trained; else only the adapters are, the rest is frozen.
+enum LoraTarget : unsigned { kLoraQkv = 1, kLoraProj = 2, kLoraFc1 = 4, kLoraFc2 = 8 };
+struct LoraDims {
+  int rank = 0;                                                    // r
+  float alpha = 16.0f;                                             // the update is scaled by alpha / r
+  unsigned targets = kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2;  // LoraTarget bits
+  bool on() const { return rank > 0; }
+  bool adapts(LoraTarget t) const { return on() && (targets & t) != 0; }
+  float scale() const { return alpha / float(rank); }
+};
+
 struct GptDims {
   Family family = Family::GPT2;
   int L = 4;          // layers
@@ -45,6 +57,7 @@ struct GptDims {
   float rope_theta = 10000.f;
   float init_std = 0.02f;
   MoeDims moe;
+  LoraDims lora;
 
   bool is_moe(int l) const { return moe.E > 0 && l >= 0 && size_t(l) < moe.layers.size() && moe.layers[l]; }
 

@@ -45,7 +45,7 @@ inline TinyBatch tiny_batch(const GptDims& d, int B) {
   return b;
 }
 
-// Checks `grad` (the model's analytic gradient, one float per parameter element at its buffer
+// Checks `grad` (the model's analytic gradient, one float per trained parameter element at its buffer
 // offset) against central differences of `loss` at 8 elements of every parameter, each probe to
 // 2e-2 relative + 2e-3 and the probed vector of each parameter to 1e-2 relative + 1e-3 (a wrong
 // backward is off by O(1)). `loss` must evaluate the objective at the model's current weights.
@@ -53,6 +53,7 @@ inline void check_gradients_fd(GPT& model, const std::vector<float>& grad, const
   float* p = model.params_flat().f32();
   const double eps = 1e-2;
   for (const auto& info : model.params()) {
+    if (info.frozen) continue;  // no gradient (LoRA's base)
     CAPTURE(info.name);
     double err2 = 0, ref2 = 0;
     const int probes = 8;

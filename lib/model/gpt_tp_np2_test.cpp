@@ -14,21 +14,23 @@ using namespace mpigpt;
 
 namespace {
 
-// Norms and biases start at 1 and 0; perturb them (by global element) so that a bias added on
-// every rank instead of once, or a norm gradient not summed, shows.
+// Norms, biases and LoRA's B start at 1 and 0; perturb them (by global element) so that a bias
+// added on every rank instead of once, or a norm gradient not summed, shows.
 void perturb(GPT& m) {
   for (size_t i = 0; i < m.params().size(); ++i) {
     const ParamInfo& p = m.params()[i];
-    if (p.kind != ParamKind::Norm && p.kind != ParamKind::Bias) continue;
+    if (p.kind != ParamKind::Norm && p.kind != ParamKind::Bias && !p.name.ends_with("lora_B.weight")) continue;
     float* w = m.param(int(i)).f32();
     for (int64_t k = 0; k < p.numel(); ++k) w[k] += 0.2f * normal_at(9, stream_of(p.name), uint64_t(p.global_index(k)));
   }
 }
 
-void check_tp(Family fam, bool sp) {
+void check_tp(Family fam, bool sp, int lora_rank = 0) {
   CAPTURE(int(fam));
   CAPTURE(sp);
-  const GptDims d = testing::tiny_gpt_dims(fam);
+  CAPTURE(lora_rank);
+  GptDims d = testing::tiny_gpt_dims(fam);
+  d.lora.rank = lora_rank;
   const int B = 2;
   auto ops = make_cpu_ops();
   Comm comm(MPI_COMM_WORLD);
@@ -62,9 +64,16 @@ void check_tp(Family fam, bool sp) {
     REQUIRE(p.name == q.name);
     REQUIRE(p.global.numel() == q.numel());
     CHECK((p.split == TpSplit::None) == (p.numel() == q.numel()));
+    const float* w = shard.param(int(i)).f32();
+    if (p.frozen) {  // LoRA's base: its slice of the single-rank weights, no gradient
+      CHECK_FALSE(shard.grad(int(i)).defined());
+      for (int64_t k = 0; k < p.numel(); ++k) REQUIRE(w[k] == full.param(int(i)).f32()[p.global_index(k)]);
+      continue;
+    }
     // Replicated norm weights saw only this rank's tokens under sequence parallelism.
     if (sp && p.split == TpSplit::None && p.name.find("norm.") != std::string::npos) tp.sum_replicated_grad(shard.grad(int(i)));
-    const float* w = shard.param(int(i)).f32();
+    // LoRA's whole factor of a split layer: each rank's gradient is its part of the sum.
+    if (is_lora_param(p.name) && p.split == TpSplit::None) tp.allreduce_sum(shard.grad(int(i)));
     const float* g = shard.grad(int(i)).f32();
     const float* wf = full.param(int(i)).f32();
     const float* gf = full.grad(int(i)).f32();
@@ -92,4 +101,9 @@ void check_tp(Family fam, bool sp) {
 TEST_CASE("tp=2 shards reproduce the single-rank loss and gradient slices (both families, with/without SP)") {
   for (Family fam : {Family::GPT2, Family::Llama})
     for (bool sp : {false, true}) check_tp(fam, sp);
+}
+
+TEST_CASE("tp=2 shards of LoRA adapters (A and B split as their layer) reproduce the single-rank loss and gradients") {
+  for (Family fam : {Family::GPT2, Family::Llama})
+    for (bool sp : {false, true}) check_tp(fam, sp, 3);
 }

@@ -96,8 +96,25 @@ struct TableBuilder {
     t.push_back(std::move(p));
     return t.back();
   }
-  void add_full(std::string name, Shape g, ParamKind k, float std = 0) {
+  ParamInfo& add_full(std::string name, Shape g, ParamKind k, float std = 0) {
     t.push_back(make(std::move(name), g, k, std, -1));
+    return t.back();
+  }
+  // The LoRA factors of the linear layer `base` ("layers.3.attn.qkv"), in -> out features, split
+  // over tp so that the adapted layer equals the single-rank one: a column-parallel base
+  // (`parts`: its row blocks) has A replicated and B split as its rows; a row-parallel base
+  // (empty `parts`) has A split on the input columns as its own, B replicated. A is
+  // Kaiming-uniform with a = sqrt(5) (as PEFT's), bound 1/sqrt(in) from the GLOBAL fan-in; B zero.
+  void add_lora(const std::string& base, int64_t in, int64_t out, const std::vector<int64_t>& parts) {
+    const int64_t r = d.lora.rank;
+    const float bound = 1.0f / std::sqrt(float(in));
+    if (!parts.empty()) {
+      add_full(base + ".lora_A.weight", {r, in}, ParamKind::Weight).init_bound = bound;
+      add_rows(base + ".lora_B.weight", {out, r}, ParamKind::Weight, 0, parts);
+    } else {
+      add_cols(base + ".lora_A.weight", {r, in}, ParamKind::Weight, 0).init_bound = bound;
+      add_full(base + ".lora_B.weight", {out, r}, ParamKind::Weight);
+    }
   }
   // A routed-expert tensor of global shape (E, ...): this ep rank's El = E/ep experts, and of
   // each the expert_tp share of its hidden units. hidden_parts > 0: the hidden units are the
@@ -139,6 +156,8 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
   // Residual-branch output projections are scaled by 1/sqrt(2L) (GPT-2 paper, Megatron).
   const float out_std = d.init_std / std::sqrt(2.0f * d.L);
   const int64_t HD = d.HD(), q = int64_t(d.NH) * HD, kv = int64_t(d.NKV) * HD, F = d.F;
+  using parts_t = std::vector<int64_t>;
+  MPIGPT_CHECK(!d.lora.on() || d.moe.E == 0, "LoRA adapters on a mixture-of-experts model are not supported");
   if (pl.first_stage) {
     b.add_rows("embedding.word.weight", {d.Vp, d.C}, ParamKind::Embedding, d.init_std, {d.Vp}, d.V);
     if (g) b.add_full("embedding.position.weight", {d.maxT, d.C}, ParamKind::Embedding, d.init_std);
@@ -183,6 +202,10 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
       if (g) b.add_rows(p + "mlp.fc.bias", {F}, ParamKind::Bias, 0, {F});
       b.add_cols(p + "mlp.proj.weight", {d.C, F}, ParamKind::Weight, out_std);
       if (g) b.add_full(p + "mlp.proj.bias", {d.C}, ParamKind::Bias);
+      if (d.lora.adapts(kLoraQkv)) b.add_lora(p + "attn.qkv", d.C, q + 2 * kv, {q, kv, kv});
+      if (d.lora.adapts(kLoraProj)) b.add_lora(p + "attn.proj", q, d.C, {});
+      if (d.lora.adapts(kLoraFc1)) b.add_lora(p + "mlp.fc", d.C, g ? F : 2 * F, g ? parts_t{F} : parts_t{F, F});
+      if (d.lora.adapts(kLoraFc2)) b.add_lora(p + "mlp.proj", F, d.C, {});
     }
   if (pl.last_stage) {
     b.add_full("final_norm.weight", {d.C}, ParamKind::Norm);
@@ -195,16 +218,31 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
     b.add_rows("embedding.word.weight", {d.Vp, d.C}, ParamKind::Embedding, d.init_std, {d.Vp}, d.V).replica = true;
     std::rotate(b.t.begin(), b.t.end() - 1, b.t.end());
   }
+  // Under LoRA everything but the adapters is frozen, and laid out after them.
+  for (auto& p : b.t) p.frozen = d.lora.on() && !is_lora_param(p.name);
   int64_t off = 0;
-  for (auto& p : b.t) {
-    p.offset = off;
-    off += p.numel();
-  }
+  for (bool frozen : {false, true})
+    for (auto& p : b.t)
+      if (p.frozen == frozen) {
+        p.offset = off;
+        off += p.numel();
+      }
   return b.t;
+}
+
+bool is_lora_param(const std::string& name) {
+  return name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
 }
 
 void init_param(const ParamInfo& p, uint64_t seed, float* dst) {
   const int64_t n = p.numel();
+  if (p.init_bound > 0) {
+    const uint64_t stream = stream_of(p.name);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = float((2.0 * uniform_at(seed, stream, uint64_t(p.global_index(i))) - 1.0) * p.init_bound);
+    return;
+  }
   if (p.init_std == 0) {
     const float v = p.kind == ParamKind::Norm ? 1.0f : 0.0f;
     for (int64_t i = 0; i < n; ++i) dst[i] = v;

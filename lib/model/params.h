@@ -34,6 +34,7 @@ struct ParamInfo {
   ParamKind kind = ParamKind::Weight;
   int64_t offset = 0;  // first element in the rank's flat buffer
   float init_std = 0;  // normal(0, init_std); 0 with kind Norm = ones, else zeros
+  float init_bound = 0;  // > 0: uniform(-init_bound, init_bound) instead (LoRA's A: Kaiming-uniform)
   int64_t valid_rows = -1;  // global rows beyond this (vocabulary padding) initialise to zero; -1 = all
   Shape global;        // shape of the whole tensor
   TpSplit split = TpSplit::None;
@@ -49,6 +50,10 @@ struct ParamInfo {
   // is kept equal to stage 0's (synchronised at init, gradient summed over the embedding
   // group). Not a parameter of its own: not counted in the gradient norm, not saved.
   bool replica = false;
+  // Not trained (the base model under LoRA): no gradient, no optimizer state, no reduction. The
+  // table lays frozen parameters out after every trained one, so the gradient buffer ends where
+  // they begin.
+  bool frozen = false;
   int64_t numel() const { return shape.numel(); }
   // Columns of the matrix view (the last dimension; 1 for a 1-D tensor), local and global.
   int64_t cols() const { return shape.ndim > 1 ? shape[shape.ndim - 1] : 1; }
@@ -72,9 +77,13 @@ struct ModelPlacement {
 };
 
 // This rank's parameters in buffer order: embedding (first stage) or the tied head's replica
-// (last stage), the layers of every chunk, final norm and head (last stage); offsets contiguous (a data-parallel buffer plan may move
-// them). With the default placement: the whole single-rank model.
+// (last stage), the layers of every chunk (each layer's LoRA adapters after its weights), final
+// norm and head (last stage); offsets contiguous, the frozen parameters after all others (a
+// data-parallel buffer plan may move them). With the default placement: the whole single-rank model.
 std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement& pl = {});
+
+// A LoRA factor ("layers.3.attn.qkv.lora_A.weight", "...lora_B.weight"), as PEFT names them.
+bool is_lora_param(const std::string& name);
 
 // Write the initial values of this rank's part of `p` into `dst` (host, p.numel() floats), from
 // the counter-based RNG indexed by the element's position in the global tensor (DESIGN principle

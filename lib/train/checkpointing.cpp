@@ -435,6 +435,7 @@ void load_weights(ModelRunner& r, const TensorMap& global, const std::string& so
   for (size_t i = 0; i < m.params().size(); ++i) {
     const ParamInfo& p = m.params()[i];
     auto it = global.find(p.name);
+    if (it == global.end() && is_lora_param(p.name)) continue;  // a base model: the adapters keep their init
     if (it == global.end()) fail("{} has no tensor {}; it holds a different model", source, p.name);
     if (!(it->second.shape == p.global))
       fail("{}: tensor {} has shape {}, this model needs {}; set the model options to match it", source, p.name,

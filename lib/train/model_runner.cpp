@@ -15,7 +15,8 @@ namespace mpigpt {
 // AdamW::Piece::param indexes it as it indexes the table.
 static std::vector<OptimParam> optim_params(const std::vector<ParamInfo>& table, const std::set<ParamKind>& no_decay) {
   std::vector<OptimParam> out;
-  for (const ParamInfo& p : table) out.push_back({p.name, p.offset, p.numel(), no_decay.count(p.kind) == 0});
+  for (const ParamInfo& p : table)  // a frozen parameter (LoRA's base) has no state and no update
+    out.push_back({p.name, p.frozen ? 0 : p.offset, p.frozen ? 0 : p.numel(), no_decay.count(p.kind) == 0});
   return out;
 }
 
@@ -93,23 +94,30 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   placement_.etp_rank = mesh.coords().etp;
 
   // The flat buffers follow the data-parallel bucket plans: dense parameters first, planned over
-  // dp x cp, then the routed experts, planned over the expert-data-parallel group.
+  // dp x cp, then the routed experts, planned over the expert-data-parallel group, then the frozen
+  // parameters (LoRA's base: no gradient, no bucket), region -1.
   std::vector<ParamInfo> table = build_param_table(d, placement_);
   std::vector<int64_t> numels[2];
   for (const auto& p : table) {
-    const int k = p.expert ? 1 : 0;
-    region_.push_back({k, int(numels[k].size())});
-    numels[k].push_back(p.numel());
+    const int k = p.frozen ? -1 : p.expert ? 1 : 0;
+    region_.push_back({k, k < 0 ? -1 : int(numels[k].size())});
+    if (k >= 0) numels[k].push_back(p.numel());
   }
   const Comm& dp = mesh.dp_cp();
   BufferLayout layout = plan_buffer(numels[0], cfg.engine.bucket_size, dp.size());
   BufferLayout elayout = plan_buffer(numels[1], cfg.engine.bucket_size, mesh.expert_dp().size());
   expert_base_ = layout.total;
+  int64_t total = layout.total + (numels[1].empty() ? 0 : elayout.total);
   for (size_t i = 0; i < table.size(); ++i) {
     const auto [k, j] = region_[i];
-    table[i].offset = k == 0 ? layout.offsets[j] : expert_base_ + elayout.offsets[j];
+    if (k < 0) {  // aligned as the plans align theirs
+      table[i].offset = total = (total + 15) / 16 * 16;
+      total += table[i].numel();
+      frozen_numel_ += table[i].numel();
+    } else {
+      table[i].offset = k == 0 ? layout.offsets[j] : expert_base_ + elayout.offsets[j];
+    }
   }
-  const int64_t total = layout.total + (numels[1].empty() ? 0 : elayout.total);
   MoeLayout moe{&mesh.tp_cp(), pc.moe_dispatcher == "allgather", &mesh.ep(), &mesh.expert_tp(), &mesh.expert_tp_ep(),
                 mesh.ep_of_member()};
   model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, total, seq_, moe);
@@ -133,13 +141,20 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   };
   if (tp_.sequence_parallel())
     for (size_t i = 0; i < table.size(); ++i)
-      if (!table[i].expert && table[i].split == TpSplit::None && token_local(table[i].name)) sp_params_.push_back(int(i));
+      if (!table[i].frozen && !table[i].expert && table[i].split == TpSplit::None && token_local(table[i].name))
+        sp_params_.push_back(int(i));
+  // LoRA's replicated factor of a tp-split layer (column-parallel: A, row-parallel: B): each rank's
+  // gradient is its partial sum (lib/model/lora.h), with or without sequence parallelism.
+  if (tp_.size() > 1)
+    for (size_t i = 0; i < table.size(); ++i)
+      if (is_lora_param(table[i].name) && table[i].split == TpSplit::None) lora_partial_.push_back(int(i));
 
   GradSyncOptions so;
   so.distributed_optimizer = cfg.engine.distributed_optimizer;
   so.overlap_grad_reduce = cfg.engine.overlap_grad_reduce;
   so.overlap_param_gather = cfg.engine.overlap_param_gather;
   const Tensor params = model_->params_flat(), grads = model_->grads_flat();
+  const Tensor trained = params.flat_slice(0, grads.numel());  // the parameters the optimizer updates
   // In bf16 the distributed optimizer gathers the bf16 compute weights, not the f32 masters.
   bf16_gather_ = so.distributed_optimizer && d.act != DType::F32;
   const Tensor gather = bf16_gather_ ? model_->compute_params_flat() : Tensor{};
@@ -160,14 +175,14 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   ac.beta2 = float(tc.beta2);
   ac.eps = float(tc.eps);
   ac.weight_decay = float(tc.weight_decay);
-  opt_ = std::make_unique<AdamW>(ops, optim_params(model_->params(), parse_no_decay(tc.no_decay)), params, grads, ac,
+  opt_ = std::make_unique<AdamW>(ops, optim_params(model_->params(), parse_no_decay(tc.no_decay)), trained, grads, ac,
                                  owned_);
 
   // The gradient norm counts each element once over the world, on the rank that writes its
   // optimizer state to a checkpoint: of owned elements those of parameters it writes.
   std::vector<Range> counted;
   for (const ParamInfo& p : table)
-    if (writes_state(p)) counted.push_back({p.offset, p.offset + p.numel()});
+    if (!p.frozen && writes_state(p)) counted.push_back({p.offset, p.offset + p.numel()});
   norm_ranges_ = intersect_ranges(counted, owned_);
 
   num_micro_ = tc.global_batch / (mesh.dp().size() * tc.micro_batch);  // cp ranks share their rows
@@ -196,11 +211,13 @@ DpMemory ModelRunner::memory() const {
     const DpMemory e = esync_->memory();
     m.params += e.params, m.grads += e.grads, m.optimizer += e.optimizer;
   }
+  m.params += frozen_numel_ * 4;
   return m;
 }
 
 void ModelRunner::grads_ready(int i) {
   const auto [k, j] = region_[i];
+  if (k < 0) return;  // frozen
   GradSync& s = k == 0 ? *sync_ : *esync_;
   const Range g = s.layout().param_range(j);
   s.grads_ready(g.begin, g.end);
@@ -210,6 +227,7 @@ void ModelRunner::wait_params(int first, int end) {
   int64_t lo[2] = {INT64_MAX, INT64_MAX}, hi[2] = {0, 0};
   for (int i = first; i < end; ++i) {
     const auto [k, j] = region_[i];
+    if (k < 0) continue;  // frozen: never updated, never gathered
     const Range g = (k == 0 ? *sync_ : *esync_).layout().param_range(j);
     lo[k] = std::min(lo[k], g.begin), hi[k] = std::max(hi[k], g.end);
   }
@@ -265,11 +283,13 @@ double ModelRunner::forward_only(const int32_t* tokens, const int32_t* targets, 
 void ModelRunner::finish_grads() {
   // Tied embeddings: stage 0's word embedding and the last stage's replica get the sum of both
   // gradients (before the data-parallel reduction, which is linear, so the order is free).
-  if (tied_param_ >= 0) mesh_.embedding().allreduce_sum(model_->grad(tied_param_));
+  if (tied_param_ >= 0 && !model_->params()[tied_param_].frozen)
+    mesh_.embedding().allreduce_sum(model_->grad(tied_param_));
   sync_->finish_grad_sync();
   if (esync_) esync_->finish_grad_sync();
   // Sequence parallelism: norm weights saw only this rank's tokens.
   for (int i : sp_params_) tp_.sum_replicated_grad(model_->grad(i));
+  for (int i : lora_partial_) tp_.allreduce_sum(model_->grad(i));
 }
 
 double ModelRunner::grad_norm() {

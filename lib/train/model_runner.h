@@ -92,7 +92,8 @@ class ModelRunner {
   std::unique_ptr<GPT> model_;
   // Dense parameters live in the first region of the flat buffers, reduced over dp x cp (sync_);
   // routed experts in the second, reduced over the expert-data-parallel group (esync_, absent
-  // without experts). region_[i]: parameter i's region (0/1) and index in that region's layout.
+  // without experts); frozen parameters last, in no region. region_[i]: parameter i's region
+  // (0/1, -1 frozen) and index in that region's layout.
   std::unique_ptr<GradSync> sync_, esync_;
   std::vector<std::pair<int, int>> region_;
   int64_t expert_base_ = 0;  // first element of the expert region
@@ -104,6 +105,8 @@ class ModelRunner {
   double moe_loss_ = 0.0, moe_imbalance_ = 1.0;
   int tied_param_ = -1;          // this rank's word embedding (or replica) when pp > 1 ties it
   std::vector<int> sp_params_;   // replicated parameters whose gradients are partial over tp (SP)
+  std::vector<int> lora_partial_;  // LoRA factors replicated over tp whose gradients are partial over it
+  int64_t frozen_numel_ = 0;     // elements of the frozen parameters (LoRA's base), after the trained ones
   std::vector<Range> norm_ranges_;  // owned elements that count in the gradient norm
 };
 

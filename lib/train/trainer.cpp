@@ -17,6 +17,7 @@
 #include "io/formats/llmc_model.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
+#include "lib/model/lora.h"
 #include "lib/optim/adamw.h"
 #include "lib/optim/lr_schedule.h"
 #include "lib/train/checkpointing.h"
@@ -70,6 +71,11 @@ GptDims make_dims(const Config& cfg, int vocab_size) {
     d.moe.F = m.moe_ffn_hidden > 0 ? m.moe_ffn_hidden : m.ffn_hidden;
     d.moe.shared_F = m.moe_shared_expert_ffn;
     d.moe.layers = parse_moe_layers(m.moe_layers, m.num_layers);
+  }
+  if (cfg.lora.rank > 0) {
+    d.lora.rank = cfg.lora.rank;
+    d.lora.alpha = float(cfg.lora.alpha);
+    d.lora.targets = parse_lora_targets(cfg.lora.targets);
   }
   return d;
 }
@@ -299,6 +305,13 @@ void TrainingRun::log_setup() const {
              d.moe.capacity_factor > 0 ? fmt::format("capacity factor {} ({} drop)", d.moe.capacity_factor,
                                                      d.moe.drop_position ? "position" : "probs")
                                        : std::string("dropless"));
+  }
+  if (d.lora.on()) {
+    int64_t trained = 0, all = 0;
+    for (const ParamInfo& p : build_param_table(d)) all += p.numel(), trained += p.frozen ? 0 : p.numel();
+    log_line("lora: rank {}, alpha {} (scale {}), targets {}: {:.3f}M adapter parameters trained ({:.2f}% of {:.2f}M), "
+             "the rest frozen", d.lora.rank, d.lora.alpha, d.lora.scale(), cfg_.lora.targets, trained / 1e6,
+             100.0 * double(trained) / double(all), all / 1e6);
   }
   log_line("batch: global {} = {} data-parallel ranks x {} micro-batches x {} sequences of {} tokens",
            tc_.global_batch, dp_.size(), num_micro_, tc_.micro_batch, d.T);

@@ -1,0 +1,236 @@
+// LoRA: the adapted linear against a double-precision oracle of the merged weight W + s B A, the
+// whole GPT with adapters against the GPT with merged weights (each target alone, both families),
+// finite differences of the adapters' gradients, and the frozen base's table.
+#include "lib/model/lora.h"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "lib/core/error.h"
+#include "lib/core/rng.h"
+#include "lib/model/gpt.h"
+#include "lib/model/gpt_testing.h"
+
+using namespace mpigpt;
+
+namespace {
+
+std::vector<float> randn(int64_t n, uint64_t stream, float scale) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[i] = scale * normal_at(3, stream, uint64_t(i));
+  return v;
+}
+
+double rel_err(const std::vector<double>& want, const float* got) {
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    err = std::max(err, std::abs(want[i] - double(got[i])));
+    ref = std::max(ref, std::abs(want[i]));
+  }
+  return err / std::max(ref, 1e-30);
+}
+
+int index_of(const GPT& m, const std::string& name) {
+  for (size_t i = 0; i < m.params().size(); ++i)
+    if (m.params()[i].name == name) return int(i);
+  FAIL("no parameter ", name);
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("lora: forward and backward equal the merged weight's, in double precision") {
+  auto ops = make_cpu_ops();
+  const int64_t N = 7, IN = 12, OUT = 10, r = 3;
+  const float s = 2.5f;
+  std::vector<float> x = randn(N * IN, 1, 1), W = randn(OUT * IN, 2, 0.3f), A = randn(r * IN, 3, 0.3f),
+                     B = randn(OUT * r, 4, 0.3f), dy = randn(N * OUT, 5, 1);
+  // The oracle: W' = W + s B A, y = x W'^T, dx = dy W', dW' = dy^T x, dA = s B^T dW', dB = s dW' A^T.
+  std::vector<double> Wm(OUT * IN), y(N * OUT), dx(N * IN), dW(OUT * IN), dA(r * IN), dB(OUT * r);
+  for (int64_t o = 0; o < OUT; ++o)
+    for (int64_t i = 0; i < IN; ++i) {
+      double ba = 0;
+      for (int64_t k = 0; k < r; ++k) ba += double(B[o * r + k]) * A[k * IN + i];
+      Wm[o * IN + i] = W[o * IN + i] + s * ba;
+    }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < OUT; ++o)
+      for (int64_t i = 0; i < IN; ++i) {
+        y[n * OUT + o] += double(x[n * IN + i]) * Wm[o * IN + i];
+        dx[n * IN + i] += double(dy[n * OUT + o]) * Wm[o * IN + i];
+        dW[o * IN + i] += double(dy[n * OUT + o]) * x[n * IN + i];
+      }
+  for (int64_t k = 0; k < r; ++k)
+    for (int64_t o = 0; o < OUT; ++o)
+      for (int64_t i = 0; i < IN; ++i) {
+        dA[k * IN + i] += s * double(B[o * r + k]) * dW[o * IN + i];
+        dB[o * r + k] += s * dW[o * IN + i] * A[k * IN + i];
+      }
+
+  auto t = [](std::vector<float>& v, Shape sh) { return Tensor(v.data(), sh); };
+  std::vector<float> out(N * OUT), u(N * r), du(N * r), gx(N * IN), gA(r * IN, 0.5f), gB(OUT * r, -0.25f);
+  ops->linear_forward(t(out, {N, OUT}), t(x, {N, IN}), t(W, {OUT, IN}), Tensor());
+  lora_forward(*ops, t(out, {N, OUT}), t(u, {N, r}), t(x, {N, IN}), t(A, {r, IN}), t(B, {OUT, r}), s);
+  CHECK(rel_err(y, out.data()) < 1e-5);
+  ops->linear_backward(t(gx, {N, IN}), Tensor(), Tensor(), t(dy, {N, OUT}), t(x, {N, IN}), t(W, {OUT, IN}));
+  lora_backward(*ops, t(gx, {N, IN}), t(gA, {r, IN}), t(gB, {OUT, r}), t(du, {N, r}), t(dy, {N, OUT}),
+                t(x, {N, IN}), t(u, {N, r}), t(A, {r, IN}), t(B, {OUT, r}), s);
+  CHECK(rel_err(dx, gx.data()) < 1e-5);
+  for (auto& v : dA) v += 0.5;  // the factor gradients accumulate into what they held
+  for (auto& v : dB) v -= 0.25;
+  CHECK(rel_err(dA, gA.data()) < 1e-5);
+  CHECK(rel_err(dB, gB.data()) < 1e-5);
+}
+
+TEST_CASE("lora: targets parse, and a bad one names the field") {
+  CHECK(parse_lora_targets("qkv,proj,fc1,fc2") == (kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2));
+  CHECK(parse_lora_targets(" fc2 ") == kLoraFc2);
+  CHECK_THROWS_WITH(parse_lora_targets("qkv,up"), doctest::Contains("lora.targets = 'qkv,up': 'up' is not"));
+  CHECK_THROWS_WITH(parse_lora_targets(""), doctest::Contains("names no layer"));
+}
+
+namespace {
+
+GptDims lora_dims(Family fam, unsigned targets) {
+  GptDims d = testing::tiny_gpt_dims(fam);
+  d.lora.rank = 3;
+  d.lora.alpha = 6.0f;  // scale 2
+  d.lora.targets = targets;
+  return d;
+}
+
+// B starts at zero; random values (by global element) make B A matter, and A's gradient non-zero.
+void randomize_b(GPT& m) {
+  for (size_t i = 0; i < m.params().size(); ++i) {
+    const ParamInfo& p = m.params()[i];
+    if (!p.name.ends_with("lora_B.weight")) continue;
+    float* w = m.param(int(i)).f32();
+    for (int64_t k = 0; k < p.numel(); ++k) w[k] = 0.3f * normal_at(13, stream_of(p.name), uint64_t(p.global_index(k)));
+  }
+}
+
+// The GPT with adapters on `target` against the plain GPT whose weight is W + s B A: the same loss,
+// and the adapters' gradients are the merged weight's gradient dW projected: s B^T dW and s dW A^T.
+void check_merged(Family fam, unsigned target, const char* layer) {
+  CAPTURE(int(fam));
+  CAPTURE(layer);
+  const GptDims dl = lora_dims(fam, target);
+  GptDims d = dl;
+  d.lora = LoraDims{};
+  const int Bsz = 2;
+  auto ops = make_cpu_ops();
+  GPT lm(dl, *ops, Bsz), base(d, *ops, Bsz);
+  lm.init_weights(7);
+  base.init_weights(7);
+  randomize_b(lm);
+  const double s = dl.lora.scale();
+  const int64_t r = dl.lora.rank;
+  for (int l = 0; l < d.L; ++l) {  // merge, in double
+    const std::string pre = "layers." + std::to_string(l) + "." + layer;
+    const int iw = index_of(base, pre + ".weight"), ia = index_of(lm, pre + ".lora_A.weight"),
+              ib = index_of(lm, pre + ".lora_B.weight");
+    const int64_t OUT = base.params()[iw].shape[0], IN = base.params()[iw].shape[1];
+    float* W = base.param(iw).f32();
+    const float *A = lm.param(ia).f32(), *B = lm.param(ib).f32();
+    REQUIRE(lm.params()[ia].shape == Shape{r, IN});
+    REQUIRE(lm.params()[ib].shape == Shape{OUT, r});
+    for (int64_t o = 0; o < OUT; ++o)
+      for (int64_t i = 0; i < IN; ++i) {
+        double ba = 0;
+        for (int64_t k = 0; k < r; ++k) ba += double(B[o * r + k]) * A[k * IN + i];
+        W[o * IN + i] = float(double(W[o * IN + i]) + s * ba);
+      }
+  }
+  const auto b = testing::tiny_batch(d, Bsz);
+  const float dloss = 1.0f / float(Bsz * d.T - 1);
+  lm.zero_grads();
+  base.zero_grads();
+  const double ll = lm.forward(b.tokens.data(), b.targets.data(), dloss);
+  const double lb = base.forward(b.tokens.data(), b.targets.data(), dloss);
+  CHECK(ll == doctest::Approx(lb).epsilon(1e-6));
+  lm.backward();
+  base.backward();
+  for (int l = 0; l < d.L; ++l) {
+    const std::string pre = "layers." + std::to_string(l) + "." + layer;
+    CAPTURE(pre);
+    const int iw = index_of(base, pre + ".weight"), ia = index_of(lm, pre + ".lora_A.weight"),
+              ib = index_of(lm, pre + ".lora_B.weight");
+    const int64_t OUT = base.params()[iw].shape[0], IN = base.params()[iw].shape[1];
+    const float *dW = base.grad(iw).f32(), *A = lm.param(ia).f32(), *B = lm.param(ib).f32();
+    std::vector<double> dA(size_t(r * IN)), dB(size_t(OUT * r));
+    for (int64_t k = 0; k < r; ++k)
+      for (int64_t o = 0; o < OUT; ++o)
+        for (int64_t i = 0; i < IN; ++i) {
+          dA[k * IN + i] += s * double(B[o * r + k]) * dW[o * IN + i];
+          dB[o * r + k] += s * double(dW[o * IN + i]) * A[k * IN + i];
+        }
+    CHECK(rel_err(dA, lm.grad(ia).f32()) < 1e-4);
+    CHECK(rel_err(dB, lm.grad(ib).f32()) < 1e-4);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("lora: each target of the GPT equals the merged weight, forward and backward (both families)") {
+  for (Family fam : {Family::GPT2, Family::Llama}) {
+    check_merged(fam, kLoraQkv, "attn.qkv");
+    check_merged(fam, kLoraProj, "attn.proj");
+    check_merged(fam, kLoraFc1, "mlp.fc");
+    check_merged(fam, kLoraFc2, "mlp.proj");
+  }
+}
+
+TEST_CASE("lora: the adapters' gradients match finite differences (both families, every target)") {
+  for (Family fam : {Family::GPT2, Family::Llama}) {
+    CAPTURE(int(fam));
+    const GptDims d = lora_dims(fam, kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2);
+    const int B = 2;
+    auto ops = make_cpu_ops();
+    GPT model(d, *ops, B);
+    model.init_weights(7);
+    randomize_b(model);
+    const auto b = testing::tiny_batch(d, B);
+    model.zero_grads();
+    model.forward(b.tokens.data(), b.targets.data(), 1.0f);
+    model.backward();
+    const Tensor g = model.grads_flat();
+    std::vector<float> grad(g.f32(), g.f32() + g.numel());
+    testing::check_gradients_fd(model, grad, [&] { return model.forward(b.tokens.data(), b.targets.data(), 0.0f); });
+  }
+}
+
+TEST_CASE("lora: the base is frozen and laid out after the adapters; A is Kaiming-uniform from the fan-in, B zero") {
+  const GptDims d = lora_dims(Family::Llama, kLoraQkv | kLoraFc2);
+  auto ops = make_cpu_ops();
+  GPT m(d, *ops, 1);
+  m.init_weights(7);
+  int64_t trained = 0;
+  int adapters = 0;
+  for (size_t i = 0; i < m.params().size(); ++i) {
+    const ParamInfo& p = m.params()[i];
+    CAPTURE(p.name);
+    CHECK(p.frozen == !is_lora_param(p.name));
+    if (p.frozen) {
+      CHECK(p.offset >= m.grads_flat().numel());
+      CHECK_FALSE(m.grad(int(i)).defined());
+      continue;
+    }
+    ++adapters;
+    trained += p.numel();
+    const float* w = m.param(int(i)).f32();
+    double amax = 0;
+    for (int64_t k = 0; k < p.numel(); ++k) amax = std::max(amax, double(std::abs(w[k])));
+    if (p.name.ends_with("lora_B.weight")) {
+      CHECK(amax == 0);
+    } else {  // bound 1/sqrt(in): C for qkv, F for fc2
+      const double bound = 1.0 / std::sqrt(double(p.shape[1]));
+      CHECK(amax <= bound);
+      CHECK(amax > 0.7 * bound);
+    }
+  }
+  CHECK(adapters == 2 * 2 * d.L);
+  CHECK(m.grads_flat().numel() == trained);
+  CHECK(trained == d.L * 3 * ((d.C + d.qkv_dim()) + (d.F + d.C)));
+}
