@@ -20,6 +20,9 @@
 
 namespace mpigpt::app {
 
+// bench_profile.cpp: the device profile of `mpigpt bench --profile-out FILE.json` (collective).
+void write_device_profile(const Config& cfg, const TrainResult& r, Ops& ops, const MpiEnv& mpi, const std::string& path);
+
 namespace {
 
 // Fault injection for the interrupted-save tests (cli/ckpt_kill_in_save_np2, cli/ckpt_stop_in_save_np2):
@@ -102,7 +105,7 @@ void report_bench_speed(const Config& cfg, const TrainResult& r, int warmup, con
 }  // namespace
 
 int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench) {
-  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "profile-ops!", "world-size"});
+  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "profile-ops!", "profile-out", "world-size"});
   if (parsed.help) {
     if (mpi.rank() == 0)
       fmt::print("usage: mpirun -np N mpigpt {} [--config FILE.ini ...] [--section.key value ...]\n\n{}",
@@ -113,7 +116,13 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
   Config& cfg = parsed.config;
   int steps = 10, warmup = 2, world_size = mpi.size();
   bool dry_run = false, profile_ops = false;
+  std::string profile_out;
   for (const auto& [k, v] : parsed.flags) {
+    if (k == "profile-out") {
+      if (!bench) fail("--profile-out is a flag of `mpigpt bench`");
+      profile_out = v, profile_ops = true;  // the profile prices ops by the profiled step's times
+      continue;
+    }
     if (k == "dry-run" || k == "profile-ops") {
       if (k == "profile-ops" && !bench) fail("--profile-ops is a flag of `mpigpt bench`");
       (k == "dry-run" ? dry_run : profile_ops) = true;
@@ -176,6 +185,7 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
   if (bench) {
     report_bench_resources(cfg, r, mpi);
     if (mpi.rank() == 0) report_bench_speed(cfg, r, warmup, mpi);
+    if (!profile_out.empty()) write_device_profile(cfg, r, *ops, mpi, profile_out);
   }
   // Stopped by a signal with nothing saved: the shell's status for that signal (143, 130), so a
   // script can tell it from a finished run. Stopped with a save: 0, the run resumes from it.
