@@ -231,6 +231,26 @@ ckpt_test(init_from_checkpoint ok "^same as from HF: 2 steps. vocabulary grown f
 ckpt_test(init_from_checkpoint_and_load fail "give at most one place to start from"
   "${BIN} train ${CK} --init-from-checkpoint ${CLI_DIR}/ic/s --checkpoint.load ${CLI_DIR}/ic/s")
 
+# LoRA adapter checkpoints: a LoRA run saves its adapters and resumes them on the base the save
+# records (no --init-from needed) with the same losses and grad norms; the merged full checkpoint
+# computes the adapted model's loss; another base, other lora settings, a full save as
+# checkpoint.load and an adapter save as a model are refused with the reason.
+set(LORA "--lora.rank 4 --lora.alpha 8 --training.lr 1e-2 --training.log_interval 1")
+set(LBASE "rm -rf ${CLI_DIR}/$T && ${BIN} train ${CK} --training.train_iters 2 --checkpoint.save ${CLI_DIR}/$T/base > /dev/null && ${BIN} train ${CK} ${LORA} --init-from-checkpoint ${CLI_DIR}/$T/base --training.train_iters 4 --checkpoint.save ${CLI_DIR}/$T/a --checkpoint.save_interval 2")
+set(LSTEP "grep -o 'iter [345]/[45] | samples [0-9]* | lr [^|]*| loss [0-9.]* | grad norm [0-9.]*'")
+ckpt_test(lora_adapter_resume ok "^adapters resumed: 2 steps equal. merged: loss [0-9.]+ = loss [0-9.]+$"
+  "T=la && ${LBASE} | ${LSTEP} > ${CLI_DIR}/la/full && ${BIN} train ${CK} ${LORA} --checkpoint.load ${CLI_DIR}/la/a/iter_0000002 --training.train_iters 4 | ${LSTEP} > ${CLI_DIR}/la/resumed && [ $(wc -l < ${CLI_DIR}/la/full) = 2 ] && cmp ${CLI_DIR}/la/full ${CLI_DIR}/la/resumed && ${BIN} checkpoint info ${CLI_DIR}/la/a | grep -q 'LoRA adapters: rank 4, alpha 8, targets qkv,proj,fc1,fc2. base checkpoint /' && ${BIN} convert --merge-lora ${CLI_DIR}/la/a ${CLI_DIR}/la/m > /dev/null && echo adapters resumed: 2 steps equal. merged: $(${BIN} train ${CK} --training.log_interval 1 --checkpoint.load ${CLI_DIR}/la/m --training.train_iters 5 | grep -o 'loss [0-9][0-9.]*') = $(${BIN} train ${CK} ${LORA} --checkpoint.load ${CLI_DIR}/la/a --training.train_iters 5 | grep -o 'loss [0-9][0-9.]*') | awk '$8 == $11'")
+ckpt_test(lora_adapter_other_base fail "holds LoRA adapters trained on the checkpoint .*/lb/base \\(base checksum [0-9a-f]+\\). this run's base is the checkpoint .*/lb/other \\(checksum [0-9a-f]+\\), a different model"
+  "T=lb && ${LBASE} > /dev/null && ${BIN} train ${CK} --training.seed 7 --training.train_iters 2 --checkpoint.save ${CLI_DIR}/lb/other > /dev/null && ${BIN} train ${CK} ${LORA} --init-from-checkpoint ${CLI_DIR}/lb/other --checkpoint.load ${CLI_DIR}/lb/a --training.train_iters 5")
+ckpt_test(lora_adapter_other_rank fail "holds adapters of lora.rank = 4. this run has lora.rank = 8: resume with the lora settings"
+  "T=lc && ${LBASE} > /dev/null && ${BIN} train ${CK} ${LORA} --lora.rank 8 --checkpoint.load ${CLI_DIR}/lc/a --training.train_iters 5")
+ckpt_test(lora_adapter_load_full fail "holds a full model, not LoRA adapters: to fine-tune it with LoRA pass it as checkpoint.init_from_checkpoint"
+  "rm -rf ${CLI_DIR}/ld && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/ld/base > /dev/null && ${BIN} train ${CK} ${LORA} --checkpoint.load ${CLI_DIR}/ld/base --training.train_iters 2")
+ckpt_test(lora_adapter_to_hf fail "holds LoRA adapters \\(lora.rank = 4\\), not a model. merge them into their base first: mpigpt convert --merge-lora"
+  "T=le && ${LBASE} > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/le/a ${CLI_DIR}/le/hf")
+ckpt_test(lora_merge_base_changed fail "the adapters of .*/lf/a/iter_0000004/checkpoint.h5 were trained on the checkpoint .*/lf/base with checksum [0-9a-f]+. it has checksum [0-9a-f]+ now"
+  "T=lf && ${LBASE} > /dev/null && ${BIN} train ${CK} --training.train_iters 3 --checkpoint.save ${CLI_DIR}/lf/base > /dev/null && ${BIN} convert --merge-lora ${CLI_DIR}/lf/a ${CLI_DIR}/lf/m")
+
 # Context parallelism and packed sequences: bad settings end every rank with the field named;
 # a cp2 run with packing evaluates, saves, and resumes on one rank (parameters are replicated
 # over cp, so the checkpoint holds no trace of the cp layout).

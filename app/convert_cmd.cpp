@@ -1,5 +1,5 @@
 // `mpigpt convert`: a checkpoint to a Hugging Face model directory or an llm.c model file, and
-// back. One process; whole tensors in host memory.
+// back; LoRA adapters merged into their base. One process; whole tensors in host memory.
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -10,6 +10,7 @@
 #include "lib/core/error.h"
 #include "lib/core/log.h"
 #include "lib/model/gpt_dims.h"
+#include "lib/train/adapter_checkpoint.h"
 #include "lib/train/checkpointing.h"
 #include "lib/train/trainer.h"
 
@@ -22,10 +23,25 @@ const char* kUsage =
     "       mpigpt convert --to llmc CHECKPOINT OUT.bin     (llm.c GPT-2 model file, fp32)\n"
     "       mpigpt convert --from hf HF_DIR OUT_CHECKPOINT\n"
     "       mpigpt convert --from llmc FILE.bin OUT_CHECKPOINT\n"
-    "CHECKPOINT: a checkpoint.save directory (its `latest` save) or one iter_NNNNNNN save.";
+    "       mpigpt convert --merge-lora ADAPTERS OUT_CHECKPOINT   (W + alpha/rank B A, on the recorded base)\n"
+    "CHECKPOINT, ADAPTERS: a checkpoint.save directory (its `latest` save) or one iter_NNNNNNN save.";
 
 // The whole-model shape of a Config, in the single-rank padding (tp 1).
 GptDims dims_of(const Config& cfg) { return make_dims(cfg, cfg.model.vocab_size); }
+
+void check_new_dir(const std::string& out) {
+  if (std::error_code ec; std::filesystem::exists(out, ec) && !std::filesystem::is_empty(out, ec))
+    fail("mpigpt convert: {} is not empty; a converted model starts a checkpoint directory of its own (its `latest` "
+         "would replace what names the saves there): give a new or empty directory", out);
+}
+
+// The adapters of a LoRA save merged into the base it records.
+void merge_lora(const std::string& in, const std::string& out) {
+  check_new_dir(out);
+  const MergeSummary m = merge_lora_checkpoint(in, out);
+  log_line("convert: {} merged into {} -> {}/{} ({} adapters of rank {}, scale {})", m.adapters_file,
+           m.base.describe(), out, checkpoint_dir_name(m.iteration), m.adapters, m.rank, m.scale);
+}
 
 }  // namespace
 
@@ -34,8 +50,16 @@ int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
     if (mpi.rank() == 0) fmt::print("{}\n", kUsage);
     return 0;
   }
+  if (!args.empty() && args[0] == "--merge-lora") {
+    if (args.size() != 3)
+      fail("mpigpt convert --merge-lora takes an adapter checkpoint and an output, got {} argument(s)\n{}",
+           args.size() - 1, kUsage);
+    if (mpi.size() != 1) fail("mpigpt convert runs as one process (it has {}); start it without mpirun", mpi.size());
+    merge_lora(args[1], args[2]);
+    return 0;
+  }
   if (args.empty() || (args[0] != "--to" && args[0] != "--from"))
-    fail("mpigpt convert: the first argument is --to or --from, not {}\n{}",
+    fail("mpigpt convert: the first argument is --to, --from or --merge-lora, not {}\n{}",
          args.empty() ? std::string("nothing") : "'" + args[0] + "'", kUsage);
   if (args.size() < 2 || (args[1] != "hf" && args[1] != "llmc"))
     fail("mpigpt convert {}: {} is not a format; the formats are hf (a Hugging Face model directory) and llmc (an "
@@ -50,6 +74,9 @@ int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
   if (to) {
     Config cfg;
     const TensorMap ours = read_model_tensors(in, &cfg, "mpigpt convert --to " + args[1] + " " + in);
+    if (cfg.lora.rank > 0)
+      fail("mpigpt convert --to {}: {} holds LoRA adapters (lora.rank = {}), not a model; merge them into their base "
+           "first: mpigpt convert --merge-lora {} MERGED, then convert MERGED", args[1], in, cfg.lora.rank, in);
     const int V = cfg.model.vocab_size;
     if (hf) {
       save_hf_model(out, ours, cfg.model, V);
@@ -65,9 +92,7 @@ int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
              cfg.model.family, V);
     return 0;
   }
-  if (std::error_code ec; std::filesystem::exists(out, ec) && !std::filesystem::is_empty(out, ec))
-    fail("mpigpt convert: {} is not empty; a converted model starts a checkpoint directory of its own (its `latest` "
-         "would replace what names the saves there): give a new or empty directory", out);
+  check_new_dir(out);
   Config cfg;
   TensorMap ours;
   int V = 0;

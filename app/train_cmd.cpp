@@ -14,6 +14,7 @@
 #include "io/formats/hf_format.h"
 #include "io/formats/llmc_model.h"
 #include "lib/core/log.h"
+#include "lib/train/adapter_checkpoint.h"
 #include "lib/train/checkpointing.h"
 #include "lib/train/layout.h"
 #include "lib/train/trainer.h"
@@ -147,7 +148,8 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     opts.quiet = true;
     opts.profile_ops = profile_ops;
   }
-  // A model to start from decides the model's shape.
+  // A model to start from decides the model's shape; resumed LoRA adapters name their base.
+  adopt_adapter_base(cfg);
   if (!cfg.checkpoint.init_from_hf.empty()) {
     int vocab = 0;
     ModelConfig m = read_hf_config(cfg.checkpoint.init_from_hf, &vocab);

@@ -590,10 +590,14 @@ TEST_CASE("config: validate names the field, the value and the fix: LoRA") {
               "model.ffn_hidden = 1024): a low-rank update needs rank <= 256");
   CHECK_NOTHROW(parsed({"--lora.rank=40", "--hidden=64", "--ffn_hidden=32", "--lora.targets=qkv,proj"}).validate(1));
   CHECK_FAILS(parsed({"--lora.rank=40", "--hidden=64", "--ffn_hidden=32"}).validate(1), "needs rank <= 32");
-  CHECK_FAILS(parsed({"--lora.rank=8", "--save=ck"}).validate(1),
-              "checkpoint.save = ck with lora.rank = 8: LoRA runs cannot save or resume checkpoints yet");
-  CHECK_FAILS(parsed({"--lora.rank=8", "--load=ck"}).validate(1), "checkpoint.load = ck with lora.rank = 8");
+  // Adapter checkpoints: save, and load on a base (init_from_*); still one base at most.
+  CHECK_NOTHROW(parsed({"--lora.rank=8", "--save=ck"}).validate(1));
+  CHECK_NOTHROW(parsed({"--lora.rank=8", "--load=ck"}).validate(1));
   CHECK_NOTHROW(parsed({"--lora.rank=8", "--init_from_checkpoint=ck"}).validate(1));
+  CHECK_NOTHROW(parsed({"--lora.rank=8", "--load=ck", "--init_from_checkpoint=base"}).validate(1));
+  CHECK_FAILS(parsed({"--load=ck", "--init_from_checkpoint=base"}).validate(1), "give at most one place to start from");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--init_from_hf=a", "--init_from_checkpoint=b"}).validate(1),
+              "give at most one place to start from");
   CHECK_FAILS(parsed({"--lora.rank=8", "--num_experts=4"}).validate(1),
               "lora.rank = 8 with model.num_experts = 4: LoRA does not adapt mixture-of-experts models yet");
 }

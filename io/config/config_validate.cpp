@@ -141,12 +141,14 @@ void check_ranges(const Config& c) {
   at_least("checkpoint.keep_last", c.checkpoint.keep_last, 0);
   {
     const CheckpointConfig& k = c.checkpoint;
-    const int starts =
-        !k.load.empty() + !k.init_from_hf.empty() + !k.init_from_llmc.empty() + !k.init_from_checkpoint.empty();
+    // A LoRA run resumes its adapters (load) on the base they were trained on (init_from_*).
+    const int bases = !k.init_from_hf.empty() + !k.init_from_llmc.empty() + !k.init_from_checkpoint.empty();
+    const int starts = bases + (c.lora.rank > 0 ? 0 : !k.load.empty());
     if (starts > 1)
       fail("checkpoint.load = '{}', checkpoint.init_from_hf = '{}', checkpoint.init_from_llmc = '{}' and "
            "checkpoint.init_from_checkpoint = '{}': give at most one place to start from (load resumes a run, "
-           "init_from_* only takes the weights)", k.load, k.init_from_hf, k.init_from_llmc, k.init_from_checkpoint);
+           "init_from_* only takes the weights; with lora.rank > 0 load resumes adapters on one init_from_* base)",
+           k.load, k.init_from_hf, k.init_from_llmc, k.init_from_checkpoint);
   }
   if (c.checkpoint.save_interval > 0 && c.checkpoint.save.empty())
     fail("checkpoint.save_interval = {} but checkpoint.save is empty; set checkpoint.save = DIR to save, "
@@ -337,10 +339,6 @@ void check_lora(const Config& c) {
     fail("lora.rank = {} is larger than the smallest adapted layer's {} features (model.hidden = {}, model.ffn_hidden "
          "= {}): a low-rank update needs rank <= {}; lower lora.rank (e.g. 8 or 16)", l.rank, smallest, m.hidden,
          m.ffn_hidden, smallest);
-  for (const auto& [name, dir] : {std::pair{"checkpoint.save", c.checkpoint.save}, {"checkpoint.load", c.checkpoint.load}})
-    if (!dir.empty())
-      fail("{} = {} with lora.rank = {}: LoRA runs cannot save or resume checkpoints yet (adapter checkpoints are "
-           "to come); leave {} unset, or train without LoRA (lora.rank = 0)", name, dir, l.rank, name);
   if (m.num_experts > 0)
     fail("lora.rank = {} with model.num_experts = {}: LoRA does not adapt mixture-of-experts models yet; set "
          "lora.rank = 0 (full fine-tuning) or use a dense model", l.rank, m.num_experts);

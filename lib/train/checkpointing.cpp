@@ -17,6 +17,7 @@
 
 #include "lib/core/error.h"
 #include "lib/core/new_file.h"
+#include "lib/train/adapter_checkpoint.h"
 
 namespace mpigpt {
 
@@ -87,8 +88,13 @@ std::vector<std::pair<std::string, int64_t>> moe_shape_attrs(const GptDims& d) {
 }
 
 // Every rank has to name every dataset in the same order (collective HDF5), also those of
-// other pipeline stages: the whole model's table in this layout's vocabulary padding.
-std::vector<ParamInfo> global_table(const GptDims& d) { return build_param_table(d); }
+// other pipeline stages: the whole model's table in this layout's vocabulary padding. A LoRA
+// run saves and loads its adapters only (the base is frozen and comes from where it started).
+std::vector<ParamInfo> global_table(const GptDims& d) {
+  std::vector<ParamInfo> t = build_param_table(d);
+  if (d.lora.on()) std::erase_if(t, [](const ParamInfo& p) { return !is_lora_param(p.name); });
+  return t;
+}
 
 // The rows of p that hold data (vocabulary padding excluded): loading into another tp size
 // changes the padding, so only the real rows are read.
@@ -144,10 +150,11 @@ std::vector<Plan> make_plans(ModelRunner& r, const HostState& host, const std::v
   GPT& m = r.model();
   const auto& table = m.params();
   std::vector<Plan> plans(global.size());
-  auto index_of = [&](const std::string& name) {
+  auto index_of = [&](const ParamInfo& p) {  // -1: not saved (LoRA's frozen base)
     for (size_t g = 0; g < global.size(); ++g)
-      if (global[g].name == name) return int(g);
-    fail("parameter {} is not in the model's table", name);
+      if (global[g].name == p.name) return int(g);
+    if (!p.frozen) fail("parameter {} is not in the model's table", p.name);
+    return -1;
   };
   // Reading drops the vocabulary padding rows (the padding follows the tp size, so another
   // layout may have more or fewer); writing stores them (zeros) so the dataset is complete.
@@ -162,22 +169,24 @@ std::vector<Plan> make_plans(ModelRunner& r, const HostState& host, const std::v
     const ParamInfo& p = table[i];
     // Replicated data is written once; every holder reads it. The tied replica is stage 0's
     // word embedding: it is read like it but never written.
-    if (!reading && !r.writes_param(p)) continue;
+    const int g = index_of(p);
+    if (g < 0 || (!reading && !r.writes_param(p))) continue;
     float* w = host.params() + p.offset;
     for (const LocalBox& lb : global_boxes(p, 0, p.numel())) {
       const LocalBox c = clip(p, lb);
-      if (c.box.rows > 0) plans[index_of(p.name)].params.push_back({c.box, w + c.local});
+      if (c.box.rows > 0) plans[g].params.push_back({c.box, w + c.local});
     }
   }
   for (const auto& piece : r.optimizer().pieces()) {
     const ParamInfo& p = table[piece.param];
-    if (!reading && !r.writes_state(p)) continue;
+    const int g = index_of(p);
+    if (g < 0 || (!reading && !r.writes_state(p))) continue;
     const int64_t begin = piece.begin - p.offset;
     for (const LocalBox& lb : global_boxes(p, begin, begin + piece.count)) {
       const LocalBox c = clip(p, lb);
       if (c.box.rows == 0) continue;
       for (int k = 0; k < 2; ++k)
-        plans[index_of(p.name)].moments[k].push_back({c.box, host.moment(k) + piece.state + (c.local - begin)});
+        plans[g].moments[k].push_back({c.box, host.moment(k) + piece.state + (c.local - begin)});
     }
   }
   return plans;
@@ -240,6 +249,7 @@ void write_save(const std::string& file, const CheckpointMeta& meta, ModelRunner
   const Comm& world = r.mesh().world();
   const GptDims& d = r.model().dims();
   const std::vector<ParamInfo> global = global_table(d);
+  const std::string base = d.lora.on() ? base_checksum(r) : std::string();
   r.gather_masters();  // a bf16 gather left other ranks' slices of the f32 masters stale
   {
     HostState host(r);
@@ -257,6 +267,7 @@ void write_save(const std::string& file, const CheckpointMeta& meta, ModelRunner
                            pc.vpp, fmt::join(pipeline_layers(pc, cfg.model.num_layers), ","), pc.cp, pc.ep,
                            pc.expert_tp, r.mesh().dp_size(), pc.order, pc.sequence_parallel ? "on" : "off",
                            cfg.engine.distributed_optimizer ? "on" : "off"));
+    if (d.lora.on()) write_adapter_attrs(w, cfg, base);
     if (midway) midway(meta.iteration);
     w.close();
   }
@@ -393,6 +404,14 @@ CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& r, const Co
       fail("checkpoint {} was saved with {} = {}; this run has {} = {}: use the same mixture-of-experts settings "
            "to load it", file, k, saved, k, v);
   }
+  if (d.lora.on() && !in.has_attr("lora.rank"))
+    fail("checkpoint {} holds a full model, not LoRA adapters: to fine-tune it with LoRA pass it as "
+         "checkpoint.init_from_checkpoint (--init-from-checkpoint), not checkpoint.load", file);
+  if (!d.lora.on() && in.has_attr("lora.rank"))
+    fail("checkpoint {} holds LoRA adapters (lora.rank = {}), not a full model: resume it with the lora settings it "
+         "records (mpigpt checkpoint info), or merge them into their base first (mpigpt convert --merge-lora)",
+         file, in.attr_int("lora.rank"));
+  if (d.lora.on()) check_adapter_load(in, file, r, cfg);
   const std::vector<ParamInfo> global = global_table(d);
   HostState host(r);
   host.download();  // what no dataset overwrites (the vocabulary padding) keeps its value
@@ -481,8 +500,8 @@ TensorMap read_model_tensors(const std::string& root, Config* cfg, const std::st
 }
 
 void write_model_checkpoint(const std::string& root, const TensorMap& model, const Config& cfg, const GptDims& d,
-                            const std::string& source) {
-  const std::string name = checkpoint_dir_name(0), dir = root + "/" + name, file = dir + "/" + kFile;
+                            const std::string& source, const CheckpointMeta& meta) {
+  const std::string name = checkpoint_dir_name(meta.iteration), dir = root + "/" + name, file = dir + "/" + kFile;
   fs::create_directories(dir);
   CheckpointWriter w(MPI_COMM_SELF, file);
   const std::vector<ParamInfo> table = global_table(d);
@@ -501,7 +520,7 @@ void write_model_checkpoint(const std::string& root, const TensorMap& model, con
       }
       w.write(k < 0 ? model_name(p.name) : moment_name(k, p.name), p.global, {Piece{Box{0, rows, 0, cols}, data}});
     }
-  write_meta(w, CheckpointMeta{}, cfg, d, 0, "converted from " + source);
+  write_meta(w, meta, cfg, d, 0, "converted from " + source);
   w.close();
   point_latest(root, name);
 }

@@ -79,8 +79,9 @@ void load_weights(ModelRunner& runner, const TensorMap& global, const std::strin
 TensorMap read_model_tensors(const std::string& root, Config* cfg, const std::string& given = {});
 // One process: the configuration of the save `root` points to (its model shape resolved).
 Config read_checkpoint_config(const std::string& root, const std::string& given = {});
-// One process: a save (iteration 0, zero Adam moments) of whole tensors into root/iter_0000000.
+// One process: a save (zero Adam moments, optimizer step 0) of whole tensors into root/iter_NNNNNNN,
+// with meta's iteration and consumed samples (0 for a converted model; a merge keeps its adapters').
 void write_model_checkpoint(const std::string& root, const TensorMap& model, const Config& cfg, const GptDims& d,
-                            const std::string& source);
+                            const std::string& source, const CheckpointMeta& meta = {});
 
 }  // namespace mpigpt
