@@ -314,3 +314,17 @@ cli_test(bench_profile_ops ok "bench: op linear_forward .* calls"
   "${BIN} bench ${TINY} --bench-steps 1 --bench-warmup 0 --profile-ops")
 cli_test(bench_mfu ok "bench: achieved .* TFLOP/s per rank, MFU [0-9.]+%" "${BIN} bench ${TINY} --bench-steps 1 --bench-warmup 0")
 cli_test(train_profile_ops fail "--profile-ops is a flag of .mpigpt bench." "${BIN} train ${TINY} --profile-ops")
+
+# `mpigpt plan`: the layouts of a model on N GPUs ranked by predicted step time (docs/planner.md).
+set(PLAN "${BIN} plan --config ${PROJECT_SOURCE_DIR}/inputs/gpt2_1p3b_gpu.ini --gpus-per-node 8")
+cli_test(plan_table ok "^ +1  tp[0-9]+ .* GiB +[0-9.]+ +[0-9]+ +[0-9.]+ +[0-9.]+%" "${PLAN} --gpus 64 --device h100 --top 5")
+# The best layout's INI is one `mpigpt train` accepts: its dry run plans all 64 ranks.
+cli_test(plan_write ok "rank 63 = " "mkdir -p ${CLI_DIR} && ${PLAN} --gpus 64 --device h100 --write ${CLI_DIR}/plan_best.ini && ${BIN} train --config ${CLI_DIR}/plan_best.ini --dry-run --world-size 64")
+cli_test(plan_json ok "^5 layouts parsed, best tp[0-9]" "${PLAN} --gpus 64 --device h200 --top 5 --json | python3 -c \"print(*(lambda j: (len(j['layouts']), 'layouts parsed, best', j['layouts'][0]['layout']))(__import__('json').load(__import__('sys').stdin)))\"")
+cli_test(plan_fix ok "^ +1  tp8 sp cp1 pp2 " "${PLAN} --gpus 64 --device h100 --fix tp=8,pp=2 --top 3")
+# A 175B model on one node: nothing fits, and the planner says how many GPUs would.
+cli_test(plan_impossible fail "fits on [0-9]+ GPUs \\([0-9]+ nodes of 8\\)" "${PLAN} --gpus 8 --device h100 --model.num_layers 96 --model.hidden 12288 --model.num_heads 96 --model.seq_len 2048 --model.max_position 2048")
+cli_test(plan_impossible_pinned fail "fits on 1 GPUs with engine.recompute = full" "${BIN} plan --config ${PROJECT_SOURCE_DIR}/inputs/gpt2_1p3b_gpu.ini --gpus 1 --gpus-per-node 1 --device h100 --fix recompute=none,mb=64")
+cli_test(plan_bad_device fail "--device = 'tpu' is not a known device" "${PLAN} --gpus 8 --device tpu")
+cli_test(plan_bad_gpus fail "--gpus = 12 is not a multiple of --gpus-per-node = 8" "${PLAN} --gpus 12 --device h100")
+cli_test(plan_bad_fix fail "--fix tp=8,tpp=2: 'tpp' is not a layout field. the fields are tp, pp" "${PLAN} --gpus 8 --device h100 --fix tp=8,tpp=2")

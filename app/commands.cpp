@@ -37,6 +37,8 @@ int cmd_help() {
       "  checkpoint     checkpoint info DIR [--verify]: what a save holds\n"
       "  bench-checkpoint  save/load time and bandwidth of a model with its optimizer state\n"
       "  bench-attention   time the causal attention's forward and backward alone, at a model's shape\n"
+      "  plan           the parallel layouts of a model on N GPUs that fit, ranked by predicted step time\n"
+      "                 (mpigpt plan --config FILE.ini --gpus N --gpus-per-node G --device h100; docs/planner.md)\n"
       "  convert        a checkpoint to/from a Hugging Face directory or an llm.c model file\n"
       "  help           this text\n"
       "  --version      version and build facts\n\n"
@@ -60,10 +62,11 @@ int dispatch(const std::vector<std::string>& args, const MpiEnv& mpi) {
   if (cmd == "prepare-data") return run_prepare_data(rest, mpi.rank());
   if (cmd == "checkpoint") return cmd_checkpoint(rest, mpi);
   if (cmd == "convert") return cmd_convert(rest, mpi);
+  if (cmd == "plan") return cmd_plan(rest, mpi);
   if (cmd == "bench-checkpoint") return cmd_bench_checkpoint(rest, mpi);
   if (cmd == "bench-attention") return cmd_bench_attention(rest, mpi);
   fail("unknown command '{}'; the commands are train, prepare-data, bench, bench-checkpoint, bench-attention, "
-       "checkpoint, convert, help, --version", cmd);
+       "checkpoint, convert, plan, help, --version", cmd);
 }
 
 }  // namespace mpigpt::app

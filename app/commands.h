@@ -15,6 +15,7 @@ int cmd_bench_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi
 int cmd_bench_attention(const std::vector<std::string>& args, const MpiEnv& mpi);
 int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi);
 int cmd_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi);
+int cmd_plan(const std::vector<std::string>& args, const MpiEnv& mpi);
 int cmd_version();
 int cmd_help();
 

@@ -191,8 +191,9 @@ LayerActivations layer_activations(const GptDims& d, const Config& cfg, bool den
   return layer_of(dims_of(d, cfg), dense, attention_state);
 }
 
-std::vector<int> in_flight_per_chunk(int pp, int vpp, int micro_batches, int pp_rank) {
-  const Schedule sched = make_schedule(pp, vpp, micro_batches);
+namespace {
+
+std::vector<int> in_flight_of(const Schedule& sched, int vpp, int pp_rank) {
   MPIGPT_CHECK(pp_rank >= 0 && pp_rank < int(sched.size()), "pipeline rank {} of {}", pp_rank, sched.size());
   std::vector<int> live(size_t(vpp), 0), most(size_t(vpp), 0);
   for (const Action& a : sched[size_t(pp_rank)]) {
@@ -203,7 +204,40 @@ std::vector<int> in_flight_per_chunk(int pp, int vpp, int micro_batches, int pp_
   return most;
 }
 
-MemoryEstimate estimate_memory(const Config& cfg, const GptDims& d, int world_size) {
+}  // namespace
+
+std::vector<int> in_flight_per_chunk(int pp, int vpp, int micro_batches, int pp_rank) {
+  return in_flight_of(make_schedule(pp, vpp, micro_batches), vpp, pp_rank);
+}
+
+const Schedule& ScheduleCache::schedule(int pp, int vpp, int micro_batches) {
+  const auto key = std::make_tuple(pp, vpp, micro_batches);
+  auto it = schedules_.find(key);
+  if (it == schedules_.end()) it = schedules_.emplace(key, make_schedule(pp, vpp, micro_batches)).first;
+  return it->second;
+}
+
+const std::vector<std::vector<int>>& ScheduleCache::in_flight(int pp, int vpp, int micro_batches) {
+  const auto key = std::make_tuple(pp, vpp, micro_batches);
+  auto it = in_flight_.find(key);
+  if (it == in_flight_.end()) {
+    const Schedule& sched = schedule(pp, vpp, micro_batches);
+    std::vector<std::vector<int>> all;
+    for (int r = 0; r < pp; ++r) all.push_back(in_flight_of(sched, vpp, r));
+    it = in_flight_.emplace(key, std::move(all)).first;
+  }
+  return it->second;
+}
+
+const SimResult& ScheduleCache::simulated(int pp, int vpp, int micro_batches, const SimCosts& costs) {
+  auto key = std::make_tuple(pp, vpp, micro_batches, costs.forward, costs.backward, costs.p2p_latency);
+  auto it = simulated_.find(key);
+  if (it == simulated_.end())
+    it = simulated_.emplace(std::move(key), simulate(schedule(pp, vpp, micro_batches), pp, vpp, costs)).first;
+  return it->second;
+}
+
+MemoryEstimate estimate_memory(const Config& cfg, const GptDims& d, int world_size, ScheduleCache* cache) {
   const ParallelConfig& p = cfg.parallel;
   const MeshSizes sizes = mesh_sizes(p);
   const int dp = dense_grid(sizes, world_size).size("dp");
@@ -223,7 +257,8 @@ MemoryEstimate estimate_memory(const Config& cfg, const GptDims& d, int world_si
     add_state(m, d, cfg, pl, dp * p.cp, expert_dp);
     m.params = block(m.params, e.cuda), m.grads = block(m.grads, e.cuda), m.compute_params = block(m.compute_params, e.cuda);
     m.optimizer = 2 * block(m.optimizer / 2, e.cuda);
-    m.in_flight = in_flight_per_chunk(p.pp, p.vpp, e.micro_batches, r);
+    m.in_flight = cache ? cache->in_flight(p.pp, p.vpp, e.micro_batches)[size_t(r)]
+                        : in_flight_per_chunk(p.pp, p.vpp, e.micro_batches, r);
     const int C = int(pl.chunks.size());
     for (int c = 0; c < C; ++c) {
       const bool embed = pl.first_stage && c == 0, head = pl.last_stage && c + 1 == C;

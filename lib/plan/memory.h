@@ -3,11 +3,14 @@
 // allocates by (docs/planner.md, "Memory model").
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "io/config/config.h"
 #include "lib/model/gpt_dims.h"
+#include "parallel/schedule.h"
 
 namespace mpigpt {
 
@@ -73,10 +76,27 @@ struct MemoryEstimate {
   std::string report() const;
 };
 
+// Pipeline schedules and their micro-batches in flight by (pp, vpp, micro-batches), kept by a caller
+// that prices many layouts (`mpigpt plan`): generating them dominates an estimate at large pp.
+class ScheduleCache {
+ public:
+  const Schedule& schedule(int pp, int vpp, int micro_batches);
+  // in_flight_per_chunk of every pipeline rank.
+  const std::vector<std::vector<int>>& in_flight(int pp, int vpp, int micro_batches);
+  // simulate() of that schedule on these costs (layouts that differ only off the pipeline repeat them).
+  const SimResult& simulated(int pp, int vpp, int micro_batches, const SimCosts& costs);
+
+ private:
+  std::map<std::tuple<int, int, int, std::vector<double>, std::vector<double>, double>, SimResult> simulated_;
+  std::map<std::tuple<int, int, int>, Schedule> schedules_;
+  std::map<std::tuple<int, int, int>, std::vector<std::vector<int>>> in_flight_;
+};
+
 // The memory of every pipeline rank for `cfg` on `world_size` ranks. `d` is the model's resolved
 // shape (make_dims in lib/train, which already padded the vocabulary for cfg.parallel.tp); cfg is
 // validated for world_size. The micro-batches in flight come from replaying make_schedule's lists.
-MemoryEstimate estimate_memory(const Config& cfg, const GptDims& d, int world_size);
+// `cache` (optional) supplies the schedules.
+MemoryEstimate estimate_memory(const Config& cfg, const GptDims& d, int world_size, ScheduleCache* cache = nullptr);
 
 // Per model chunk of pipeline rank `pp_rank`: the most micro-batches whose forward ran and whose
 // backward has not, replaying make_schedule(pp, vpp, micro_batches).

@@ -78,6 +78,7 @@ DeviceProfile parse_profile(const std::string& text, const std::string& what) {
   p.intra_node = link_of(j, "intra_node", what);
   p.inter_node = link_of(j, "inter_node", what);
   p.reduce_rate = number(j, "reduce_rate", what, false);
+  if (j.contains("memory_bytes")) p.memory_bytes = number(j, "memory_bytes", what, false);  // optional
   return p;
 }
 
@@ -107,6 +108,7 @@ std::string to_json(const DeviceProfile& p) {
   j["intra_node"] = {{"latency_s", p.intra_node.latency}, {"bandwidth_Bps", p.intra_node.bandwidth}};
   j["inter_node"] = {{"latency_s", p.inter_node.latency}, {"bandwidth_Bps", p.inter_node.bandwidth}};
   j["reduce_rate"] = p.reduce_rate;
+  if (p.memory_bytes > 0) j["memory_bytes"] = p.memory_bytes;
   return j.dump(2) + "\n";
 }
 

@@ -45,6 +45,9 @@ struct DeviceProfile {
   Link intra_node;             // inside a node (NVLink, shared memory)
   Link inter_node;             // across nodes (the network)
   double reduce_rate = 0;      // seconds per element summed by a reduction (CPU: core time; 0: hidden)
+  // Memory of one device (bytes) the planner fits layouts into; 0: not known (`mpigpt plan` then
+  // shares this machine's RAM among the ranks of a node).
+  double memory_bytes = 0;
 
   // Seconds of one GEMM of this shape: the rate interpolated over the samples by inverse distance
   // in log(m, n, k), the nearest samples weighing most.

@@ -25,11 +25,19 @@ struct Ctx {
   int world, per_node;
   const DeviceProfile& dev;
   bool shared;
-  Link link(const std::string& group) const {
-    return group_inside_node(cfg, world, per_node, group) ? dev.intra_node : dev.inter_node;
+  // Per group: its size and link (building the rank grid for each call dominated a planner's run).
+  mutable std::map<std::string, std::pair<int, Link>> groups;
+  const std::pair<int, Link>& group(const std::string& g) const {
+    auto it = groups.find(g);
+    if (it == groups.end())
+      it = groups.emplace(g, std::make_pair(group_size(cfg, world, g), group_inside_node(cfg, world, per_node, g)
+                                                                          ? dev.intra_node : dev.inter_node)).first;
+    return it->second;
   }
+  Link link(const std::string& g) const { return group(g).second; }
   double seconds(const CommCall& c) const {
-    return call_seconds(c, group_size(cfg, world, c.group), link(c.group), dev.reduce_rate);
+    const auto& [size, l] = group(c.group);
+    return call_seconds(c, size, l, dev.reduce_rate);
   }
 };
 
@@ -114,10 +122,10 @@ double TimeEstimate::exposed_comm() const {
 }
 
 TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, int per_node,
-                           const DeviceProfile& device) {
+                           const DeviceProfile& device, ScheduleCache* cache, const MemoryEstimate* memory) {
   const ParallelConfig& p = cfg.parallel;
-  const Ctx x{cfg, d, world_size, per_node, device, device.shared_cores > 0};
-  const MemoryEstimate mem = estimate_memory(cfg, d, world_size);
+  const Ctx x{cfg, d, world_size, per_node, device, device.shared_cores > 0, {}};
+  const MemoryEstimate mem = memory ? *memory : estimate_memory(cfg, d, world_size, cache);
   const int m = mem.micro_batches, S = p.pp * p.vpp;
   TimeEstimate t;
   t.device = device.name, t.micro_batches = m, t.shared_cores = x.shared;
@@ -143,14 +151,18 @@ TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, 
         for (const auto& [g, sec] : q->comm) add_group(per_rank[size_t(r)], g, m * sec, m * (sec - (q->hidden.count(g) ? q->hidden.at(g) : 0.0)));
     }
   }
-  const Schedule sched = make_schedule(p.pp, p.vpp, m);
+  Schedule own;
+  if (!cache) own = make_schedule(p.pp, p.vpp, m);
+  const Schedule& sched = cache ? cache->schedule(p.pp, p.vpp, m) : own;
   const double p2p = p.pp > 1 ? x.link("pp").seconds(p2p_bytes(cfg, d)) : 0.0;
   const int copies = world_size / p.pp;
   const SimCosts costs{fwd, bwd, p2p}, free_p2p{fwd, bwd, 0.0};
-  const SimResult sim = x.shared ? simulate_shared(sched, p.pp, p.vpp, costs, copies, device.shared_cores)
-                                 : simulate(sched, p.pp, p.vpp, costs);
-  const SimResult sim0 = x.shared ? simulate_shared(sched, p.pp, p.vpp, free_p2p, copies, device.shared_cores)
-                                  : simulate(sched, p.pp, p.vpp, free_p2p);
+  auto replay = [&](const SimCosts& c) {
+    if (x.shared) return simulate_shared(sched, p.pp, p.vpp, c, copies, device.shared_cores);
+    return cache ? cache->simulated(p.pp, p.vpp, m, c) : simulate(sched, p.pp, p.vpp, c);
+  };
+  const SimResult sim = replay(costs);
+  const SimResult sim0 = p2p > 0 ? replay(free_p2p) : sim;
   MPIGPT_CHECK(sim.ok(), "time model: the schedule does not replay: {}", sim.errors.empty() ? "" : sim.errors[0]);
   t.pipeline = sim.makespan;
   std::vector<double> after_work;

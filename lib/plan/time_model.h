@@ -6,6 +6,7 @@
 
 #include "io/config/config.h"
 #include "lib/model/gpt_dims.h"
+#include "lib/plan/memory.h"
 #include "lib/plan/profile.h"
 
 namespace mpigpt {
@@ -46,7 +47,9 @@ struct TimeEstimate {
 
 // The step time of `cfg` (validated for `world_size`) on ranks placed `per_node` to a node in
 // world-rank order, on `device`. `d` is the resolved model shape (lib/train's make_dims).
+// Optional: `cache` supplies the schedules, `memory` the estimate_memory of this cfg already made.
 TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, int per_node,
-                           const DeviceProfile& device);
+                           const DeviceProfile& device, ScheduleCache* cache = nullptr,
+                           const MemoryEstimate* memory = nullptr);
 
 }  // namespace mpigpt

@@ -1,0 +1,102 @@
+// The planner on published training runs (lib/plan/testdata/published_layouts.json, A100-80GB):
+// reports predicted against published speed; asserts only that Table 1's published layouts fit and are planned.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "lib/plan/planner.h"
+#include "lib/train/trainer.h"
+
+using namespace mpigpt;
+
+namespace {
+
+const std::string kDir = std::string(MPIGPT_TEST_DATA_DIR) + "/..";
+
+nlohmann::json published() {
+  std::ifstream in(kDir + "/lib/plan/testdata/published_layouts.json");
+  REQUIRE(in.good());
+  return nlohmann::json::parse(in);
+}
+
+// Megatron's GPT (learned positions, tied embeddings, 4h MLP) at the papers' vocabulary and sequence.
+PlanRequest request(const nlohmann::json& row, const DeviceProfile& a100) {
+  const std::vector<std::string> args = {
+      "--model.family", "gpt2", "--model.num_layers", std::to_string(row["layers"].get<int>()), "--model.hidden",
+      std::to_string(row["hidden"].get<int>()), "--model.num_heads", std::to_string(row["heads"].get<int>()),
+      "--model.seq_len", "2048", "--model.vocab_size", "51200", "--model.vocab_multiple", "1",
+      "--training.precision", "bf16", "--engine.backend", "cuda"};
+  PlanRequest r;
+  r.base = parse_config_args(args).config;
+  r.gpus = row["gpus"], r.per_node = 8, r.global_batch = row["global_batch"];
+  r.base.training.global_batch = r.global_batch;
+  r.device = a100;
+  r.memory_bytes = a100.memory_bytes;
+  r.fix.tp = row["tp"].get<int>(), r.fix.pp = row["pp"].get<int>();
+  if (row.contains("vpp")) r.fix.vpp = row["vpp"].get<int>();
+  return r;
+}
+
+const DimsOf dims = [](const Config& c) { return make_dims(c, c.model.vocab_size); };
+
+}  // namespace
+
+TEST_CASE("planner: Megatron-LM's Table 1 (arXiv 2104.04473), published layouts, full recompute") {
+  const DeviceProfile a100 = load_profile("a100_80g", std::string(MPIGPT_TEST_DATA_DIR) + "/profiles");
+  REQUIRE(a100.memory_bytes > 0);
+  fmt::print("| params (B) | GPUs | tp | pp | planned layout | memory/rank | published TFLOP/s | predicted | error |\n"
+             "|---|---|---|---|---|---|---|---|---|\n");
+  int within = 0, rows = 0;
+  const nlohmann::json table = published();
+  for (const auto& row : table["megatron_2104_04473_table1"]["rows"]) {
+    PlanRequest r = request(row, a100);
+    r.fix.recompute = "full";
+    const PlanResult res = run_plan(r, dims);
+    CHECK_MESSAGE(!res.rows.empty(), "no layout of row ", row.dump(), " fits");
+    if (res.rows.empty()) continue;
+    const PlanRow& best = res.rows.front();
+    // The paper's count: F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) per iteration.
+    const double B = r.global_batch, s = 2048, l = row["layers"], h = row["hidden"], V = 51200;
+    const double F = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
+    const double tflops = F / best.step / r.gpus / 1e12, paper = row["tflops_per_gpu"];
+    const double err = tflops / paper - 1;
+    within += std::fabs(err) <= 0.15, ++rows;
+    fmt::print("| {} | {} | {} | {} | {} | {:.1f} GiB | {} | {:.0f} | {:+.0f}% |\n", row["params_b"].get<double>(),
+               r.gpus, *r.fix.tp, *r.fix.pp, layout_name(best.cfg, r.gpus), best.memory / 1073741824.0, paper,
+               tflops, 100 * err);
+    CHECK(best.cfg.parallel.tp == *r.fix.tp);
+    CHECK(best.cfg.parallel.pp == *r.fix.pp);
+  }
+  fmt::print("{} of {} rows within 15% (issue 46 asks 8 of 10)\n\n", within, rows);
+  CHECK(rows == 10);
+}
+
+TEST_CASE("planner: Table 5 of arXiv 2205.05198, sequence parallelism with selective recompute") {
+  const DeviceProfile a100 = load_profile("a100_80g", std::string(MPIGPT_TEST_DATA_DIR) + "/profiles");
+  fmt::print("| model | GPUs | tp | pp | vpp | planned layout | memory/rank | published s/iter | predicted | error |\n"
+             "|---|---|---|---|---|---|---|---|---|---|\n");
+  int rows = 0;
+  const nlohmann::json table = published();
+  for (const auto& row : table["korthikanti_2205_05198_table5"]["rows"]) {
+    PlanRequest r = request(row, a100);
+    r.fix.recompute = "selective", r.fix.sp = true;
+    PlanResult res = run_plan(r, dims);
+    // mpigpt's memory model does not fit most of these rows in 80 GB (reported, not asserted):
+    // price them on an unbounded device to compare the time.
+    const bool fits = !res.rows.empty();
+    if (!fits) r.memory_bytes = 1e15, res = run_plan(r, dims);
+    REQUIRE(!res.rows.empty());
+    const PlanRow& best = res.rows.front();
+    const double paper = row["seconds_per_iter"];
+    fmt::print("| {} | {} | {} | {} | {} | {} | {:.1f} GiB{} | {} | {:.2f} | {:+.0f}% |\n", row["model"].get<std::string>(),
+               r.gpus, *r.fix.tp, *r.fix.pp, r.fix.vpp ? std::to_string(*r.fix.vpp) : "free",
+               layout_name(best.cfg, r.gpus), best.memory / 1073741824.0, fits ? "" : " (does not fit)", paper, best.step,
+               100 * (best.step / paper - 1));
+    ++rows;
+  }
+  fmt::print("\n");
+  CHECK(rows == 4);
+}
