@@ -32,7 +32,7 @@ while IFS= read -r cmd; do
   n=$((n + 1))
   echo "== $cmd"
   case $cmd in
-    build/mpigpt*train*--dry-run* | build/mpigpt*--help* | build/mpigpt\ prepare-data*)
+    build/mpigpt*train*--dry-run* | build/mpigpt*--help* | build/mpigpt\ prepare-data* | build/mpigpt\ plan*)
       eval "$cmd" </dev/null >out.log 2>&1 || { cat out.log; fail "failed: $cmd"; } ;;
     build/mpigpt*train* | mpirun*build/mpigpt*train*)
       cmd=${cmd/#mpirun/$MPIRUN}
