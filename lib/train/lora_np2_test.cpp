@@ -8,6 +8,7 @@
 #include <string>
 
 #include "io/io_testing.h"
+#include "lib/train/train_testing.h"
 #include "lib/train/trainer.h"
 
 using namespace mpigpt;
@@ -15,22 +16,7 @@ using namespace mpigpt;
 namespace {
 
 Config lora_config(const std::string& family) {
-  Config cfg;
-  cfg.model.family = family;
-  cfg.model.num_layers = 4;
-  cfg.model.hidden = 32;
-  cfg.model.num_heads = 4;
-  cfg.model.num_kv_heads = family == "llama" ? 2 : 0;
-  cfg.model.seq_len = 16;
-  cfg.model.vocab_size = 97;
-  cfg.training.micro_batch = 2;
-  cfg.training.global_batch = 8;
-  cfg.training.train_iters = 5;
-  cfg.training.lr = 3e-3;
-  cfg.training.eval_interval = 0;
-  cfg.training.log_interval = 100;
-  cfg.training.peak_tflops = 1;  // skip the GEMM calibration
-  cfg.resolve_defaults();
+  Config cfg = testing::small_train_config(family, 4, 5);
   return cfg;
 }
 

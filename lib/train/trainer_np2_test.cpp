@@ -8,6 +8,7 @@
 
 #include "io/data/prepare_data.h"
 #include "io/io_testing.h"
+#include "lib/train/train_testing.h"
 #include "lib/train/trainer.h"
 
 using namespace mpigpt;
@@ -15,24 +16,10 @@ using namespace mpigpt;
 namespace {
 
 Config small_config(const std::string& family) {
-  Config cfg;
-  cfg.model.family = family;
-  cfg.model.num_layers = 2;
-  cfg.model.hidden = 32;
-  cfg.model.num_heads = 4;
-  cfg.model.num_kv_heads = family == "llama" ? 2 : 0;
-  cfg.model.seq_len = 16;
-  cfg.model.vocab_size = 97;
-  cfg.training.micro_batch = 2;
-  cfg.training.global_batch = 8;
-  cfg.training.train_iters = 12;
-  cfg.training.lr = 3e-3;
+  Config cfg = testing::small_train_config(family, 2, 12);
   cfg.training.warmup_iters = 2;
   cfg.training.eval_interval = 6;  // eval_iters global batches: the same samples in every layout
   cfg.training.eval_iters = 2;
-  cfg.training.log_interval = 100;
-  cfg.training.peak_tflops = 1;  // skip the GEMM calibration
-  cfg.resolve_defaults();
   return cfg;
 }
 
