@@ -138,6 +138,38 @@ void match_messages(const Schedule& schedule, int pp, SimResult& res) {
   }
 }
 
+// Messages numbered densely, (direction, micro-batch, boundary) -> one slot, when every send and
+// receive names the neighbour its virtual stage implies (make_schedule's always do); -1 otherwise,
+// and then the keyed matching above tells the mismatches apart.
+struct DenseMessages {
+  int pp, stages, mbs;
+  int64_t slot(const Action& a, int rank) const {
+    const int s = virtual_stage(pp, rank, a.chunk);
+    const bool fwd = a.type == ActionType::SendForward || a.type == ActionType::RecvForward;
+    const bool up = a.type == ActionType::SendForward || a.type == ActionType::RecvBackward;  // peer on s + 1
+    if (a.peer != ((up ? s + 1 : s - 1) % pp + pp) % pp) return -1;
+    const int boundary = up ? s : s - 1;
+    return (int64_t(fwd ? 0 : 1) * mbs + a.mb) * stages + boundary;
+  }
+  int64_t size() const { return int64_t(2) * mbs * stages; }
+};
+
+// Whether every message is sent and received exactly once, counted on dense slots (cheap: the
+// planner simulates thousands of schedules); false sends the caller to match_messages for words.
+bool dense_messages_match(const Schedule& schedule, const DenseMessages& dm) {
+  std::vector<int> sends(size_t(dm.size()), 0), recvs(size_t(dm.size()), 0);
+  for (int r = 0; r < dm.pp; ++r)
+    for (const Action& a : schedule[r]) {
+      if (!is_send(a.type) && !is_recv(a.type)) continue;
+      const int64_t k = dm.slot(a, r);
+      if (k < 0) return false;
+      ++(is_send(a.type) ? sends : recvs)[size_t(k)];
+    }
+  for (size_t k = 0; k < sends.size(); ++k)
+    if (sends[k] != recvs[k] || sends[k] > 1) return false;
+  return true;
+}
+
 }  // namespace
 
 std::vector<std::pair<int, int>> layers_of_stage(const std::vector<int>& stage_layers, int pp, int pp_rank) {
@@ -232,7 +264,12 @@ SimResult simulate(const Schedule& schedule, int pp, int vpp, const SimCosts& co
     for (const Action& a : schedule[r])
       if (std::string why = malformed(a, r, pp, vpp); !why.empty()) res.errors.push_back(why);
   if (!res.ok()) return res;  // the replay below relies on well-formed actions
-  match_messages(schedule, pp, res);
+  int mbs = 0;
+  for (const auto& actions : schedule)
+    for (const Action& a : actions) mbs = std::max(mbs, a.mb + 1);
+  const DenseMessages dm{pp, pp * vpp, mbs};
+  const bool dense = dense_messages_match(schedule, dm);
+  if (!dense) match_messages(schedule, pp, res);
 
   // Replay: every rank runs until it meets a receive whose message is not sent yet; sweeping
   // the ranks until none moves gives the same times as any event order, because a rank's
@@ -240,7 +277,8 @@ SimResult simulate(const Schedule& schedule, int pp, int vpp, const SimCosts& co
   std::vector<size_t> pos(pp, 0);
   std::vector<double> clock(pp, 0.0);
   std::vector<int> in_flight(pp, 0);
-  std::map<MsgKey, double> arrival;
+  std::map<MsgKey, double> arrival;  // keyed when the dense slots do not apply
+  std::vector<double> arrived(dense ? size_t(dm.size()) : 0, -1.0);  // -1: not sent yet
   for (bool moved = true; moved;) {
     moved = false;
     for (int r = 0; r < pp; ++r) {
@@ -248,11 +286,22 @@ SimResult simulate(const Schedule& schedule, int pp, int vpp, const SimCosts& co
         const Action& a = schedule[r][pos[r]];
         const int s = virtual_stage(pp, r, a.chunk);
         if (is_recv(a.type)) {
-          auto it = arrival.find(message_of(a, r, pp));
-          if (it == arrival.end()) break;
-          clock[r] = std::max(clock[r], it->second);
+          double t = -1.0;
+          if (dense) {
+            t = arrived[size_t(dm.slot(a, r))];
+          } else if (auto it = arrival.find(message_of(a, r, pp)); it != arrival.end()) {
+            t = it->second;
+          }
+          if (t < 0) break;
+          clock[r] = std::max(clock[r], t);
         } else if (is_send(a.type)) {
-          arrival.emplace(message_of(a, r, pp), clock[r] + costs.p2p_latency);  // a doubled send keeps the first
+          const double t = clock[r] + costs.p2p_latency;  // a doubled send keeps the first
+          if (dense) {
+            double& slot = arrived[size_t(dm.slot(a, r))];
+            if (slot < 0) slot = t;
+          } else {
+            arrival.emplace(message_of(a, r, pp), t);
+          }
         } else {
           const bool fwd = a.type == ActionType::Forward;
           const double c = cost_of(fwd ? costs.forward : costs.backward, s);
