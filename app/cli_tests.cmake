@@ -82,7 +82,7 @@ cli_test(tp_pp_train_np4 ok "iter +10/10 .*loss [0-9]" "T=tppp && ${PREP} ${FORT
 cli_test(config_is_directory fail "--config .*/app is a directory. give an INI file" "${BIN} train --config ${PROJECT_SOURCE_DIR}/app")
 cli_test(bool_word fail "parallel.sequence_parallel = 'maybe' is not a boolean. write true/false"
   "${BIN} train --parallel.sequence_parallel maybe")
-cli_test(convert_bad_format fail "mpigpt convert --to: 'sideways' is not a format. the formats are hf .* and llmc"
+cli_test(convert_bad_format fail "mpigpt convert --to: 'sideways' is not a format. the formats are hf .*, llmc .* peft"
   "${BIN} convert --to sideways a b")
 cli_test(convert_help ok "^usage: mpigpt convert --to hf CHECKPOINT OUT_DIR" "${BIN} convert --help")
 cli_test(checkpoint_help ok "^usage: mpigpt checkpoint info DIR \\[--verify\\]" "${BIN} checkpoint --help")
@@ -248,6 +248,14 @@ ckpt_test(lora_adapter_load_full fail "holds a full model, not LoRA adapters: to
   "rm -rf ${CLI_DIR}/ld && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/ld/base > /dev/null && ${BIN} train ${CK} ${LORA} --checkpoint.load ${CLI_DIR}/ld/base --training.train_iters 2")
 ckpt_test(lora_adapter_to_hf fail "holds LoRA adapters \\(lora.rank = 4\\), not a model. merge them into their base first: mpigpt convert --merge-lora"
   "T=le && ${LBASE} > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/le/a ${CLI_DIR}/le/hf")
+# PEFT interchange: adapters trained on a Hugging Face base -> PEFT -> --init-from-peft (the base
+# taken from base_model_name_or_path) saves the same adapters bit for bit (every checksum).
+ckpt_test(lora_peft_roundtrip ok "^same adapters: [0-9]+ tensors. base_model_name_or_path.*/lp/hf"
+  "rm -rf ${CLI_DIR}/lp && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/lp/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/lp/s ${CLI_DIR}/lp/hf > /dev/null && ${BIN} train ${CK} ${LORA} --init-from-hf ${CLI_DIR}/lp/hf --training.train_iters 2 --checkpoint.save ${CLI_DIR}/lp/a > /dev/null && ${BIN} convert --to peft ${CLI_DIR}/lp/a ${CLI_DIR}/lp/peft > /dev/null && ${BIN} train ${CK} --init-from-peft ${CLI_DIR}/lp/peft --training.train_iters 0 --checkpoint.save ${CLI_DIR}/lp/b > /dev/null && ${BIN} checkpoint info ${CLI_DIR}/lp/a | grep '^model/' > ${CLI_DIR}/lp/a.txt && ${BIN} checkpoint info ${CLI_DIR}/lp/b | grep '^model/' > ${CLI_DIR}/lp/b.txt && diff ${CLI_DIR}/lp/a.txt ${CLI_DIR}/lp/b.txt && echo same adapters: $(grep -c lora ${CLI_DIR}/lp/a.txt) tensors. $(grep -o 'base_model_name_or_path.: .[^,]*' ${CLI_DIR}/lp/peft/adapter_config.json)")
+ckpt_test(lora_peft_other_rank fail "lora.rank = 8, but the PEFT adapter checkpoint.init_from_peft = .*/lq/peft has 4"
+  "rm -rf ${CLI_DIR}/lq && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/lq/s > /dev/null && ${BIN} convert --to hf ${CLI_DIR}/lq/s ${CLI_DIR}/lq/hf > /dev/null && ${BIN} train ${CK} ${LORA} --init-from-hf ${CLI_DIR}/lq/hf --training.train_iters 1 --checkpoint.save ${CLI_DIR}/lq/a > /dev/null && ${BIN} convert --to peft ${CLI_DIR}/lq/a ${CLI_DIR}/lq/peft > /dev/null && ${BIN} train ${CK} --lora.rank 8 --init-from-peft ${CLI_DIR}/lq/peft")
+ckpt_test(lora_peft_full_model fail "holds a full model, not LoRA adapters. convert it with --to hf"
+  "rm -rf ${CLI_DIR}/lr && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/lr/s > /dev/null && ${BIN} convert --to peft ${CLI_DIR}/lr/s ${CLI_DIR}/lr/peft")
 ckpt_test(lora_merge_base_changed fail "the adapters of .*/lf/a/iter_0000004/checkpoint.h5 were trained on the checkpoint .*/lf/base with checksum [0-9a-f]+. it has checksum [0-9a-f]+ now"
   "T=lf && ${LBASE} > /dev/null && ${BIN} train ${CK} --training.train_iters 3 --checkpoint.save ${CLI_DIR}/lf/base > /dev/null && ${BIN} convert --merge-lora ${CLI_DIR}/lf/a ${CLI_DIR}/lf/m")
 

@@ -1,5 +1,5 @@
 // `mpigpt convert`: a checkpoint to a Hugging Face model directory or an llm.c model file, and
-// back; LoRA adapters merged into their base. One process; whole tensors in host memory.
+// back; LoRA adapters to a PEFT adapter or merged into their base. One process, whole tensors.
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -7,6 +7,7 @@
 #include "app/commands.h"
 #include "io/formats/hf_format.h"
 #include "io/formats/llmc_model.h"
+#include "io/formats/peft_format.h"
 #include "lib/core/error.h"
 #include "lib/core/log.h"
 #include "lib/model/gpt_dims.h"
@@ -21,6 +22,7 @@ namespace {
 const char* kUsage =
     "usage: mpigpt convert --to hf CHECKPOINT OUT_DIR       (config.json + model.safetensors)\n"
     "       mpigpt convert --to llmc CHECKPOINT OUT.bin     (llm.c GPT-2 model file, fp32)\n"
+    "       mpigpt convert --to peft ADAPTERS OUT_DIR       (PEFT adapter_config.json + adapter_model.safetensors)\n"
     "       mpigpt convert --from hf HF_DIR OUT_CHECKPOINT\n"
     "       mpigpt convert --from llmc FILE.bin OUT_CHECKPOINT\n"
     "       mpigpt convert --merge-lora ADAPTERS OUT_CHECKPOINT   (W + alpha/rank B A, on the recorded base)\n"
@@ -43,6 +45,20 @@ void merge_lora(const std::string& in, const std::string& out) {
            m.base.describe(), out, checkpoint_dir_name(m.iteration), m.adapters, m.rank, m.scale);
 }
 
+// The adapters of a LoRA save as a Hugging Face PEFT adapter directory.
+void to_peft_dir(const std::string& in, const std::string& out) {
+  check_new_dir(out);
+  Config cfg;
+  const TensorMap adapters = read_model_tensors(in, &cfg, "mpigpt convert --to peft " + in);
+  if (cfg.lora.rank == 0)
+    fail("mpigpt convert --to peft: {} holds a full model, not LoRA adapters; convert it with --to hf", in);
+  const AdapterBase base = read_adapter_base(in);
+  save_peft_adapter(out, adapters, cfg.model, cfg.lora, base.format == "hf" ? base.path : "");
+  log_line("convert: {} -> {} (PEFT LoRA adapter, {} adapters of rank {}, alpha {}, {} model{})",
+           resolve_checkpoint(in, in), out, adapters.size() / 2, cfg.lora.rank, cfg.lora.alpha, cfg.model.family,
+           base.format == "hf" ? "" : "; base_model_name_or_path null: the base is " + base.describe());
+}
+
 }  // namespace
 
 int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
@@ -58,12 +74,20 @@ int cmd_convert(const std::vector<std::string>& args, const MpiEnv& mpi) {
     merge_lora(args[1], args[2]);
     return 0;
   }
+  if (args.size() >= 2 && args[0] == "--to" && args[1] == "peft") {
+    if (args.size() != 4)
+      fail("mpigpt convert --to peft takes an adapter checkpoint and an output directory, got {} argument(s)\n{}",
+           args.size() - 2, kUsage);
+    if (mpi.size() != 1) fail("mpigpt convert runs as one process (it has {}); start it without mpirun", mpi.size());
+    to_peft_dir(args[2], args[3]);
+    return 0;
+  }
   if (args.empty() || (args[0] != "--to" && args[0] != "--from"))
     fail("mpigpt convert: the first argument is --to, --from or --merge-lora, not {}\n{}",
          args.empty() ? std::string("nothing") : "'" + args[0] + "'", kUsage);
   if (args.size() < 2 || (args[1] != "hf" && args[1] != "llmc"))
-    fail("mpigpt convert {}: {} is not a format; the formats are hf (a Hugging Face model directory) and llmc (an "
-         "llm.c model file)\n{}", args[0], args.size() < 2 ? std::string("nothing") : "'" + args[1] + "'", kUsage);
+    fail("mpigpt convert {}: {} is not a format; the formats are hf (a Hugging Face model directory), llmc (an "
+         "llm.c model file) and, with --to, peft (LoRA adapters)\n{}", args[0], args.size() < 2 ? std::string("nothing") : "'" + args[1] + "'", kUsage);
   if (args.size() != 4)
     fail("mpigpt convert {} {} takes an input and an output, got {} argument(s) after the format\n{}", args[0],
          args[1], args.size() - 2, kUsage);

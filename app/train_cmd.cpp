@@ -150,6 +150,7 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
   }
   // A model to start from decides the model's shape; resumed LoRA adapters name their base.
   adopt_adapter_base(cfg);
+  adopt_peft_base(cfg);
   if (!cfg.checkpoint.init_from_hf.empty()) {
     int vocab = 0;
     ModelConfig m = read_hf_config(cfg.checkpoint.init_from_hf, &vocab);
@@ -165,6 +166,7 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     const std::string& from = cfg.checkpoint.init_from_checkpoint;
     cfg.adopt_model(read_checkpoint_config(from, "checkpoint.init_from_checkpoint = " + from).model, from);
   }
+  adopt_peft_lora(cfg);  // the adapter's lora settings, read for the model now adopted
   if (world_size != mpi.size() && !dry_run)
     fail("--world-size {} only plans a layout with --dry-run; this job has {} rank(s)", world_size, mpi.size());
   cfg.validate(world_size);

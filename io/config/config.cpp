@@ -161,6 +161,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(checkpoint, init_from_hf, "start from a Hugging Face model directory (config.json + safetensors)"),
       MPIGPT_OPTION(checkpoint, init_from_llmc, "start from an llm.c GPT-2 model file (gpt2_124M.bin)"),
       MPIGPT_OPTION(checkpoint, init_from_checkpoint, "start from an mpigpt save's weights: fresh optimizer, iteration 0"),
+      MPIGPT_OPTION(checkpoint, init_from_peft, "LoRA adapters to start from: a PEFT directory (on an init_from_* base)"),
 
       MPIGPT_OPTION(lora, rank, "adapter rank r (0: off, every weight is trained)", {"lora_rank", "lora_dim"}),
       MPIGPT_OPTION(lora, alpha, "the adapters' update is scaled by alpha / rank", {"lora_alpha"}),

@@ -119,6 +119,7 @@ struct CheckpointConfig {
   std::string init_from_hf;             // start from a Hugging Face model directory (config.json + safetensors)
   std::string init_from_llmc;           // start from an llm.c GPT-2 model file (gpt2_124M.bin)
   std::string init_from_checkpoint;     // start from an mpigpt save's weights: fresh optimizer, iteration 0
+  std::string init_from_peft;           // LoRA adapters to start from: a PEFT directory (on an init_from_* base)
 };
 
 // LoRA fine-tuning: low-rank adapters trained on a frozen model.

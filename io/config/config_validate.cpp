@@ -150,6 +150,17 @@ void check_ranges(const Config& c) {
            "init_from_* only takes the weights; with lora.rank > 0 load resumes adapters on one init_from_* base)",
            k.load, k.init_from_hf, k.init_from_llmc, k.init_from_checkpoint);
   }
+  if (const CheckpointConfig& k = c.checkpoint; !k.init_from_peft.empty()) {
+    if (!k.load.empty())
+      fail("checkpoint.init_from_peft = '{}' and checkpoint.load = '{}': the adapters start from one of them; "
+           "give one", k.init_from_peft, k.load);
+    if (k.init_from_hf.empty() && k.init_from_llmc.empty() && k.init_from_checkpoint.empty())
+      fail("checkpoint.init_from_peft = '{}' needs the base model the adapter was trained on: set "
+           "checkpoint.init_from_hf (--init-from-hf DIR) or another checkpoint.init_from_*", k.init_from_peft);
+    if (c.lora.rank == 0)
+      fail("checkpoint.init_from_peft = '{}' with lora.rank = 0: PEFT adapters are trained as LoRA adapters; leave "
+           "lora.rank out (mpigpt train takes the adapter's) or set it to the adapter's r", k.init_from_peft);
+  }
   if (c.checkpoint.save_interval > 0 && c.checkpoint.save.empty())
     fail("checkpoint.save_interval = {} but checkpoint.save is empty; set checkpoint.save = DIR to save, "
          "or save_interval = 0", c.checkpoint.save_interval);

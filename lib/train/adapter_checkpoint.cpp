@@ -11,6 +11,7 @@
 #include "io/checkpoint/hdf5_collective.h"
 #include "io/formats/hf_format.h"
 #include "io/formats/llmc_model.h"
+#include "io/formats/peft_format.h"
 #include "lib/core/error.h"
 #include "lib/model/lora.h"
 #include "lib/model/params.h"
@@ -167,6 +168,38 @@ void adopt_adapter_base(Config& cfg) {
     fail("{}, which no longer exists; pass that base (or a copy of it) with checkpoint.init_from_{}",
          trained_on(resolve_checkpoint(k.load), b), b.format);
   (b.format == "hf" ? k.init_from_hf : b.format == "llmc" ? k.init_from_llmc : k.init_from_checkpoint) = b.path;
+}
+
+void adopt_peft_base(Config& cfg) {
+  CheckpointConfig& k = cfg.checkpoint;
+  if (k.init_from_peft.empty() || !k.init_from_hf.empty() || !k.init_from_llmc.empty() ||
+      !k.init_from_checkpoint.empty())
+    return;
+  const std::string base = peft_base_model(k.init_from_peft);
+  if (base.empty() || !std::filesystem::exists(std::filesystem::path(base) / "config.json"))
+    fail("checkpoint.init_from_peft = {}: its base_model_name_or_path is {}, not a Hugging Face model directory "
+         "here; pass the base the adapter was trained on with --init-from-hf (or another checkpoint.init_from_*)",
+         k.init_from_peft, base.empty() ? "null" : "'" + base + "'");
+  k.init_from_hf = base;
+}
+
+void adopt_peft_lora(Config& cfg) {
+  if (cfg.checkpoint.init_from_peft.empty()) return;
+  const LoraConfig peft = read_peft_config(cfg.checkpoint.init_from_peft, cfg.model);
+  LoraConfig& l = cfg.lora;
+  if (l.rank == 0) {
+    l.rank = peft.rank;
+    l.alpha = peft.alpha;
+    l.targets = peft.targets;
+    return;
+  }
+  auto refuse = [&](const char* field, const std::string& ours, const std::string& theirs) {
+    fail("{} = {}, but the PEFT adapter checkpoint.init_from_peft = {} has {} (adapter_config.json); leave the lora "
+         "settings out to take the adapter's, or give its own", field, ours, cfg.checkpoint.init_from_peft, theirs);
+  };
+  if (l.rank != peft.rank) refuse("lora.rank", std::to_string(l.rank), std::to_string(peft.rank));
+  if (l.alpha != peft.alpha) refuse("lora.alpha", fmt::format("{}", l.alpha), fmt::format("{}", peft.alpha));
+  if (parse_lora_targets(l.targets) != parse_lora_targets(peft.targets)) refuse("lora.targets", l.targets, peft.targets);
 }
 
 TensorMap load_base_tensors(const AdapterBase& base, const Config& cfg, const GptDims& d) {

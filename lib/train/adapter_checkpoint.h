@@ -40,6 +40,13 @@ AdapterBase read_adapter_base(const std::string& root, std::string* checksum = n
 // the save records, so that the model's shape and weights come from it.
 void adopt_adapter_base(Config& cfg);
 
+// checkpoint.init_from_peft (docs/user-guide.md): before the model is adopted, a run without a
+// checkpoint.init_from_* takes the adapter's base_model_name_or_path as init_from_hf (an error if
+// it is not a Hugging Face model directory); after, lora.rank, alpha and targets come from
+// adapter_config.json, or must equal it when lora.rank is set (an error naming the field).
+void adopt_peft_base(Config& cfg);
+void adopt_peft_lora(Config& cfg);
+
 // One process: the base's whole tensors (in the padding of d, vocabulary grown to d.V as a run
 // grows it), `cfg` the adapter run's configuration.
 TensorMap load_base_tensors(const AdapterBase& base, const Config& cfg, const GptDims& d);

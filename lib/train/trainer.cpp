@@ -15,6 +15,7 @@
 #include "io/data/tokenizer.h"
 #include "io/formats/hf_format.h"
 #include "io/formats/llmc_model.h"
+#include "io/formats/peft_format.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
 #include "lib/model/lora.h"
@@ -358,12 +359,14 @@ void TrainingRun::load_start() {
       vocab = saved.model.vocab_size;
     }
     grow_vocab(w, vocab, d_.V, d_.Vp, from);
+    if (!ck.init_from_peft.empty()) w.merge(load_peft_adapter(ck.init_from_peft, cfg_.model, cfg_.lora));
     load_weights(runner_, w, from);
     if (logs())
       log_line("weights: from the {} {}{}", hf ? "Hugging Face model" : llmc ? "llm.c model" : "checkpoint", from,
-               d_.V > vocab ? fmt::format("; vocabulary grown from {} to {} words (each new row the mean of the "
-                                          "model's rows)", vocab, d_.V)
-                            : std::string());
+               (ck.init_from_peft.empty() ? std::string() : "; LoRA adapters from the PEFT adapter " + ck.init_from_peft) +
+                   (d_.V > vocab ? fmt::format("; vocabulary grown from {} to {} words (each new row the mean of "
+                                               "the model's rows)", vocab, d_.V)
+                                 : std::string()));
   }
   result_.first_iter = 1;
   if (!ck.load.empty()) {

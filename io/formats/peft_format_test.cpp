@@ -1,0 +1,162 @@
+// PEFT adapter interchange: ours -> PEFT -> ours bit-identical for GPT-2 and Llama, PEFT's names
+// and config fields, and the adapters mpigpt cannot represent refused naming the key or field.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "io/formats/hf_testing.h"
+#include "io/formats/peft_format.h"
+#include "io/formats/safetensors.h"
+#include "io/io_testing.h"
+#include "lib/core/error.h"
+
+using namespace mpigpt;
+using namespace mpigpt::testing;
+using nlohmann::json;
+
+namespace {
+
+LoraConfig lora(int r, double alpha, const std::string& targets) {
+  LoraConfig l;
+  l.rank = r;
+  l.alpha = alpha;
+  l.targets = targets;
+  return l;
+}
+
+// Random adapters of every adapted layer of `m` (B non-zero, as after training).
+TensorMap random_adapters(const ModelConfig& m, const LoraConfig& l, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> n(0.f, 0.3f);
+  const int64_t C = m.hidden, kv = (m.num_kv_heads > 0 ? m.num_kv_heads : m.num_heads) * (C / m.num_heads);
+  const int64_t F = m.ffn_hidden > 0 ? m.ffn_hidden : 4 * C;
+  const bool g = m.family == "gpt2";
+  TensorMap out;
+  for (int layer = 0; layer < m.num_layers; ++layer)
+    for (auto [target, stem, in, o] : {std::tuple{"qkv", "attn.qkv", C, C + 2 * kv}, std::tuple{"proj", "attn.proj", C, C},
+                                       std::tuple{"fc1", "mlp.fc", C, g ? F : 2 * F}, std::tuple{"fc2", "mlp.proj", F, C}}) {
+      if (l.targets.find(target) == std::string::npos) continue;
+      const std::string p = "layers." + std::to_string(layer) + "." + stem;
+      HostTensor A{Shape{l.rank, in}, std::vector<float>(size_t(l.rank * in))}, B{Shape{o, l.rank}, std::vector<float>(size_t(o * l.rank))};
+      for (float& x : A.data) x = n(gen);
+      for (float& x : B.data) x = n(gen);
+      out[p + ".lora_A.weight"] = std::move(A);
+      out[p + ".lora_B.weight"] = std::move(B);
+    }
+  return out;
+}
+
+bool bitwise_equal(const TensorMap& a, const TensorMap& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [name, t] : a) {
+    auto it = b.find(name);
+    if (it == b.end() || !(it->second.shape == t.shape) || t.data.size() != it->second.data.size() ||
+        std::memcmp(t.data.data(), it->second.data.data(), t.data.size() * 4) != 0)
+      return false;
+  }
+  return true;
+}
+
+void write_json(const std::string& path, const json& j) { std::ofstream(path) << j.dump(2); }
+
+}  // namespace
+
+TEST_CASE("peft: ours -> PEFT files -> ours is bit-identical (GPT-2 and Llama, all and some targets)") {
+  for (const ModelConfig& m : {tiny_gpt2(), tiny_llama()})
+    for (const char* targets : {"qkv,proj,fc1,fc2", "proj,fc1", "fc2"}) {
+      CAPTURE(m.family);
+      CAPTURE(targets);
+      const LoraConfig l = lora(4, 8, targets);
+      const TensorMap ours = random_adapters(m, l, 7);
+      TempDir tmp;
+      save_peft_adapter(tmp / "peft", ours, m, l, "/models/base");
+      std::string base;
+      const LoraConfig back = read_peft_config(tmp / "peft", m, &base);
+      CHECK(back.rank == 4);
+      CHECK(back.alpha == 8);
+      CHECK(back.targets == std::string(targets));
+      CHECK(base == "/models/base");
+      CHECK(bitwise_equal(load_peft_adapter(tmp / "peft", m, back), ours));
+    }
+}
+
+TEST_CASE("peft: PEFT's key names, split qkv and [gate; up], config fields") {
+  const LoraConfig l = lora(2, 4, "qkv,proj,fc1,fc2");
+  const ModelConfig ll = tiny_llama();  // C 16, 4 heads, 2 kv heads: q 16, kv 8; F 24
+  const TensorMap ours = random_adapters(ll, l, 3);
+  const TensorMap p = to_peft(ours, ll, l);
+  CHECK(p.size() == 2u * 2 * 7);
+  const std::string q = "base_model.model.model.layers.1.self_attn.";
+  REQUIRE(p.count(q + "k_proj.lora_B.weight"));
+  CHECK(p.at(q + "k_proj.lora_B.weight").shape == Shape{8, 2});
+  CHECK(p.at(q + "v_proj.lora_A.weight").data == ours.at("layers.1.attn.qkv.lora_A.weight").data);
+  const std::vector<float>& B = ours.at("layers.1.attn.qkv.lora_B.weight").data;
+  CHECK(p.at(q + "k_proj.lora_B.weight").data == std::vector<float>(B.begin() + 16 * 2, B.begin() + 24 * 2));
+  const std::vector<float>& fc = ours.at("layers.0.mlp.fc.lora_B.weight").data;
+  CHECK(p.at("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight").data ==
+        std::vector<float>(fc.begin() + 24 * 2, fc.end()));
+  const json cl = peft_config(ll, l, "");
+  CHECK(cl["target_modules"] == json({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}));
+  CHECK(cl["fan_in_fan_out"] == false);
+  CHECK(cl["base_model_name_or_path"].is_null());
+  const ModelConfig g = tiny_gpt2();
+  const TensorMap pg = to_peft(random_adapters(g, l, 3), g, l);
+  CHECK(pg.count("base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"));
+  CHECK(pg.at("base_model.model.transformer.h.1.mlp.c_fc.lora_B.weight").shape == Shape{64, 2});
+  const json cg = peft_config(g, lora(2, 4, "proj,fc1"), "/b");
+  CHECK(cg["target_modules"] == json({"attn.c_proj", "c_fc"}));
+  CHECK(cg["fan_in_fan_out"] == true);
+  CHECK(cg["peft_type"] == "LORA");
+  CHECK(cg["task_type"] == "CAUSAL_LM");
+  CHECK(cg["bias"] == "none");
+  // PEFT's short "c_proj" adapts both of GPT-2's c_proj modules.
+  json c2 = cg;
+  c2["target_modules"] = {"c_proj"};
+  CHECK(lora_config_from_peft(c2, g, "x").targets == "proj,fc2");
+}
+
+TEST_CASE("peft: adapters mpigpt cannot represent are refused naming the key or field") {
+  const ModelConfig m = tiny_llama();
+  const LoraConfig l = lora(2, 4, "qkv,fc2");
+  TempDir tmp;
+  save_peft_adapter(tmp / "a", random_adapters(m, l, 5), m, l, "");
+  const std::string st = tmp / (std::string("a/") + kPeftWeightsFile);
+  const TensorMap good = read_safetensors(st);
+  const std::string k = "base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight";
+  TensorMap t = good;
+  t.at(k).data[3] += 1.0f;
+  CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"), doctest::Contains((k + " differs from base_model.model.model.layers.1."
+                                                                   "self_attn.q_proj.lora_A.weight").c_str()), Error);
+  t = good;
+  t["base_model.model.lm_head.lora_A.weight"] = HostTensor{Shape{2, 16}, std::vector<float>(32)};
+  CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"), doctest::Contains("tensor base_model.model.lm_head.lora_A.weight is "
+                                                                  "not an adapter mpigpt can represent"), Error);
+  t = good;
+  t.at(k) = HostTensor{Shape{3, 16}, std::vector<float>(48)};
+  CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"), doctest::Contains((k + " has rank 3, r = 2").c_str()), Error);
+  t = good;
+  t.erase("base_model.model.model.layers.0.mlp.down_proj.lora_B.weight");
+  CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"),
+                       doctest::Contains("tensor base_model.model.model.layers.0.mlp.down_proj.lora_B.weight (shape (16, 2)) is missing"), Error);
+  const json cfg = peft_config(m, l, "");
+  auto refused = [&](const char* field, json value, const char* why) {
+    json c = cfg;
+    c[field] = std::move(value);
+    CAPTURE(field);
+    CHECK_THROWS_WITH_AS(lora_config_from_peft(c, m, "cfg.json"), doctest::Contains(why), Error);
+  };
+  refused("use_dora", true, "use_dora = true: mpigpt computes plain LoRA");
+  refused("use_rslora", true, "use_rslora = true");
+  refused("lora_dropout", 0.05, "lora_dropout = 0.05");
+  refused("bias", "all", "bias = \"all\"");
+  refused("peft_type", "IA3", "peft_type = \"IA3\"");
+  refused("rank_pattern", json{{"q_proj", 8}}, "rank_pattern = {\"q_proj\":8}");
+  refused("modules_to_save", json{"lm_head"}, "modules_to_save = [\"lm_head\"]");
+  refused("target_modules", json{"q_proj", "k_proj"}, "adapts only some of the projections that mpigpt fuses into attn.qkv");
+  refused("target_modules", json{"q_proj", "k_proj", "v_proj", "lm_head"}, "names lm_head, a module mpigpt has no LoRA adapter for");
+  refused("target_modules", "all-linear", "mpigpt reads a list of module names");
+  write_json(tmp / (std::string("a/") + kPeftConfigFile), json::object({{"peft_type", "LORA"}, {"r", 2}, {"lora_alpha", 4}, {"use_dora", true}}));
+  CHECK_THROWS_WITH_AS(read_peft_config(tmp / "a", m), doctest::Contains("adapter_config.json: use_dora = true"), Error);
+}
