@@ -44,8 +44,10 @@ TEST_CASE("LoRA from a pretrained base: tp2, tp2+sp, dp2 (distributed optimizer)
     cfg.checkpoint.init_from_checkpoint = tmp / "base";
     cfg.lora.rank = 4;
     cfg.lora.alpha = 16;
-    cfg.training.train_iters = 10;
-    cfg.training.lr = 1e-2;
+    // Issue 47: 30 steps on the single-rank curve. (At lr 1e-2 this tiny random-token model has a
+    // step whose gradient norm moves 5% when the learning rate moves 1e-6: no layout can match it.)
+    cfg.training.train_iters = 30;
+    cfg.training.lr = 3e-3;
     cfg.training.warmup_iters = 1;
     cfg.validate(1);
     const TrainResult single = train(cfg, Mesh(MPI_COMM_SELF, MeshSizes{}), *ops, opts);
@@ -56,8 +58,8 @@ TEST_CASE("LoRA from a pretrained base: tp2, tp2+sp, dp2 (distributed optimizer)
     const TrainResult base = train(still, Mesh(MPI_COMM_SELF, MeshSizes{}), *ops, opts);
     REQUIRE(base.losses.size() == single.losses.size());
     CHECK(single.losses[0] == base.losses[0]);
-    // (well above the 1e-5 relative the layouts are held to)
-    for (size_t i = 2; i < single.losses.size(); ++i) CHECK(std::abs(single.losses[i] - base.losses[i]) > 5e-4);
+    // (above the 1e-5 relative, about 4.6e-5 here, the layouts are held to)
+    for (size_t i = 2; i < single.losses.size(); ++i) CHECK(std::abs(single.losses[i] - base.losses[i]) > 1e-4);
     CHECK(single.grad_norms.front() > 1e-3);
 
     struct Layout {
