@@ -3,17 +3,13 @@
 // logits of the models we export.
 #include <doctest/doctest.h>
 
-#include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 
 #include "io/formats/hf_format.h"
 #include "io/formats/hf_testing.h"
 #include "io/io_testing.h"
 #include "lib/core/error.h"
-#include "lib/kernels/ops.h"
-#include "lib/model/gpt.h"
 #include "lib/model/params.h"
 
 using namespace mpigpt;
@@ -21,64 +17,13 @@ using namespace mpigpt::testing;
 
 namespace {
 
-// Our CPU forward: logits (T, V) of one sequence.
-std::vector<float> our_logits(const TensorMap& ours, const ModelConfig& m, int V, int Vp,
-                              const std::vector<int32_t>& tokens) {
-  const int T = int(tokens.size());
-  const GptDims d = dims_of(m, V, Vp, T);
-  auto ops = make_cpu_ops();
-  GPT model(d, *ops, 1);
-  REQUIRE(model.params().size() == ours.size());
-  for (size_t i = 0; i < model.params().size(); ++i) {
-    const ParamInfo& p = model.params()[i];
-    REQUIRE(ours.count(p.name));
-    const HostTensor& t = ours.at(p.name);
-    REQUIRE(t.shape == p.global);
-    std::memcpy(model.param(int(i)).f32(), t.data.data(), t.data.size() * 4);
-  }
-  std::vector<int32_t> targets(tokens.begin() + 1, tokens.end());
-  targets.push_back(-1);
-  model.forward(tokens.data(), targets.data(), 0.0f);
-  const float* lg = model.logits().f32();
-  std::vector<float> out;
-  for (int t = 0; t < T; ++t) out.insert(out.end(), lg + int64_t(t) * Vp, lg + int64_t(t) * Vp + V);
-  return out;
-}
-
-template <class T>
-std::vector<T> read_raw(const std::string& path) {
-  const std::string bytes = read_file(path);
-  std::vector<T> v(bytes.size() / sizeof(T));
-  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(T));
-  return v;
-}
-
-// /usr/bin/python3 (or $MPIGPT_PYTHON) when it imports numpy, else "".
-std::string python_with_numpy() {
-  const char* env = std::getenv("MPIGPT_PYTHON");
-  for (const char* p : {env, "/usr/bin/python3"})
-    if (p && std::system(fmt::format("{} -c 'import numpy' >/dev/null 2>&1", p).c_str()) == 0) return p;
-  return "";
-}
-
-std::string oracle_script() { return (repo_root() / "io" / "formats" / "testdata" / "make_hf_tiny.py").string(); }
-
 // io/formats/testdata/make_hf_tiny.py (numpy only) writes tiny HF models with reference logits
 // and computes the logits of the models we export. Our CPU forward must match it to 1e-4 absolute
 // on logits of magnitude ~5 (fp32 against a float64 reference).
 constexpr double kLogitTol = 1e-4;
 
 void compare_logits(const std::vector<float>& ours, const std::vector<double>& ref) {
-  REQUIRE(ours.size() == ref.size());
-  double worst = 0, scale = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double diff = std::abs(double(ours[i]) - ref[i]);
-    worst = std::isfinite(diff) ? std::max(worst, diff) : INFINITY;  // NaN must not slip through max
-    scale = std::max(scale, std::abs(ref[i]));
-  }
-  MESSAGE("max |logit - reference| = " << worst << " (largest logit " << scale << ")");
-  CHECK(scale > 1.0);  // the model is not degenerate
-  CHECK(worst <= kLogitTol);
+  CHECK(logit_error(ours, ref).worst <= kLogitTol);
 }
 
 }  // namespace
@@ -103,7 +48,8 @@ TEST_CASE("hf: our forward on imported models matches a numpy forward of the HF 
     const int Vp = 64;
     const TensorMap ours = load_hf_model(dir, m, V, Vp);
     const std::vector<int32_t> tokens = read_raw<int32_t>(dir + "/tokens.i32");
-    compare_logits(our_logits(ours, m, V, Vp, tokens), read_raw<double>(dir + "/logits.f64"));
+    compare_logits(our_logits(ours, dims_of(m, V, Vp, int(tokens.size())), tokens),
+                   read_raw<double>(dir + "/logits.f64"));
   }
 }
 
@@ -135,6 +81,7 @@ TEST_CASE("hf: a numpy forward of the models we export matches ours (oracle)") {
     }
     MESSAGE("router margin " << margin);
     REQUIRE(margin > 1e-3);
-    compare_logits(our_logits(ours, m, V, Vp, tokens), read_raw<double>(tmp / "logits.f64"));
+    compare_logits(our_logits(ours, dims_of(m, V, Vp, int(tokens.size())), tokens),
+                   read_raw<double>(tmp / "logits.f64"));
   }
 }

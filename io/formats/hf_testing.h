@@ -1,13 +1,22 @@
-// Tiny GPT-2, Llama and Mixtral models, their GptDims and random parameters, shared by the Hugging
-// Face tests (hf_format_test, hf_config_test, hf_oracle_test).
+// Tiny GPT-2, Llama and Mixtral models, their GptDims and random parameters, and the numpy oracle's
+// plumbing, shared by the Hugging Face and PEFT tests.
 #pragma once
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "io/formats/hf_format.h"
+#include "io/io_testing.h"
+#include "lib/kernels/ops.h"
+#include "lib/model/gpt.h"
 #include "lib/model/gpt_dims.h"
 #include "lib/train/trainer.h"
 
@@ -77,6 +86,69 @@ inline TensorMap random_ours(const ModelConfig& m, int V, int Vp, uint32_t seed)
     out[name] = std::move(t);
   }
   return out;
+}
+
+// ---- the numpy oracle, testdata/make_hf_tiny.py (hf_oracle_test, peft_oracle_test) ----------
+
+// /usr/bin/python3 (or $MPIGPT_PYTHON) when it imports numpy, else "".
+inline std::string python_with_numpy() {
+  const char* env = std::getenv("MPIGPT_PYTHON");
+  for (const char* p : {env, "/usr/bin/python3"})
+    if (p && std::system(fmt::format("{} -c 'import numpy' >/dev/null 2>&1", p).c_str()) == 0) return p;
+  return "";
+}
+
+inline std::string oracle_script() {
+  return (repo_root() / "io" / "formats" / "testdata" / "make_hf_tiny.py").string();
+}
+
+// A file of raw little-endian values (the oracle's tokens.i32, logits.f64).
+template <class T>
+std::vector<T> read_raw(const std::string& path) {
+  const std::string bytes = read_file(path);
+  std::vector<T> v(bytes.size() / sizeof(T));
+  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(T));
+  return v;
+}
+
+// Our CPU forward: logits (T, V) of one sequence, every parameter of d's table from `params`.
+inline std::vector<float> our_logits(const TensorMap& params, const GptDims& d, const std::vector<int32_t>& tokens) {
+  const int T = int(tokens.size());
+  auto ops = make_cpu_ops();
+  GPT model(d, *ops, 1);
+  REQUIRE(model.params().size() == params.size());
+  for (size_t i = 0; i < model.params().size(); ++i) {
+    const ParamInfo& p = model.params()[i];
+    REQUIRE(params.count(p.name));
+    const HostTensor& t = params.at(p.name);
+    REQUIRE(t.shape == p.global);
+    std::memcpy(model.param(int(i)).f32(), t.data.data(), t.data.size() * 4);
+  }
+  std::vector<int32_t> targets(tokens.begin() + 1, tokens.end());
+  targets.push_back(-1);
+  model.forward(tokens.data(), targets.data(), 0.0f);
+  const float* lg = model.logits().f32();
+  std::vector<float> out;
+  for (int t = 0; t < T; ++t) out.insert(out.end(), lg + int64_t(t) * d.Vp, lg + int64_t(t) * d.Vp + d.V);
+  return out;
+}
+
+// How far our logits are from the oracle's: the largest difference (a NaN counts as infinite) and
+// the largest reference logit; printed, and checked to be a model that is not degenerate.
+struct LogitError {
+  double worst = 0, scale = 0;
+};
+inline LogitError logit_error(const std::vector<float>& ours, const std::vector<double>& ref) {
+  REQUIRE(ours.size() == ref.size());
+  LogitError e;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double diff = std::abs(double(ours[i]) - ref[i]);
+    e.worst = std::isfinite(diff) ? std::max(e.worst, diff) : INFINITY;  // NaN must not slip through max
+    e.scale = std::max(e.scale, std::abs(ref[i]));
+  }
+  MESSAGE("max |logit - reference| = " << e.worst << " (largest logit " << e.scale << ")");
+  CHECK(e.scale > 1.0);
+  return e;
 }
 
 }  // namespace mpigpt::testing
