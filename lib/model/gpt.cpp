@@ -114,6 +114,7 @@ void GPT::setup(const ModelPlacement& pl) {
   const int n_embed = pl.first_stage ? (g ? 2 : 1) : 0;
   embed_params_ = {0, n_embed};
   int next = n_embed + (replica ? 1 : 0);
+  std::vector<std::vector<int>> kinds;
   for (size_t c = 0; c < ranges.size(); ++c) {
     Chunk ch;
     ch.first_layer = ranges[c].first;
@@ -133,8 +134,12 @@ void GPT::setup(const ModelPlacement& pl) {
       next += n;
     }
     ch.end_param = ch.head ? int(table_.size()) : next;
+    const std::vector<int> kind = slot_kind(d_, ch.first_layer, ch.end_layer, ch.embed, ch.head);
+    ch.pool = int(std::find(kinds.begin(), kinds.end(), kind) - kinds.begin());
+    if (ch.pool == int(kinds.size())) kinds.push_back(kind);
     chunks_.push_back(std::move(ch));
   }
+  pools_.resize(kinds.size());
   head_params_ = {next, pl.last_stage ? int(table_.size()) : next};
   MPIGPT_CHECK(pl.last_stage || next == int(table_.size()), "parameter table has {} entries, expected {}",
                table_.size(), next);
@@ -210,18 +215,19 @@ void GPT::setup(const ModelPlacement& pl) {
 }
 
 GPT::Slot* GPT::find(int c, int mb) const {
-  for (const auto& s : chunks_[c].slots)
-    if (s->busy && s->mb == mb) return s.get();
+  for (const auto& s : pools_[size_t(chunks_[c].pool)])
+    if (s->busy && s->chunk == c && s->mb == mb) return s.get();
   return nullptr;
 }
 
 GPT::Slot& GPT::acquire(int c, int mb) {
   if (Slot* s = find(c, mb)) return *s;
   Chunk& ch = chunks_[c];
-  for (auto& s : ch.slots)
+  auto& pool = pools_[size_t(ch.pool)];
+  for (auto& s : pool)
     if (!s->busy) {
       s->busy = true;
-      s->mb = mb;
+      s->chunk = c, s->mb = mb;
       return *s;
     }
   // A new set of activations: the schedule has one more micro-batch in flight here.
@@ -262,9 +268,9 @@ GPT::Slot& GPT::acquire(int c, int mb) {
   }
   if (!sp) s->xf_full = s->xf;
   s->busy = true;
-  s->mb = mb;
-  ch.slots.push_back(std::move(s));
-  return *ch.slots.back();
+  s->chunk = c, s->mb = mb;
+  pool.push_back(std::move(s));
+  return *pool.back();
 }
 
 void GPT::release(int c, int mb) {
@@ -314,8 +320,8 @@ int64_t GPT::att_saved_numel() const {
 }
 
 void GPT::set_recompute(Recompute r) {
-  for (const auto& ch : chunks_)
-    MPIGPT_CHECK(ch.slots.empty(), "set_recompute: activations are already allocated (call it before the first forward)");
+  for (const auto& pool : pools_)
+    MPIGPT_CHECK(pool.empty(), "set_recompute: activations are already allocated (call it before the first forward)");
   recompute_ = r;
   rc_arena_ = std::make_unique<Arena>(ops_);
   rc_acts_ = BlockActs{};
@@ -343,8 +349,8 @@ MoeActs* GPT::moe_acts(Slot& s, int l, int i) {
 size_t GPT::activation_bytes() const {
   size_t n = arena_.bytes() + (moe_ ? moe_->scratch_bytes() : 0);
   if (rc_arena_) n += rc_arena_->bytes() + rc_moe_.bytes();
-  for (const auto& ch : chunks_)
-    for (const auto& s : ch.slots) {
+  for (const auto& pool : pools_)
+    for (const auto& s : pool) {
       n += s->arena.bytes();
       for (const auto& m : s->moe)
         if (m) n += m->bytes();  // the MoE layers' saved state (router, expert rows), sized per micro-batch

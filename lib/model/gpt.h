@@ -187,7 +187,7 @@ class GPT {
   };
   struct Slot {  // the activations of one micro-batch in one chunk
     explicit Slot(Ops& ops) : arena(ops) {}
-    int mb = -1;
+    int chunk = -1, mb = -1;
     bool busy = false;
     Arena arena;
     Tensor tokens, targets, losses;  // (N): tokens on the embedding's chunk, targets on the head's
@@ -204,7 +204,7 @@ class GPT {
     bool embed = false, head = false;
     // Element ranges [lo, hi) of the parameter buffer converted into the compute dtype for it.
     std::vector<std::pair<int64_t, int64_t>> convert;
-    std::vector<std::unique_ptr<Slot>> slots;
+    int pool = 0;  // its slots' pool in pools_ (shared by the chunks of one slot_kind)
   };
   void setup(const ModelPlacement& pl);
   Slot& acquire(int c, int mb);
@@ -265,6 +265,7 @@ class GPT {
   Buffer cparams_;           // the compute copy of params_ when d.act is not f32
   std::vector<char> stale_;  // per chunk: cparams_ lags params_
   std::vector<Chunk> chunks_;
+  std::vector<std::vector<std::unique_ptr<Slot>>> pools_;
   std::vector<int> local_of_layer_;                // global layer -> index into w_, g_, layer_params_
   std::vector<Block> w_, g_;                       // weights and their gradients per local layer
   std::vector<std::pair<int, int>> layer_params_;  // parameter index range per local layer

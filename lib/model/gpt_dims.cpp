@@ -5,6 +5,12 @@
 
 namespace mpigpt {
 
+std::vector<int> slot_kind(const GptDims& d, int first, int end, bool embed, bool head) {
+  std::vector<int> k = {end - first, embed, head};
+  for (int l = first; l < end; ++l) k.push_back(d.is_moe(l));
+  return k;
+}
+
 double GptDims::train_flops_per_token() const {
   const double c = C, hd = HD(), f = F;
   const double glu = gpt2() ? 1 : 2;

@@ -70,6 +70,11 @@ struct GptDims {
   int64_t num_params() const;
 };
 
+// The kind of activation slot a model chunk of layers [first, end) needs: chunks of one kind share
+// a pool of slots (a micro-batch's saved activations), so a rank holds at once only what its
+// schedule has in flight over all of them. Equal vectors, equal slots.
+std::vector<int> slot_kind(const GptDims& d, int first, int end, bool embed, bool head);
+
 // Vocabulary padded up to a multiple of `multiple` (Megatron: 128 * tp).
 inline int pad_vocab(int V, int multiple) { return (V + multiple - 1) / multiple * multiple; }
 

@@ -193,21 +193,24 @@ LayerActivations layer_activations(const GptDims& d, const Config& cfg, bool den
 
 namespace {
 
-std::vector<int> in_flight_of(const Schedule& sched, int vpp, int pp_rank) {
+std::vector<int> in_flight_of(const Schedule& sched, int pp_rank, const std::vector<int>& pools) {
   MPIGPT_CHECK(pp_rank >= 0 && pp_rank < int(sched.size()), "pipeline rank {} of {}", pp_rank, sched.size());
-  std::vector<int> live(size_t(vpp), 0), most(size_t(vpp), 0);
+  const int n = pools.empty() ? 0 : *std::max_element(pools.begin(), pools.end()) + 1;
+  std::vector<int> live(size_t(n), 0), most(size_t(n), 0);
   for (const Action& a : sched[size_t(pp_rank)]) {
-    int& n = live.at(size_t(a.chunk));
-    if (a.type == ActionType::Forward) most[size_t(a.chunk)] = std::max(most[size_t(a.chunk)], ++n);
-    if (a.type == ActionType::Backward) --n;
+    const int pool = pools.at(size_t(a.chunk));
+    if (a.type == ActionType::Forward) most[size_t(pool)] = std::max(most[size_t(pool)], ++live[size_t(pool)]);
+    if (a.type == ActionType::Backward) --live[size_t(pool)];
   }
   return most;
 }
 
 }  // namespace
 
-std::vector<int> in_flight_per_chunk(int pp, int vpp, int micro_batches, int pp_rank) {
-  return in_flight_of(make_schedule(pp, vpp, micro_batches), vpp, pp_rank);
+std::vector<int> in_flight_per_pool(int pp, int vpp, int micro_batches, int pp_rank,
+                                    const std::vector<int>& pool_of_chunk) {
+  MPIGPT_CHECK(int(pool_of_chunk.size()) == vpp, "{} chunk pools for vpp {}", pool_of_chunk.size(), vpp);
+  return in_flight_of(make_schedule(pp, vpp, micro_batches), pp_rank, pool_of_chunk);
 }
 
 const Schedule& ScheduleCache::schedule(int pp, int vpp, int micro_batches) {
@@ -217,15 +220,12 @@ const Schedule& ScheduleCache::schedule(int pp, int vpp, int micro_batches) {
   return it->second;
 }
 
-const std::vector<std::vector<int>>& ScheduleCache::in_flight(int pp, int vpp, int micro_batches) {
-  const auto key = std::make_tuple(pp, vpp, micro_batches);
+const std::vector<int>& ScheduleCache::in_flight(int pp, int vpp, int micro_batches, int pp_rank,
+                                                 const std::vector<int>& pools) {
+  auto key = std::make_tuple(pp, vpp, micro_batches, pp_rank, pools);
   auto it = in_flight_.find(key);
-  if (it == in_flight_.end()) {
-    const Schedule& sched = schedule(pp, vpp, micro_batches);
-    std::vector<std::vector<int>> all;
-    for (int r = 0; r < pp; ++r) all.push_back(in_flight_of(sched, vpp, r));
-    it = in_flight_.emplace(key, std::move(all)).first;
-  }
+  if (it == in_flight_.end())
+    it = in_flight_.emplace(std::move(key), in_flight_of(schedule(pp, vpp, micro_batches), pp_rank, pools)).first;
   return it->second;
 }
 
@@ -257,21 +257,32 @@ MemoryEstimate estimate_memory(const Config& cfg, const GptDims& d, int world_si
     add_state(m, d, cfg, pl, dp * p.cp, expert_dp);
     m.params = block(m.params, e.cuda), m.grads = block(m.grads, e.cuda), m.compute_params = block(m.compute_params, e.cuda);
     m.optimizer = 2 * block(m.optimizer / 2, e.cuda);
-    m.in_flight = cache ? cache->in_flight(p.pp, p.vpp, e.micro_batches)[size_t(r)]
-                        : in_flight_per_chunk(p.pp, p.vpp, e.micro_batches, r);
     const int C = int(pl.chunks.size());
+    std::vector<std::vector<int>> kinds;  // the chunks' slot pools, as GPT shares them
+    for (int c = 0; c < C; ++c) {
+      const auto [first, end] = pl.chunks[size_t(c)];
+      const auto kind = slot_kind(d, first, end, pl.first_stage && c == 0, pl.last_stage && c + 1 == C);
+      m.pool_of_chunk.push_back(int(std::find(kinds.begin(), kinds.end(), kind) - kinds.begin()));
+      if (m.pool_of_chunk.back() == int(kinds.size())) kinds.push_back(kind);
+    }
+    m.in_flight = cache ? cache->in_flight(p.pp, p.vpp, e.micro_batches, r, m.pool_of_chunk)
+                        : in_flight_per_pool(p.pp, p.vpp, e.micro_batches, r, m.pool_of_chunk);
     for (int c = 0; c < C; ++c) {
       const bool embed = pl.first_stage && c == 0, head = pl.last_stage && c + 1 == C;
+      m.layers += pl.chunks[size_t(c)].second - pl.chunks[size_t(c)].first;
+      // Sent gradients stay on the device to the end of the step.
+      if (e.cuda && !embed) m.p2p_buffers += e.micro_batches * block(tensor(s.Nl * s.C, s.act), true);
+      const int pool = m.pool_of_chunk[size_t(c)];
+      if (std::find(m.pool_of_chunk.begin(), m.pool_of_chunk.end(), pool) - m.pool_of_chunk.begin() != c) continue;
+      // Each pool's slots, once (at its first chunk).
       const SlotBytes b = slot_of(d, s, cfg, pl.chunks[size_t(c)], embed, head);
-      const int64_t k = m.in_flight[size_t(c)];
+      const int64_t k = m.in_flight[size_t(pool)];
       // One arena per slot: on CUDA the allocator rounds it as one block (charged to the layers).
       m.layer_activations += k * (b.layers + block(b.total(), e.cuda) - b.total());
       m.layer_inputs += k * b.inputs, m.logits += k * b.head, m.embedding_inputs += k * b.embedding;
       m.moe_activations += k * b.moe;
-      m.layers += pl.chunks[size_t(c)].second - pl.chunks[size_t(c)].first;
-      // Sent activations stay copied on the device until their gradient returns; sent gradients to the end.
+      // Sent activations stay copied on the device until their gradient returns.
       if (e.cuda && !head) m.p2p_buffers += k * block(tensor(s.Nl * s.C, s.act), true);
-      if (e.cuda && !embed) m.p2p_buffers += e.micro_batches * block(tensor(s.Nl * s.C, s.act), true);
     }
     if (p.pp == 1) m.p2p_buffers = 0;
     if (d.moe.E > 0) m.moe_activations += moe_layer_bytes(d, s, cfg);  // the MoE layer's backward scratch
@@ -300,7 +311,7 @@ std::string MemoryEstimate::report() const {
     std::string flight;
     for (int k : m.in_flight) flight += fmt::format("{}{}", flight.empty() ? "" : ",", k);
     out += fmt::format(
-        "stage {} ({} layers, micro-batches in flight per chunk {}): parameters {:.1f} MiB, gradients {:.1f}, "
+        "stage {} ({} layers, micro-batches in flight per slot pool {}): parameters {:.1f} MiB, gradients {:.1f}, "
         "optimizer {:.1f}, compute copy {:.1f}; activations {:.1f} MiB = layers {:.1f} + layer inputs {:.1f} + "
         "logits {:.1f} + embedding {:.1f} + MoE {:.1f} + backward scratch {:.1f} + recompute {:.1f}; cp {:.1f}, "
         "p2p {:.1f}, workspace {:.1f}; peak {:.1f} MiB, with headroom {:.1f} MiB\n",

@@ -36,7 +36,8 @@ LayerActivations layer_activations(const GptDims& d, const Config& cfg, bool den
 struct StageMemory {
   int pp_rank = 0;
   int layers = 0;                    // transformer layers this rank holds (all its chunks)
-  std::vector<int> in_flight;        // per model chunk: micro-batches whose activations it holds at once
+  std::vector<int> pool_of_chunk;    // per model chunk: its slot pool (chunks of one slot_kind share one)
+  std::vector<int> in_flight;        // per slot pool: micro-batches whose activations it holds at once
   // Model state (DpMemory: the flat buffers of the data-parallel bucket plans, padding included).
   int64_t params = 0;                // fp32 parameters (the master weights)
   int64_t grads = 0;                 // fp32 gradients
@@ -81,15 +82,15 @@ struct MemoryEstimate {
 class ScheduleCache {
  public:
   const Schedule& schedule(int pp, int vpp, int micro_batches);
-  // in_flight_per_chunk of every pipeline rank.
-  const std::vector<std::vector<int>>& in_flight(int pp, int vpp, int micro_batches);
+  // in_flight_per_pool of pipeline rank pp_rank.
+  const std::vector<int>& in_flight(int pp, int vpp, int micro_batches, int pp_rank, const std::vector<int>& pools);
   // simulate() of that schedule on these costs (layouts that differ only off the pipeline repeat them).
   const SimResult& simulated(int pp, int vpp, int micro_batches, const SimCosts& costs);
 
  private:
   std::map<std::tuple<int, int, int, std::vector<double>, std::vector<double>, double>, SimResult> simulated_;
   std::map<std::tuple<int, int, int>, Schedule> schedules_;
-  std::map<std::tuple<int, int, int>, std::vector<std::vector<int>>> in_flight_;
+  std::map<std::tuple<int, int, int, int, std::vector<int>>, std::vector<int>> in_flight_;
 };
 
 // The memory of every pipeline rank for `cfg` on `world_size` ranks. `d` is the model's resolved
@@ -98,8 +99,10 @@ class ScheduleCache {
 // `cache` (optional) supplies the schedules.
 MemoryEstimate estimate_memory(const Config& cfg, const GptDims& d, int world_size, ScheduleCache* cache = nullptr);
 
-// Per model chunk of pipeline rank `pp_rank`: the most micro-batches whose forward ran and whose
-// backward has not, replaying make_schedule(pp, vpp, micro_batches).
-std::vector<int> in_flight_per_chunk(int pp, int vpp, int micro_batches, int pp_rank);
+// Per slot pool of pipeline rank `pp_rank` (pool_of_chunk[c]: chunk c's pool, 0 ..): the most
+// micro-batches whose forward ran and whose backward has not in all the pool's chunks at once,
+// replaying make_schedule(pp, vpp, micro_batches). A pool's slots serve any of its chunks.
+std::vector<int> in_flight_per_pool(int pp, int vpp, int micro_batches, int pp_rank,
+                                    const std::vector<int>& pool_of_chunk);
 
 }  // namespace mpigpt

@@ -168,13 +168,18 @@ TEST_CASE("memory model: tensor and sequence parallelism shard the layer's activ
 }
 
 TEST_CASE("memory model: 1F1B holds more micro-batches on earlier pipeline stages (from the schedule)") {
-  for (int r = 0; r < 4; ++r) CHECK(in_flight_per_chunk(4, 1, 8, r) == std::vector<int>{4 - r});
-  CHECK(in_flight_per_chunk(1, 1, 8, 0) == std::vector<int>{1});
-  CHECK(in_flight_per_chunk(4, 1, 2, 0) == std::vector<int>{2});  // never more than the step's micro-batches
-  // Interleaved: rank 0 holds more than the last rank, and more in its first chunk than its second.
-  const std::vector<int> first = in_flight_per_chunk(4, 2, 8, 0), last = in_flight_per_chunk(4, 2, 8, 3);
+  for (int r = 0; r < 4; ++r) CHECK(in_flight_per_pool(4, 1, 8, r, {0}) == std::vector<int>{4 - r});
+  CHECK(in_flight_per_pool(1, 1, 8, 0, {0}) == std::vector<int>{1});
+  CHECK(in_flight_per_pool(4, 1, 2, 0, {0}) == std::vector<int>{2});  // never more than the step's micro-batches
+  // Interleaved, a pool per chunk: rank 0 holds more than the last rank, and more in its first
+  // chunk than its second.
+  const std::vector<int> first = in_flight_per_pool(4, 2, 8, 0, {0, 1}), last = in_flight_per_pool(4, 2, 8, 3, {0, 1});
   CHECK(first[0] + first[1] > last[0] + last[1]);
   CHECK(first[0] >= first[1]);
+  // One pool for both chunks: the chunks' peaks come at different times, and the shared pool holds
+  // what the schedule has in flight at once: its warm-up forwards, (pp-1)*2 + (vpp-1)*pp, and one.
+  CHECK(in_flight_per_pool(4, 2, 8, 0, {0, 0}) == std::vector<int>{3 * 2 + 4 + 1});
+  CHECK(first[0] + first[1] > 3 * 2 + 4 + 1);
   const MemoryEstimate e = estimate(config("gpt2_parallel_bench.ini", {"--parallel.pp", "4"}), 4);
   REQUIRE(e.stages.size() == 4);
   CHECK(e.micro_batches == 8);
