@@ -177,7 +177,9 @@ void run_schedule(const std::vector<Action>& mine, PipelineStage& stage, const C
 
   // An activation's send has surely completed once the gradient for it came back (the peer
   // received it before its forward), so its copy is freed then; the copies held at once are
-  // thus bounded by the activations in flight. Gradient sends are kept until the end.
+  // thus bounded by the activations in flight. A gradient's copy is freed once its send tests
+  // complete (checked at every gradient send): the previous stage receives it at its next
+  // backward, so only the latest few are held, not one per micro-batch of the step.
   std::map<std::pair<int, int>, PendingSend> activations;  // (mb, chunk) -> its forward send
   std::vector<PendingSend> gradients;
   for (const Action& a : mine) {
@@ -200,6 +202,7 @@ void run_schedule(const std::vector<Action>& mine, PipelineStage& stage, const C
         break;
       }
       case ActionType::SendBackward:
+        std::erase_if(gradients, [](PendingSend& p) { return p.request.test(); });
         gradients.push_back(post_send(pp_group, ops, stage.backward_output(a.mb, a.chunk), a.peer, tag, a));
         break;
     }

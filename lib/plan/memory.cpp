@@ -270,8 +270,9 @@ MemoryEstimate estimate_memory(const Config& cfg, const GptDims& d, int world_si
     for (int c = 0; c < C; ++c) {
       const bool embed = pl.first_stage && c == 0, head = pl.last_stage && c + 1 == C;
       m.layers += pl.chunks[size_t(c)].second - pl.chunks[size_t(c)].first;
-      // Sent gradients stay on the device to the end of the step.
-      if (e.cuda && !embed) m.p2p_buffers += e.micro_batches * block(tensor(s.Nl * s.C, s.act), true);
+      // Sent gradients stay on the device until their send completes: the previous stage takes each
+      // at its next backward, so a chunk holds about two at once (assumed, not simulated).
+      if (e.cuda && !embed) m.p2p_buffers += std::min(e.micro_batches, 2) * block(tensor(s.Nl * s.C, s.act), true);
       const int pool = m.pool_of_chunk[size_t(c)];
       if (std::find(m.pool_of_chunk.begin(), m.pool_of_chunk.end(), pool) - m.pool_of_chunk.begin() != c) continue;
       // Each pool's slots, once (at its first chunk).
