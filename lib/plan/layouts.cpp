@@ -16,7 +16,7 @@ namespace mpigpt {
 
 namespace {
 
-const char* kFixFields = "tp, pp, vpp, cp, ep, dp, mb, recompute, sp, distopt";
+const char* kFixFields = "tp, pp, vpp, cp, ep, dp, mb, recompute, sp, distopt, overlap";
 
 std::vector<int> divisors(int n) {
   std::vector<int> d;
@@ -84,9 +84,9 @@ void add_variants(Enumeration& out, const Config& base, int gpus, int global_bat
           p.pipeline_layout = g.pipeline_layout;
           c.training.micro_batch = mb, c.training.global_batch = global_batch;
           c.engine.recompute = rc, c.engine.distributed_optimizer = dist;
-          // Overlap what can be overlapped: the gradient reduction with data parallelism, the
-          // parameter gather with the distributed optimizer.
-          c.engine.overlap_grad_reduce = g.dp * g.cp > 1;
+          // Overlap what can be overlapped (unless --fix overlap=off): the gradient reduction with
+          // data parallelism, the parameter gather with the distributed optimizer.
+          c.engine.overlap_grad_reduce = g.dp * g.cp > 1 && fix.overlap.value_or(true);
           c.engine.overlap_param_gather = dist && c.engine.overlap_grad_reduce;
           ++out.considered;
           try {
@@ -130,6 +130,7 @@ LayoutFix parse_layout_fix(const std::string& text) {
     else if (k == "mb" || k == "micro_batch") f.mb = fix_int(k, v);
     else if (k == "sp") f.sp = fix_bool(k, v);
     else if (k == "distopt") f.distopt = fix_bool(k, v);
+    else if (k == "overlap") f.overlap = fix_bool(k, v);
     else if (k == "recompute") {
       if (v != "none" && v != "selective" && v != "full")
         fail("--fix recompute={}: '{}' is not a recompute mode; write none, selective or full", v, v);

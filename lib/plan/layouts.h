@@ -18,6 +18,7 @@ struct LayoutFix {
   std::optional<int> tp, pp, vpp, cp, ep, dp, mb;
   std::optional<std::string> recompute;  // none | selective | full
   std::optional<bool> sp, distopt;
+  std::optional<bool> overlap;  // the gradient reduction and parameter gather overlapped (default: on)
 };
 
 // Parses "tp=8,pp=8,recompute=full,sp=on"; throws mpigpt::Error naming --fix, the key or value and the fields.

@@ -65,6 +65,9 @@ TEST_CASE("layouts: --fix pins every field it names") {
   REQUIRE(one.layouts.size() == 3);  // vpp 1, 2, 4
   CHECK(!one.layouts[0].parallel.sequence_parallel);
   CHECK(one.layouts[0].training.micro_batch == 2);
+  for (const Config& c : one.layouts) CHECK(c.engine.overlap_grad_reduce);  // dp 2: overlapped by default
+  for (const Config& c : enumerate_layouts(base, 8, 4, 16, parse_layout_fix("tp=2,pp=2,distopt=on,overlap=off"), dims).layouts)
+    CHECK((!c.engine.overlap_grad_reduce && !c.engine.overlap_param_gather));
 }
 
 TEST_CASE("layouts: what validation rejects is counted by the field it names") {

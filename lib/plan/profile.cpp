@@ -72,12 +72,22 @@ DeviceProfile parse_profile(const std::string& text, const std::string& what) {
   if (!j.contains("ops") || !j["ops"].is_object()) fail("{}: field 'ops' is missing", what);
   const json& o = j["ops"];
   const std::string w = what + " ops";
-  p.ops = OpRates{number(o, "elementwise", w, false),  number(o, "attention_fwd", w, false),
-                  number(o, "attention_bwd", w, false), number(o, "crossentropy", w, false),
-                  number(o, "optimizer", w, false),     number(o, "grad_zero", w, false)};
+  p.ops.elementwise = number(o, "elementwise", w, false);
+  p.ops.attention_fwd = number(o, "attention_fwd", w, false);
+  p.ops.attention_bwd = number(o, "attention_bwd", w, false);
+  p.ops.crossentropy = number(o, "crossentropy", w, false);
+  p.ops.optimizer = number(o, "optimizer", w, false);
+  p.ops.grad_zero = number(o, "grad_zero", w, false);
+  // Optional: a fused attention keeps no score matrix.
+  if (o.contains("attention_scores_fwd")) p.ops.attention_scores_fwd = number(o, "attention_scores_fwd", w, false);
+  if (o.contains("attention_scores_bwd")) p.ops.attention_scores_bwd = number(o, "attention_scores_bwd", w, false);
   p.intra_node = link_of(j, "intra_node", what);
   p.inter_node = link_of(j, "inter_node", what);
   p.reduce_rate = number(j, "reduce_rate", what, false);
+  if (j.contains("blocking_p2p")) {  // optional
+    if (!j["blocking_p2p"].is_boolean()) fail("{}: field 'blocking_p2p' must be true or false", what);
+    p.blocking_p2p = j["blocking_p2p"].get<bool>();
+  }
   if (j.contains("memory_bytes")) p.memory_bytes = number(j, "memory_bytes", what, false);  // optional
   return p;
 }
@@ -105,9 +115,14 @@ std::string to_json(const DeviceProfile& p) {
   j["ops"] = {{"elementwise", p.ops.elementwise},     {"attention_fwd", p.ops.attention_fwd},
               {"attention_bwd", p.ops.attention_bwd}, {"crossentropy", p.ops.crossentropy},
               {"optimizer", p.ops.optimizer},         {"grad_zero", p.ops.grad_zero}};
+  if (p.ops.attention_scores_fwd > 0 || p.ops.attention_scores_bwd > 0) {
+    j["ops"]["attention_scores_fwd"] = p.ops.attention_scores_fwd;
+    j["ops"]["attention_scores_bwd"] = p.ops.attention_scores_bwd;
+  }
   j["intra_node"] = {{"latency_s", p.intra_node.latency}, {"bandwidth_Bps", p.intra_node.bandwidth}};
   j["inter_node"] = {{"latency_s", p.inter_node.latency}, {"bandwidth_Bps", p.inter_node.bandwidth}};
   j["reduce_rate"] = p.reduce_rate;
+  if (p.blocking_p2p) j["blocking_p2p"] = true;
   if (p.memory_bytes > 0) j["memory_bytes"] = p.memory_bytes;
   return j.dump(2) + "\n";
 }

@@ -29,6 +29,10 @@ struct OpRates {
   double crossentropy = 0;     // seconds per logit element (softmax, loss and its gradient)
   double optimizer = 0;        // seconds per parameter element updated (AdamW, gradient norm, clipping)
   double grad_zero = 0;        // seconds per parameter element held (zeroing gradients per step)
+  // An attention that writes its T x T scores to memory (not a fused, blockwise kernel): seconds per
+  // score element (every key of every query, per head) of a forward and of a backward. 0: fused.
+  double attention_scores_fwd = 0;
+  double attention_scores_bwd = 0;
 };
 
 struct DeviceProfile {
@@ -45,6 +49,9 @@ struct DeviceProfile {
   Link intra_node;             // inside a node (NVLink, shared memory)
   Link inter_node;             // across nodes (the network)
   double reduce_rate = 0;      // seconds per element summed by a reduction (CPU: core time; 0: hidden)
+  // The program's pipeline sends block its compute (Megatron-LM's of 2021-2022, modelled for the
+  // published tables); false: mpigpt's, which sends without waiting and blocks only on receives.
+  bool blocking_p2p = false;
   // Memory of one device (bytes) the planner fits layouts into; 0: not known (`mpigpt plan` then
   // shares this machine's RAM among the ranks of a node).
   double memory_bytes = 0;

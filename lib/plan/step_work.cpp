@@ -26,6 +26,8 @@ void Work::add(const Work& w, double times) {
   elementwise += w.elementwise * times;
   attention_fwd += w.attention_fwd * times;
   attention_bwd += w.attention_bwd * times;
+  scores_fwd += w.scores_fwd * times;
+  scores_bwd += w.scores_bwd * times;
   crossentropy += w.crossentropy * times;
   optimizer += w.optimizer * times;
   grad_zero += w.grad_zero * times;
@@ -46,7 +48,8 @@ double Work::gemm_seconds(const DeviceProfile& p) const {
 double Work::other_seconds(const DeviceProfile& p) const {
   const OpRates& r = p.ops;
   return elementwise * r.elementwise + attention_fwd * r.attention_fwd + attention_bwd * r.attention_bwd +
-         crossentropy * r.crossentropy + optimizer * r.optimizer + grad_zero * r.grad_zero;
+         scores_fwd * r.attention_scores_fwd + scores_bwd * r.attention_scores_bwd + crossentropy * r.crossentropy +
+         optimizer * r.optimizer + grad_zero * r.grad_zero;
 }
 
 namespace {
@@ -93,6 +96,7 @@ Work layer_forward(const LocalShape& s, const GptDims& d, const ParallelConfig& 
   Work w;
   w.gemm(s.N, (s.nh + 2 * s.nkv) * s.HD, s.C);  // QKV (the input gathered over tp with sp)
   w.attention_fwd += attention_flops(s);
+  w.scores_fwd += double(s.B * s.nh) * double(s.Tl) * double(s.T);
   w.gemm(s.N, s.C, s.nh * s.HD);  // attention projection
   w.elementwise += double(2 * s.Nl * s.C);  // two norms and residuals
   if (d.is_moe(l)) {
@@ -110,9 +114,10 @@ Work layer_backward(const LocalShape& s, const GptDims& d, const ParallelConfig&
   Work w;
   for (const GemmCall& g : f.gemms) w.gemm_backward(g.m, g.n, g.k, g.count);
   w.attention_bwd = 2 * f.attention_fwd;
+  w.scores_bwd = f.scores_fwd;
   w.elementwise = 2 * f.elementwise;
   if (s.full) w.add(f);  // the layer's forward again
-  else if (s.selective && !s.masked) w.attention_fwd += f.attention_fwd;  // the attention core again
+  else if (s.selective && !s.masked) w.attention_fwd += f.attention_fwd, w.scores_fwd += f.scores_fwd;  // the core again
   return w;
 }
 

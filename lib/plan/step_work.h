@@ -20,6 +20,8 @@ struct Work {
   double elementwise = 0;       // activation elements of layer passes (forward 1, backward 2 per element)
   double attention_fwd = 0;     // causal-attention forward FLOPs
   double attention_bwd = 0;     // attention backward FLOPs (2 x the forward's)
+  double scores_fwd = 0;        // attention score elements (T x T per head, unmasked) a forward writes
+  double scores_bwd = 0;        // and a backward
   double crossentropy = 0;      // logit elements
   double optimizer = 0;         // parameter elements this rank updates
   double grad_zero = 0;         // gradient elements this rank holds

@@ -63,7 +63,9 @@ Pass stage_pass(const Ctx& x, std::pair<int, int> layers, bool embed, bool head,
   }
   // The context-parallel ring sends the next K/V block while the current one is computed; on shared
   // cores the copies take core time like everything else.
-  const double attention = w.attention_fwd * x.dev.ops.attention_fwd + w.attention_bwd * x.dev.ops.attention_bwd;
+  const OpRates& r = x.dev.ops;
+  const double attention = w.attention_fwd * r.attention_fwd + w.attention_bwd * r.attention_bwd +
+                           w.scores_fwd * r.attention_scores_fwd + w.scores_bwd * r.attention_scores_bwd;
   const double hidden = x.shared ? 0.0 : std::min(ring, attention);
   p.exposed += ring - hidden;
   if (ring > 0) p.hidden["cp"] = hidden;
@@ -133,6 +135,7 @@ TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, 
   std::vector<double> fwd(static_cast<size_t>(S)), bwd(static_cast<size_t>(S));
   std::vector<std::map<std::string, GroupTime>> per_rank(size_t(p.pp));
   t.stages.resize(size_t(p.pp));
+  const double p2p = p.pp > 1 ? x.link("pp").seconds(p2p_bytes(cfg, d)) : 0.0;
   for (int r = 0; r < p.pp; ++r) {
     const auto chunks = layers_of_stage(stage_layers, p.pp, r);
     StageTime& st = t.stages[size_t(r)];
@@ -140,7 +143,11 @@ TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, 
     for (size_t c = 0; c < chunks.size(); ++c) {
       const int s = virtual_stage(p.pp, r, int(c));
       const bool embed = s == 0, head = s == S - 1;
-      const Pass f = stage_pass(x, chunks[c], embed, head, false), b = stage_pass(x, chunks[c], embed, head, true);
+      Pass f = stage_pass(x, chunks[c], embed, head, false), b = stage_pass(x, chunks[c], embed, head, true);
+      if (device.blocking_p2p && p2p > 0) {  // each send waits for its transfer: part of the pass
+        if (!head) f.comm["pp"] += p2p, f.exposed += p2p;
+        if (!embed) b.comm["pp"] += p2p, b.exposed += p2p;
+      }
       // On shared cores communication is core work that nothing hides.
       fwd[size_t(s)] = x.shared ? f.compute + f.exposed : f.time();
       bwd[size_t(s)] = x.shared ? b.compute + b.exposed : b.time();
@@ -154,9 +161,9 @@ TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, 
   Schedule own;
   if (!cache) own = make_schedule(p.pp, p.vpp, m);
   const Schedule& sched = cache ? cache->schedule(p.pp, p.vpp, m) : own;
-  const double p2p = p.pp > 1 ? x.link("pp").seconds(p2p_bytes(cfg, d)) : 0.0;
   const int copies = world_size / p.pp;
-  const SimCosts costs{fwd, bwd, p2p}, free_p2p{fwd, bwd, 0.0};
+  // Blocking sends end when the message has arrived: the passes already hold the transfer.
+  const SimCosts costs{fwd, bwd, device.blocking_p2p ? 0.0 : p2p}, free_p2p{fwd, bwd, 0.0};
   auto replay = [&](const SimCosts& c) {
     if (x.shared) return simulate_shared(sched, p.pp, p.vpp, c, copies, device.shared_cores);
     return cache ? cache->simulated(p.pp, p.vpp, m, c) : simulate(sched, p.pp, p.vpp, c);
@@ -176,7 +183,7 @@ TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, 
     for (int k = 0; k < copies; ++k) after_work.push_back(a.work());
     add_group(per_rank[size_t(r)], "dp_cp", a.reduce + a.gather, x.shared ? a.reduce + a.gather : a.reduce_exposed + a.gather_exposed);
     add_group(per_rank[size_t(r)], "embedding", a.embedding, a.embedding);
-    if (p.pp > 1) {
+    if (p.pp > 1 && !device.blocking_p2p) {  // (blocking sends were counted with the passes)
       const double msgs = 2.0 * m * p.vpp;  // each micro-batch's activation in and gradient out, per chunk
       add_group(per_rank[size_t(r)], "pp", msgs * p2p, sim.makespan - sim0.makespan);
     }

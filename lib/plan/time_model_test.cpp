@@ -214,10 +214,39 @@ TEST_CASE("time model: processor sharing replays like the simulator when every r
   CHECK(shared_makespan({1, 3}, 2) == doctest::Approx(3));
 }
 
+TEST_CASE("time model: an attention that writes its scores, and sends that block, cost what they count") {
+  const DeviceProfile fused = toy_gpu();
+  DeviceProfile unfused = fused;
+  unfused.ops.attention_scores_fwd = 1e-11, unfused.ops.attention_scores_bwd = 2e-11;
+  const Config cfg = config("gpt2_parallel_bench.ini", {"--model.vocab_size", "1024"});
+  const double dt = predict(cfg, 1, 1, unfused).step - predict(cfg, 1, 1, fused).step;
+  // 8 layers x 8 micro-batches, each a 2 x 8 heads x 128 x 128 score matrix, forward and backward.
+  CHECK(dt == doctest::Approx(8 * 8 * (2.0 * 8 * 128 * 128) * (1e-11 + 2e-11)).epsilon(1e-9));
+  // Blocking sends: each pass that sends waits for its transfer, counted as pp's exposed time.
+  const Config pp = config("gpt2_parallel_bench.ini", {"--model.vocab_size", "1024", "--parallel.pp", "2"});
+  DeviceProfile blocking = fused;
+  blocking.blocking_p2p = true;
+  const TimeEstimate a = predict(pp, 2, 1, fused), b = predict(pp, 2, 1, blocking);
+  CHECK(b.step > a.step);
+  auto pp_of = [](const TimeEstimate& t) {
+    for (const GroupTime& g : t.groups)
+      if (g.group == "pp") return g;
+    return GroupTime{};
+  };
+  CHECK(pp_of(b).exposed == doctest::Approx(pp_of(b).seconds));
+  // Rank 0 sends the activations, rank 1 the gradients: one blocking send per micro-batch each,
+  // where the asynchronous count has both of a rank's messages (what it sends and receives).
+  CHECK(pp_of(b).seconds == doctest::Approx(pp_of(a).seconds / 2));
+}
+
 TEST_CASE("device profile: JSON round trip and GEMM interpolation") {
   DeviceProfile p = toy_gpu();
   p.gemm.push_back({4096, 4096, 4096, 2.0 * 4096 * 4096 * 4096 / 200e12});
+  p.ops.attention_scores_fwd = 3e-12, p.blocking_p2p = true;
   const DeviceProfile q = parse_profile(to_json(p), "round trip");
+  CHECK(q.ops.attention_scores_fwd == p.ops.attention_scores_fwd);
+  CHECK(q.blocking_p2p);
+  CHECK(!parse_profile(to_json(toy_gpu()), "fused").blocking_p2p);
   CHECK(q.gemm.size() == 2);
   CHECK(q.inter_node.bandwidth == doctest::Approx(25e9));
   CHECK(q.gemm_seconds(1024, 1024, 1024) == doctest::Approx(p.gemm[0].seconds));
