@@ -598,6 +598,8 @@ TEST_CASE("config: validate names the field, the value and the fix: LoRA") {
   CHECK_FAILS(parsed({"--load=ck", "--init_from_checkpoint=base"}).validate(1), "give at most one place to start from");
   CHECK_FAILS(parsed({"--lora.rank=8", "--init_from_hf=a", "--init_from_checkpoint=b"}).validate(1),
               "give at most one place to start from");
-  CHECK_FAILS(parsed({"--lora.rank=8", "--num_experts=4"}).validate(1),
-              "lora.rank = 8 with model.num_experts = 4: LoRA does not adapt mixture-of-experts models yet");
+  CHECK_NOTHROW(parsed({"--lora.rank=8", "--num_experts=4", "--moe_ffn_hidden=16", "--ep=2", "--expert_tp=2",
+                         "--global_batch=16"}).validate(4));
+  CHECK_FAILS(parsed({"--lora.rank=8", "--num_experts=4", "--moe_ffn_hidden=6"}).validate(1),
+              "lora.rank = 8 is larger than the smallest adapted layer's 6 features");
 }

@@ -343,16 +343,15 @@ void check_lora(const Config& c) {
     if (t != "qkv" && t != "proj" && t != "fc1" && t != "fc2")
       fail("lora.targets = '{}': '{}' is not a linear layer LoRA adapts; {}", l.targets, t, names);
     if (t == "fc1" || t == "fc2") smallest = std::min(smallest, m.ffn_hidden);
+    if ((t == "fc1" || t == "fc2") && m.num_experts > 0 && m.moe_ffn_hidden > 0)  // one adapter per routed expert
+      smallest = std::min(smallest, m.moe_ffn_hidden);
     any = true;
   }
   if (!any) fail("lora.targets = '{}' names no layer; {}", l.targets, names);
   if (l.rank > smallest)
     fail("lora.rank = {} is larger than the smallest adapted layer's {} features (model.hidden = {}, model.ffn_hidden "
-         "= {}): a low-rank update needs rank <= {}; lower lora.rank (e.g. 8 or 16)", l.rank, smallest, m.hidden,
-         m.ffn_hidden, smallest);
-  if (m.num_experts > 0)
-    fail("lora.rank = {} with model.num_experts = {}: LoRA does not adapt mixture-of-experts models yet; set "
-         "lora.rank = 0 (full fine-tuning) or use a dense model", l.rank, m.num_experts);
+         "= {}{}): a low-rank update needs rank <= {}; lower lora.rank (e.g. 8 or 16)", l.rank, smallest, m.hidden,
+         m.ffn_hidden, m.num_experts > 0 ? fmt::format(", model.moe_ffn_hidden = {}", m.moe_ffn_hidden) : "", smallest);
 }
 
 }  // namespace

@@ -27,16 +27,23 @@ struct Piece {
   std::string module;  // relative to the layer: "self_attn.q_proj", "attn.c_attn"
   int64_t row0 = 0, rows = 0;
 };
-// One of our adapted layers ("attn.qkv") and the HF projections it covers.
+// One of our adapted layers ("attn.qkv") and the HF projections it covers; for a routed expert
+// ("mlp.experts.fc", expert >= 0) our A and B are (E, r, in) and (E, out, r) and this group is
+// expert `expert`'s slice of them.
 struct Group {
   std::string target, ours;
   int64_t in = 0, out = 0;
   std::vector<Piece> pieces;
+  int expert = -1;
+  std::string what() const { return expert < 0 ? ours : fmt::format("{} of expert {}", ours, expert); }
 };
 
 std::vector<Group> groups(const ModelConfig& in) {
-  const ModelConfig m = hf_detail::resolved(in);
-  if (m.num_experts > 0) fail("PEFT adapters: LoRA does not adapt mixture-of-experts models");
+  if (in.num_experts > 0 && in.family == "gpt2")
+    fail("PEFT adapters: model.num_experts = {} with model.family = gpt2: Hugging Face has no GPT-2 "
+         "mixture-of-experts model, so its adapters have no PEFT form; keep the mpigpt adapter checkpoint (mpigpt "
+         "convert --merge-lora merges it), or train model.family = llama (Mixtral) to export", in.num_experts);
+  const ModelConfig m = in.num_experts > 0 ? hf_detail::resolved_for_hf(in) : hf_detail::resolved(in);
   const int64_t C = m.hidden, HD = C / m.num_heads, q = m.num_heads * HD, kv = m.num_kv_heads * HD;
   const int64_t F = m.ffn_hidden;
   if (m.family == "gpt2")
@@ -44,11 +51,25 @@ std::vector<Group> groups(const ModelConfig& in) {
             {"proj", "attn.proj", q, C, {{"attn.c_proj", 0, C}}},
             {"fc1", "mlp.fc", C, F, {{"mlp.c_fc", 0, F}}},
             {"fc2", "mlp.proj", F, C, {{"mlp.c_proj", 0, C}}}};
-  return {{"qkv", "attn.qkv", C, q + 2 * kv,
-           {{"self_attn.q_proj", 0, q}, {"self_attn.k_proj", q, kv}, {"self_attn.v_proj", q + kv, kv}}},
-          {"proj", "attn.proj", q, C, {{"self_attn.o_proj", 0, C}}},
-          {"fc1", "mlp.fc", C, 2 * F, {{"mlp.gate_proj", 0, F}, {"mlp.up_proj", F, F}}},
-          {"fc2", "mlp.proj", F, C, {{"mlp.down_proj", 0, C}}}};
+  std::vector<Group> out = {
+      {"qkv", "attn.qkv", C, q + 2 * kv,
+       {{"self_attn.q_proj", 0, q}, {"self_attn.k_proj", q, kv}, {"self_attn.v_proj", q + kv, kv}}},
+      {"proj", "attn.proj", q, C, {{"self_attn.o_proj", 0, C}}}};
+  if (m.num_experts == 0) {
+    out.push_back({"fc1", "mlp.fc", C, 2 * F, {{"mlp.gate_proj", 0, F}, {"mlp.up_proj", F, F}}});
+    out.push_back({"fc2", "mlp.proj", F, C, {{"mlp.down_proj", 0, C}}});
+    return out;
+  }
+  // Mixtral: expert e's w1 / w3 are the gate / up rows of our fc, w2 our proj (hf_format.cpp).
+  const int64_t Fe = m.moe_ffn_hidden;
+  for (int e = 0; e < m.num_experts; ++e) {
+    const std::string x = "block_sparse_moe.experts." + std::to_string(e) + ".";
+    out.push_back({"fc1", "mlp.experts.fc", C, 2 * Fe, {{x + "w1", 0, Fe}, {x + "w3", Fe, Fe}}, e});
+  }
+  for (int e = 0; e < m.num_experts; ++e)
+    out.push_back(
+        {"fc2", "mlp.experts.proj", Fe, C, {{"block_sparse_moe.experts." + std::to_string(e) + ".w2", 0, C}}, e});
+  return out;
 }
 
 std::string layer_prefix(const ModelConfig& m, int l) {
@@ -90,7 +111,9 @@ json peft_config(const ModelConfig& m, const LoraConfig& l, const std::string& b
   const std::set<std::string> want = target_set(l.targets);
   for (const Group& g : groups(m))
     if (want.count(g.target))
-      for (const Piece& p : g.pieces) targets.push_back(target_module(m, p.module));
+      for (const Piece& p : g.pieces)
+        if (std::find(targets.begin(), targets.end(), target_module(m, p.module)) == targets.end())
+          targets.push_back(target_module(m, p.module));  // once for every expert's w1, w2, w3
   json j;
   j["peft_type"] = "LORA";
   j["task_type"] = "CAUSAL_LM";
@@ -171,7 +194,8 @@ LoraConfig lora_config_from_peft(const json& j, const ModelConfig& m, const std:
     if (have != int(g.pieces.size()))
       fail("{}: target_modules = {} adapts only some of the projections that mpigpt fuses into {} ({}): adapt all "
            "of them or none", where, j.at("target_modules").dump(), g.ours, g.pieces.size());
-    targets += (targets.empty() ? "" : ",") + g.target;
+    if (("," + targets + ",").find("," + g.target + ",") == std::string::npos)  // once for all experts
+      targets += (targets.empty() ? "" : ",") + g.target;
   }
   for (const std::string& n : named)
     if (!used.count(n))
@@ -183,25 +207,41 @@ LoraConfig lora_config_from_peft(const json& j, const ModelConfig& m, const std:
   return l;
 }
 
+namespace {
+
+// Our adapter's global shapes: (r, in), (out, r); a routed expert's (E, r, in), (E, out, r).
+Shape ours_a(const Group& g, const ModelConfig& m, int64_t r) {
+  return g.expert < 0 ? Shape{r, g.in} : Shape{int64_t(m.num_experts), r, g.in};
+}
+Shape ours_b(const Group& g, const ModelConfig& m, int64_t r) {
+  return g.expert < 0 ? Shape{g.out, r} : Shape{int64_t(m.num_experts), g.out, r};
+}
+
+}  // namespace
+
 TensorMap to_peft(const TensorMap& ours, const ModelConfig& m, const LoraConfig& l) {
   const std::set<std::string> want = target_set(l.targets);
   const int64_t r = l.rank;
+  const std::vector<Group> gs = groups(m);
   TensorMap out;
   size_t used = 0;
   for (int layer = 0; layer < m.num_layers; ++layer)
-    for (const Group& g : groups(m)) {
+    for (const Group& g : gs) {
       if (!want.count(g.target)) continue;
       const std::string stem = "layers." + std::to_string(layer) + "." + g.ours;
       auto a = ours.find(stem + ".lora_A.weight"), b = ours.find(stem + ".lora_B.weight");
       if (a == ours.end() || b == ours.end()) fail("to_peft: adapter {} (lora_A and lora_B) is missing", stem);
-      if (!(a->second.shape == Shape{r, g.in}) || !(b->second.shape == Shape{g.out, r}))
-        fail("to_peft: adapter {} has A {} and B {}, expected ({}, {}) and ({}, {})", stem, a->second.shape.str(),
-             b->second.shape.str(), r, g.in, g.out, r);
-      used += 2;
+      const Shape sa = ours_a(g, m, r), sb = ours_b(g, m, r);
+      if (!(a->second.shape == sa) || !(b->second.shape == sb))
+        fail("to_peft: adapter {} has A {} and B {}, expected {} and {}", stem, a->second.shape.str(),
+             b->second.shape.str(), sa.str(), sb.str());
+      if (g.expert <= 0) used += 2;
+      const int64_t e = std::max(g.expert, 0);
+      const float* A = a->second.data.data() + e * r * g.in;
       for (const Piece& p : g.pieces) {
         const std::string key = layer_prefix(m, layer) + p.module;
-        out[key + ".lora_A.weight"] = a->second;
-        const float* from = b->second.data.data() + p.row0 * r;
+        out[key + ".lora_A.weight"] = HostTensor{Shape{r, g.in}, std::vector<float>(A, A + r * g.in)};
+        const float* from = b->second.data.data() + e * g.out * r + p.row0 * r;
         out[key + ".lora_B.weight"] = HostTensor{Shape{p.rows, r}, std::vector<float>(from, from + p.rows * r)};
       }
     }
@@ -226,12 +266,20 @@ const HostTensor& peft_tensor(const TensorMap& peft, const std::string& key, con
 TensorMap from_peft(const TensorMap& peft, const ModelConfig& m, const LoraConfig& l, const std::string& where) {
   const std::set<std::string> want = target_set(l.targets);
   const int64_t r = l.rank;
+  const std::vector<Group> gs = groups(m);
   TensorMap out;
   size_t used = 0;
   for (int layer = 0; layer < m.num_layers; ++layer)
-    for (const Group& g : groups(m)) {
+    for (const Group& g : gs) {
       if (!want.count(g.target)) continue;
-      HostTensor B{Shape{g.out, r}, std::vector<float>(size_t(g.out * r))};
+      const std::string stem = "layers." + std::to_string(layer) + "." + g.ours;
+      HostTensor& A = out[stem + ".lora_A.weight"];
+      HostTensor& B = out[stem + ".lora_B.weight"];
+      if (g.expert <= 0) {  // the whole tensors, filled by every expert's groups
+        A = HostTensor{ours_a(g, m, r), std::vector<float>(size_t(ours_a(g, m, r).numel()))};
+        B = HostTensor{ours_b(g, m, r), std::vector<float>(size_t(ours_b(g, m, r).numel()))};
+      }
+      const int64_t e = std::max(g.expert, 0);
       std::string first;
       for (const Piece& p : g.pieces) {
         const std::string key = layer_prefix(m, layer) + p.module;
@@ -239,25 +287,24 @@ TensorMap from_peft(const TensorMap& peft, const ModelConfig& m, const LoraConfi
         auto a = peft.find(ka);
         if (a != peft.end() && a->second.shape.ndim == 2 && a->second.shape[0] != r)
           fail("{}: tensor {} has rank {}, r = {} in adapter_config.json; mpigpt fuses {} into one adapter of one "
-               "rank", where, ka, a->second.shape[0], r, g.ours);
-        const HostTensor& A = peft_tensor(peft, ka, Shape{r, g.in}, where);
+               "rank", where, ka, a->second.shape[0], r, g.what());
+        const HostTensor& Ap = peft_tensor(peft, ka, Shape{r, g.in}, where);
         const HostTensor& Bp = peft_tensor(peft, kb, Shape{p.rows, r}, where);
         if (first.empty()) {
-          out["layers." + std::to_string(layer) + "." + g.ours + ".lora_A.weight"] = A;
+          std::copy(Ap.data.begin(), Ap.data.end(), A.data.begin() + e * r * g.in);
           first = ka;
-        } else if (std::memcmp(A.data.data(), peft.at(first).data.data(), A.data.size() * 4) != 0) {
+        } else if (std::memcmp(Ap.data.data(), peft.at(first).data.data(), Ap.data.size() * 4) != 0) {
           fail("{}: {} differs from {}: mpigpt fuses these projections into one adapter ({}) whose A is shared, so "
-               "their lora_A must be equal", where, ka, first, g.ours);
+               "their lora_A must be equal", where, ka, first, g.what());
         }
-        std::copy(Bp.data.begin(), Bp.data.end(), B.data.begin() + p.row0 * r);
+        std::copy(Bp.data.begin(), Bp.data.end(), B.data.begin() + e * g.out * r + p.row0 * r);
         used += 2;
       }
-      out["layers." + std::to_string(layer) + "." + g.ours + ".lora_B.weight"] = std::move(B);
     }
   if (used != peft.size()) {
     std::set<std::string> known;
     for (int layer = 0; layer < m.num_layers; ++layer)
-      for (const Group& g : groups(m))
+      for (const Group& g : gs)
         if (want.count(g.target))
           for (const Piece& p : g.pieces)
             for (const char* f : {".lora_A.weight", ".lora_B.weight"}) known.insert(layer_prefix(m, layer) + p.module + f);

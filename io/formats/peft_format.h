@@ -14,7 +14,8 @@ inline constexpr const char* kPeftConfigFile = "adapter_config.json";
 inline constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
 
 // adapter_config.json of a PEFT LoraConfig for adapters `l` on model `m` (GPT-2: fan_in_fan_out,
-// its Conv1D modules; Llama: the Linear q/k/v/o/gate/up/down projections); `base_model` is
+// its Conv1D modules; Llama: the Linear q/k/v/o/gate/up/down projections; Mixtral: q/k/v/o and
+// every expert's w1/w2/w3; GPT-2 MoE has no Hugging Face form: an error); `base_model` is
 // base_model_name_or_path (empty: null).
 nlohmann::json peft_config(const ModelConfig& m, const LoraConfig& l, const std::string& base_model);
 // The lora settings of a PEFT adapter_config.json for model `m`: rank, alpha, targets (PEFT's
@@ -26,7 +27,8 @@ LoraConfig lora_config_from_peft(const nlohmann::json& cfg, const ModelConfig& m
                                  std::string* base_model = nullptr);
 
 // Our adapters (layers.N.<layer>.lora_{A,B}.weight, global) -> PEFT's tensors: the fused qkv and
-// Llama's [gate; up] become one adapter per HF projection, B split by rows and A copied to each.
+// Llama's [gate; up] become one adapter per HF projection, B split by rows and A copied to each;
+// the routed experts' (E, ...) adapters one per expert (Mixtral's w1 / w3 share expert e's fc A).
 // Every adapter `l` implies must be present with its shape, nothing else.
 TensorMap to_peft(const TensorMap& ours, const ModelConfig& m, const LoraConfig& l);
 // PEFT's tensors -> ours: the projections' adapters fused again (B's row blocks joined; their A

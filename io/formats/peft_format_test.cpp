@@ -33,13 +33,18 @@ TensorMap random_adapters(const ModelConfig& m, const LoraConfig& l, uint32_t se
   const int64_t C = m.hidden, kv = (m.num_kv_heads > 0 ? m.num_kv_heads : m.num_heads) * (C / m.num_heads);
   const int64_t F = m.ffn_hidden > 0 ? m.ffn_hidden : 4 * C;
   const bool g = m.family == "gpt2";
+  const int64_t E = m.num_experts, Fe = m.moe_ffn_hidden;  // Mixtral: every layer's MLP is E experts
+  const char *fc = E ? "mlp.experts.fc" : "mlp.fc", *proj = E ? "mlp.experts.proj" : "mlp.proj";
   TensorMap out;
   for (int layer = 0; layer < m.num_layers; ++layer)
     for (auto [target, stem, in, o] : {std::tuple{"qkv", "attn.qkv", C, C + 2 * kv}, std::tuple{"proj", "attn.proj", C, C},
-                                       std::tuple{"fc1", "mlp.fc", C, g ? F : 2 * F}, std::tuple{"fc2", "mlp.proj", F, C}}) {
+                                       std::tuple{"fc1", fc, C, E ? 2 * Fe : g ? F : 2 * F},
+                                       std::tuple{"fc2", proj, E ? Fe : F, C}}) {
       if (l.targets.find(target) == std::string::npos) continue;
       const std::string p = "layers." + std::to_string(layer) + "." + stem;
-      HostTensor A{Shape{l.rank, in}, std::vector<float>(size_t(l.rank * in))}, B{Shape{o, l.rank}, std::vector<float>(size_t(o * l.rank))};
+      const bool expert = std::string(stem).find("experts") != std::string::npos;
+      const Shape sa = expert ? Shape{E, l.rank, in} : Shape{l.rank, in}, sb = expert ? Shape{E, o, l.rank} : Shape{o, l.rank};
+      HostTensor A{sa, std::vector<float>(size_t(sa.numel()))}, B{sb, std::vector<float>(size_t(sb.numel()))};
       for (float& x : A.data) x = n(gen);
       for (float& x : B.data) x = n(gen);
       out[p + ".lora_A.weight"] = std::move(A);
@@ -159,4 +164,76 @@ TEST_CASE("peft: adapters mpigpt cannot represent are refused naming the key or 
   refused("target_modules", "all-linear", "mpigpt reads a list of module names");
   write_json(tmp / (std::string("a/") + kPeftConfigFile), json::object({{"peft_type", "LORA"}, {"r", 2}, {"lora_alpha", 4}, {"use_dora", true}}));
   CHECK_THROWS_WITH_AS(read_peft_config(tmp / "a", m), doctest::Contains("adapter_config.json: use_dora = true"), Error);
+}
+
+TEST_CASE("peft: Mixtral's routed experts: ours -> PEFT -> ours bit-identical, w1/w3/w2 per expert, errors") {
+  const ModelConfig m = tiny_mixtral();  // C 16, E 4, expert F 12, every layer MoE
+  for (const char* targets : {"qkv,proj,fc1,fc2", "fc1", "proj,fc2"}) {
+    CAPTURE(targets);
+    const LoraConfig l = lora(2, 4, targets);
+    TempDir tmp;
+    save_peft_adapter(tmp / "peft", random_adapters(m, l, 11), m, l, "");
+    const LoraConfig back = read_peft_config(tmp / "peft", m);
+    CHECK(back.targets == std::string(targets));
+    CHECK(bitwise_equal(load_peft_adapter(tmp / "peft", m, back), random_adapters(m, l, 11)));
+  }
+  const LoraConfig l = lora(2, 4, "qkv,proj,fc1,fc2");
+  const TensorMap ours = random_adapters(m, l, 5);
+  const TensorMap p = to_peft(ours, m, l);
+  CHECK(p.size() == 2u * 2 * (4 + 3 * 4));
+  // Expert 2 of layer 1: w1 / w3 share its fc A; their B are its gate / up rows; w2 is its proj.
+  const std::string x = "base_model.model.model.layers.1.block_sparse_moe.experts.2.";
+  const std::vector<float>&fa = ours.at("layers.1.mlp.experts.fc.lora_A.weight").data,
+       &fb = ours.at("layers.1.mlp.experts.fc.lora_B.weight").data,
+       &pa = ours.at("layers.1.mlp.experts.proj.lora_A.weight").data,
+       &pb = ours.at("layers.1.mlp.experts.proj.lora_B.weight").data;
+  auto slice = [](const std::vector<float>& v, int64_t at, int64_t n) {
+    return std::vector<float>(v.begin() + at, v.begin() + at + n);
+  };
+  REQUIRE(p.count(x + "w1.lora_A.weight"));
+  CHECK(p.at(x + "w1.lora_A.weight").shape == Shape{2, 16});
+  CHECK(p.at(x + "w1.lora_A.weight").data == slice(fa, 2 * 2 * 16, 2 * 16));
+  CHECK(p.at(x + "w3.lora_A.weight").data == slice(fa, 2 * 2 * 16, 2 * 16));
+  CHECK(p.at(x + "w1.lora_B.weight").shape == Shape{12, 2});
+  CHECK(p.at(x + "w1.lora_B.weight").data == slice(fb, 2 * 24 * 2, 12 * 2));
+  CHECK(p.at(x + "w3.lora_B.weight").data == slice(fb, 2 * 24 * 2 + 12 * 2, 12 * 2));
+  CHECK(p.at(x + "w2.lora_A.weight").shape == Shape{2, 12});
+  CHECK(p.at(x + "w2.lora_A.weight").data == slice(pa, 2 * 2 * 12, 2 * 12));
+  CHECK(p.at(x + "w2.lora_B.weight").shape == Shape{16, 2});
+  CHECK(p.at(x + "w2.lora_B.weight").data == slice(pb, 2 * 16 * 2, 16 * 2));
+  const json c = peft_config(m, l, "");
+  CHECK(c["target_modules"] == json({"q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2"}));
+  json c2 = c;
+  c2["target_modules"] = {"w2", "w3", "w1"};
+  CHECK(lora_config_from_peft(c2, m, "x").targets == "fc1,fc2");
+  c2["target_modules"] = {"w1", "w2"};
+  CHECK_THROWS_WITH_AS(lora_config_from_peft(c2, m, "x"),
+                       doctest::Contains("adapts only some of the projections that mpigpt fuses into mlp.experts.fc"),
+                       Error);
+
+  TensorMap t = p;
+  t.at(x + "w3.lora_A.weight").data[1] += 1.0f;
+  CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"),
+                       doctest::Contains((x + "w3.lora_A.weight differs from " + x +
+                                          "w1.lora_A.weight: mpigpt fuses these projections into one adapter "
+                                          "(mlp.experts.fc of expert 2)").c_str()),
+                       Error);
+  t = p;
+  t.erase(x + "w2.lora_B.weight");
+  CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"),
+                       doctest::Contains(("tensor " + x + "w2.lora_B.weight (shape (16, 2)) is missing").c_str()), Error);
+  t = p;
+  t["base_model.model.model.layers.0.block_sparse_moe.experts.4.w1.lora_A.weight"] = HostTensor{Shape{2, 16}, std::vector<float>(32)};
+  CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"), doctest::Contains("experts.4.w1.lora_A.weight is not an adapter"), Error);
+  t = p;
+  t.at(x + "w2.lora_A.weight") = HostTensor{Shape{2, 16}, std::vector<float>(32)};
+  CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"),
+                       doctest::Contains((x + "w2.lora_A.weight has shape (2, 16), expected (2, 12)").c_str()), Error);
+
+  // GPT-2 MoE has no Hugging Face model, hence no PEFT form.
+  ModelConfig g = tiny_gpt2();
+  g.num_experts = 4;
+  g.moe_ffn_hidden = 12;
+  CHECK_THROWS_WITH_AS(peft_config(g, l, ""), doctest::Contains("Hugging Face has no GPT-2 mixture-of-experts model"),
+                       Error);
 }

@@ -65,6 +65,7 @@ GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const Tens
     mc.bias = d.gpt2();
     mc.hidden = d.moe.F;
     mc.shared_hidden = d.moe.shared_F;
+    if (d.lora.on()) mc.lora_scale = d.lora.scale();
     const int ep = moe.ep ? moe.ep->size() : 1, etp = moe.expert_tp ? moe.expert_tp->size() : 1;
     MPIGPT_CHECK(ep == pl.ep && etp == pl.etp, "MoE groups ep {} expert_tp {} vs placement ep {} expert_tp {}", ep, etp,
                  pl.ep, pl.etp);
@@ -393,7 +394,12 @@ GPT::Block GPT::weights(const Buffer& buf, int l, DType dt) const {
     m.shared_fc_bias = v("mlp.shared.fc.bias");
     m.shared_proj = v("mlp.shared.proj.weight");
     m.shared_proj_bias = v("mlp.shared.proj.bias");
-    MPIGPT_CHECK(m.router.ptr && m.fc.ptr && m.proj.ptr, "layer {} is a MoE layer but its parameters are missing", l);
+    m.fc_lora_A = v("mlp.experts.fc.lora_A.weight");
+    m.fc_lora_B = v("mlp.experts.fc.lora_B.weight");
+    m.proj_lora_A = v("mlp.experts.proj.lora_A.weight");
+    m.proj_lora_B = v("mlp.experts.proj.lora_B.weight");
+    MPIGPT_CHECK(&buf == &grads_ || (m.router.ptr && m.fc.ptr && m.proj.ptr),  // frozen: no gradient views
+                 "layer {} is a MoE layer but its parameters are missing", l);
   }
   return b;
 }

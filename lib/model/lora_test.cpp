@@ -93,12 +93,28 @@ TEST_CASE("lora: targets parse, and a bad one names the field") {
 
 namespace {
 
-GptDims lora_dims(Family fam, unsigned targets) {
+GptDims lora_dims(Family fam, unsigned targets, bool moe = false) {
   GptDims d = testing::tiny_gpt_dims(fam);
   d.lora.rank = 3;
   d.lora.alpha = 6.0f;  // scale 2
   d.lora.targets = targets;
+  if (moe) {  // GPT-2: a dense layer below a MoE layer of 4 experts; Llama: both MoE, with a shared expert (not adapted)
+    d.moe.E = 4;
+    d.moe.K = 2;
+    d.moe.F = fam == Family::Llama ? 12 : 16;
+    d.moe.shared_F = fam == Family::Llama ? 8 : 0;
+    d.moe.aux_coeff = 0.5f;
+    d.moe.z_coeff = 0.05f;
+    d.moe.norm_topk = fam == Family::Llama;
+    d.moe.layers = {fam == Family::Llama, true};
+  }
   return d;
+}
+
+// The adapted layer `layer` ("mlp.fc") of layer l: on a MoE layer the routed experts' ("mlp.experts.fc").
+std::string adapted(const GptDims& d, int l, const std::string& layer) {
+  const bool expert = d.is_moe(l) && layer.starts_with("mlp.");
+  return "layers." + std::to_string(l) + "." + (expert ? "mlp.experts." + layer.substr(4) : layer);
 }
 
 // B starts at zero; random values (by global element) make B A matter, and A's gradient non-zero.
@@ -111,12 +127,14 @@ void randomize_b(GPT& m) {
   }
 }
 
-// The GPT with adapters on `target` against the plain GPT whose weight is W + s B A: the same loss,
-// and the adapters' gradients are the merged weight's gradient dW projected: s B^T dW and s dW A^T.
-void check_merged(Family fam, unsigned target, const char* layer) {
+// The GPT with adapters on `target` against the plain GPT whose weight is W + s B A (per expert
+// W_e + s B_e A_e on a MoE layer): the same loss, and the adapters' gradients are the merged
+// weight's gradient dW projected: s B^T dW and s dW A^T.
+void check_merged(Family fam, unsigned target, const char* layer, bool moe = false) {
   CAPTURE(int(fam));
   CAPTURE(layer);
-  const GptDims dl = lora_dims(fam, target);
+  CAPTURE(moe);
+  const GptDims dl = lora_dims(fam, target, moe);
   GptDims d = dl;
   d.lora = LoraDims{};
   const int Bsz = 2;
@@ -127,21 +145,34 @@ void check_merged(Family fam, unsigned target, const char* layer) {
   randomize_b(lm);
   const double s = dl.lora.scale();
   const int64_t r = dl.lora.rank;
+  // Weight, A and B of layer l: (E, OUT, IN), (E, r, IN), (E, OUT, r), E = 1 for a dense layer.
+  struct Mats {
+    int iw, ia, ib;
+    int64_t E, OUT, IN;
+  };
+  auto mats = [&](int l) {
+    const std::string pre = adapted(d, l, layer);
+    Mats m{index_of(base, pre + ".weight"), index_of(lm, pre + ".lora_A.weight"), index_of(lm, pre + ".lora_B.weight"),
+           1, 0, 0};
+    const Shape w = base.params()[m.iw].shape;
+    const int n = w.ndim;
+    m.E = n == 3 ? w[0] : 1, m.OUT = w[n - 2], m.IN = w[n - 1];
+    REQUIRE(lm.params()[m.ia].shape == (n == 3 ? Shape{m.E, r, m.IN} : Shape{r, m.IN}));
+    REQUIRE(lm.params()[m.ib].shape == (n == 3 ? Shape{m.E, m.OUT, r} : Shape{m.OUT, r}));
+    return m;
+  };
   for (int l = 0; l < d.L; ++l) {  // merge, in double
-    const std::string pre = "layers." + std::to_string(l) + "." + layer;
-    const int iw = index_of(base, pre + ".weight"), ia = index_of(lm, pre + ".lora_A.weight"),
-              ib = index_of(lm, pre + ".lora_B.weight");
-    const int64_t OUT = base.params()[iw].shape[0], IN = base.params()[iw].shape[1];
-    float* W = base.param(iw).f32();
-    const float *A = lm.param(ia).f32(), *B = lm.param(ib).f32();
-    REQUIRE(lm.params()[ia].shape == Shape{r, IN});
-    REQUIRE(lm.params()[ib].shape == Shape{OUT, r});
-    for (int64_t o = 0; o < OUT; ++o)
-      for (int64_t i = 0; i < IN; ++i) {
-        double ba = 0;
-        for (int64_t k = 0; k < r; ++k) ba += double(B[o * r + k]) * A[k * IN + i];
-        W[o * IN + i] = float(double(W[o * IN + i]) + s * ba);
-      }
+    const Mats m = mats(l);
+    for (int64_t e = 0; e < m.E; ++e) {
+      float* W = base.param(m.iw).f32() + e * m.OUT * m.IN;
+      const float *A = lm.param(m.ia).f32() + e * r * m.IN, *B = lm.param(m.ib).f32() + e * m.OUT * r;
+      for (int64_t o = 0; o < m.OUT; ++o)
+        for (int64_t i = 0; i < m.IN; ++i) {
+          double ba = 0;
+          for (int64_t k = 0; k < r; ++k) ba += double(B[o * r + k]) * A[k * m.IN + i];
+          W[o * m.IN + i] = float(double(W[o * m.IN + i]) + s * ba);
+        }
+    }
   }
   const auto b = testing::tiny_batch(d, Bsz);
   const float dloss = 1.0f / float(Bsz * d.T - 1);
@@ -150,24 +181,26 @@ void check_merged(Family fam, unsigned target, const char* layer) {
   const double ll = lm.forward(b.tokens.data(), b.targets.data(), dloss);
   const double lb = base.forward(b.tokens.data(), b.targets.data(), dloss);
   CHECK(ll == doctest::Approx(lb).epsilon(1e-6));
+  CHECK(lm.moe_loss_sum() == doctest::Approx(base.moe_loss_sum()).epsilon(1e-6));
   lm.backward();
   base.backward();
   for (int l = 0; l < d.L; ++l) {
-    const std::string pre = "layers." + std::to_string(l) + "." + layer;
-    CAPTURE(pre);
-    const int iw = index_of(base, pre + ".weight"), ia = index_of(lm, pre + ".lora_A.weight"),
-              ib = index_of(lm, pre + ".lora_B.weight");
-    const int64_t OUT = base.params()[iw].shape[0], IN = base.params()[iw].shape[1];
-    const float *dW = base.grad(iw).f32(), *A = lm.param(ia).f32(), *B = lm.param(ib).f32();
-    std::vector<double> dA(size_t(r * IN)), dB(size_t(OUT * r));
-    for (int64_t k = 0; k < r; ++k)
-      for (int64_t o = 0; o < OUT; ++o)
-        for (int64_t i = 0; i < IN; ++i) {
-          dA[k * IN + i] += s * double(B[o * r + k]) * dW[o * IN + i];
-          dB[o * r + k] += s * double(dW[o * IN + i]) * A[k * IN + i];
-        }
-    CHECK(rel_err(dA, lm.grad(ia).f32()) < 1e-4);
-    CHECK(rel_err(dB, lm.grad(ib).f32()) < 1e-4);
+    CAPTURE(l);
+    const Mats m = mats(l);
+    for (int64_t e = 0; e < m.E; ++e) {
+      CAPTURE(e);
+      const float* dW = base.grad(m.iw).f32() + e * m.OUT * m.IN;
+      const float *A = lm.param(m.ia).f32() + e * r * m.IN, *B = lm.param(m.ib).f32() + e * m.OUT * r;
+      std::vector<double> dA(size_t(r * m.IN)), dB(size_t(m.OUT * r));
+      for (int64_t k = 0; k < r; ++k)
+        for (int64_t o = 0; o < m.OUT; ++o)
+          for (int64_t i = 0; i < m.IN; ++i) {
+            dA[k * m.IN + i] += s * double(B[o * r + k]) * dW[o * m.IN + i];
+            dB[o * r + k] += s * double(dW[o * m.IN + i]) * A[k * m.IN + i];
+          }
+      CHECK(rel_err(dA, lm.grad(m.ia).f32() + e * r * m.IN) < 1e-4);
+      CHECK(rel_err(dB, lm.grad(m.ib).f32() + e * m.OUT * r) < 1e-4);
+    }
   }
 }
 
@@ -179,26 +212,40 @@ TEST_CASE("lora: each target of the GPT equals the merged weight, forward and ba
     check_merged(fam, kLoraProj, "attn.proj");
     check_merged(fam, kLoraFc1, "mlp.fc");
     check_merged(fam, kLoraFc2, "mlp.proj");
+    // A MoE model: attention on both layers, fc1/fc2 dense below, one adapter per routed expert above.
+    check_merged(fam, kLoraQkv, "attn.qkv", true);
+    check_merged(fam, kLoraFc1, "mlp.fc", true);
+    check_merged(fam, kLoraFc2, "mlp.proj", true);
   }
 }
 
-TEST_CASE("lora: the adapters' gradients match finite differences (both families, every target)") {
-  for (Family fam : {Family::GPT2, Family::Llama}) {
-    CAPTURE(int(fam));
-    const GptDims d = lora_dims(fam, kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2);
-    const int B = 2;
-    auto ops = make_cpu_ops();
-    GPT model(d, *ops, B);
-    model.init_weights(7);
-    randomize_b(model);
-    const auto b = testing::tiny_batch(d, B);
-    model.zero_grads();
-    model.forward(b.tokens.data(), b.targets.data(), 1.0f);
-    model.backward();
-    const Tensor g = model.grads_flat();
-    std::vector<float> grad(g.f32(), g.f32() + g.numel());
-    testing::check_gradients_fd(model, grad, [&] { return model.forward(b.tokens.data(), b.targets.data(), 0.0f); });
-  }
+TEST_CASE("lora: the adapters' gradients match finite differences (both families, every target, dense and MoE)") {
+  for (Family fam : {Family::GPT2, Family::Llama})
+    for (bool moe : {false, true}) {
+      CAPTURE(int(fam));
+      CAPTURE(moe);
+      GptDims d = lora_dims(fam, kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2, moe);
+      // Every token to every expert (K = E): the top-k choice is piecewise constant, and probes of
+      // 1e-2 on the factors cross its near-ties in this tiny model. check_merged covers top-2 routing.
+      if (moe) d.moe.K = d.moe.E;
+      const int B = 2;
+      auto ops = make_cpu_ops();
+      GPT model(d, *ops, B);
+      model.init_weights(7);
+      randomize_b(model);
+      const auto b = testing::tiny_batch(d, B);
+      model.zero_grads();
+      model.forward(b.tokens.data(), b.targets.data(), 1.0f);
+      model.backward();
+      const Tensor g = model.grads_flat();
+      std::vector<float> grad(g.f32(), g.f32() + g.numel());
+      // The objective: the LM loss plus (aux_scale 1) the MoE losses, which the adapters below move.
+      testing::check_gradients_fd(model, grad, [&] {
+        model.reset_moe_loss();
+        const double l = model.forward(b.tokens.data(), b.targets.data(), 0.0f);
+        return l + model.moe_loss_sum();
+      });
+    }
 }
 
 TEST_CASE("lora: the base is frozen and laid out after the adapters; A is Kaiming-uniform from the fan-in, B zero") {

@@ -102,6 +102,67 @@ void MoeLayer::mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, 
     ops_.linear_forward(out, a, proj, projb);
 }
 
+// The routed experts on the rows A.xe_t: out = proj(act(fc(x))), each projection with its LoRA
+// update when adapted (on the product before the activation, and on the partial output).
+void MoeLayer::experts_forward(MoeActs& A, Tensor out, const MoeWeights& w, const int64_t* groups) {
+  const int64_t Mt = A.xe_t.size(0);
+  const DType dt = A.xe_t.dtype;
+  ops_.grouped_linear_forward(A.h_t, A.xe_t, w.fc, w.fc_bias, groups);
+  if (w.fc_lora_A.defined()) {
+    A.ufc_t = A.ufc.get(ops_, {Mt, w.fc_lora_A.size(1)}, dt);
+    lora_forward(A.h_t, A.ufc_t, A.xe_t, w.fc_lora_A, w.fc_lora_B, groups);
+  }
+  if (cfg_.activation == MoeConfig::Activation::Gelu)
+    ops_.gelu_forward(A.a_t, A.h_t);
+  else
+    ops_.swiglu_forward(A.a_t, A.h_t);
+  ops_.grouped_linear_forward(out, A.a_t, w.proj, etp_rank_ == 0 ? w.proj_bias : Tensor(), groups);
+  if (w.proj_lora_A.defined()) {  // under expert_tp each rank's partial update, summed with the base's
+    A.ufp_t = A.ufp.get(ops_, {Mt, w.proj_lora_A.size(1)}, dt);
+    lora_forward(out, A.ufp_t, A.a_t, w.proj_lora_A, w.proj_lora_B, groups);
+  }
+}
+
+// Its backward from dout (rows, C): the weight gradients accumulate; dx (rows, C) is overwritten.
+void MoeLayer::experts_backward(MoeActs& A, Tensor dx, Tensor dout, const MoeWeights& w, const MoeWeights& g,
+                                const int64_t* groups) {
+  const int64_t Mt = A.xe_t.size(0), H = A.h_t.size(1);
+  const DType dt = dout.dtype;
+  Tensor da = da_.get(ops_, {Mt, Fl_}, dt), dh = dh_.get(ops_, {Mt, H}, dt);
+  ops_.grouped_linear_backward(da, g.proj, g.proj_bias, dout, A.a_t, w.proj, groups);
+  if (w.proj_lora_A.defined())
+    lora_backward(da, g.proj_lora_A, g.proj_lora_B, dout, A.a_t, A.ufp_t, w.proj_lora_A, w.proj_lora_B, groups);
+  if (cfg_.activation == MoeConfig::Activation::Swiglu)
+    ops_.swiglu_backward(dh, da, A.h_t);
+  else
+    ops_.gelu_backward(dh, da, A.h_t);
+  ops_.grouped_linear_backward(dx, g.fc, g.fc_bias, dh, A.xe_t, w.fc, groups);
+  if (w.fc_lora_A.defined())
+    lora_backward(dx, g.fc_lora_A, g.fc_lora_B, dh, A.xe_t, A.ufc_t, w.fc_lora_A, w.fc_lora_B, groups);
+}
+
+// LoRA per expert from ops: u = s x A_e^T, then B_e's product into scratch added to out.
+void MoeLayer::lora_forward(Tensor out, Tensor u, Tensor x, Tensor A, Tensor B, const int64_t* groups) {
+  const int64_t M = x.size(0);
+  ops_.grouped_linear_forward(u, x, A, Tensor(), groups);
+  ops_.scale(u, cfg_.lora_scale);
+  Tensor t = lora_out_.get(ops_, {M, out.size(1)}, out.dtype);
+  ops_.grouped_linear_forward(t, u, B, Tensor(), groups);
+  ops_.add(out, out, t);
+}
+
+void MoeLayer::lora_backward(Tensor dx, Tensor dA, Tensor dB, Tensor dout, Tensor x, Tensor u, Tensor A, Tensor B,
+                             const int64_t* groups) {
+  const int64_t M = x.size(0);
+  // du = dout B_e, dB_e += dout^T u; then du *= s is d(loss)/d(x A_e^T).
+  Tensor du = lora_du_.get(ops_, {M, u.size(1)}, dout.dtype);
+  ops_.grouped_linear_backward(du, dB, Tensor(), dout, u, B, groups);
+  ops_.scale(du, cfg_.lora_scale);
+  Tensor t = dx.defined() ? lora_out_.get(ops_, {M, x.size(1)}, dx.dtype) : Tensor();
+  ops_.grouped_linear_backward(t, dA, Tensor(), du, x, A, groups);  // dA_e += du^T x, t = du A_e
+  if (dx.defined()) ops_.add(dx, dx, t);
+}
+
 // The router's input: x itself, or x converted to the router weight's dtype (f32) when the
 // activations are bf16, so that routing, its losses and gradients stay in f32.
 Tensor MoeLayer::router_input(Tensor x, const MoeWeights& w) {
@@ -113,14 +174,15 @@ Tensor MoeLayer::router_input(Tensor x, const MoeWeights& w) {
 
 size_t MoeActs::bytes() const {
   size_t n = dispatch.bytes() + etp_index.buf.bytes();
-  for (const GrowBuffer* b : {&logits, &probs, &topk, &gates, &lse, &xe, &h, &a, &ye, &sh, &sa}) n += b->buf.bytes();
+  for (const GrowBuffer* b : {&logits, &probs, &topk, &gates, &lse, &xe, &h, &a, &ye, &sh, &sa, &ufc, &ufp})
+    n += b->buf.bytes();
   return n;
 }
 
 size_t MoeLayer::scratch_bytes() const {
   size_t n = 0;
   for (const GrowBuffer* b : {&ones_, &psum_, &dgates_, &dye_, &da_, &dh_, &drow_, &dprobs_, &dlse_, &dlogits_, &dxr_,
-                              &xr_, &etp_full_, &etp_pad_, &dye_all_})
+                              &xr_, &etp_full_, &etp_pad_, &dye_all_, &lora_du_, &lora_out_})
     n += b->buf.bytes();
   return n;
 }
@@ -265,8 +327,8 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
   } else {
     disp_->dispatch_forward(A.xe_t, x, D);
   }
-  mlp_forward(ye_all, A.h_t, A.a_t, A.xe_t, w.fc, w.fc_bias, w.proj, etp_rank_ == 0 ? w.proj_bias : Tensor(),
-              gather ? A.etp_groups.data() : D.rows_per_expert.data());
+  const int64_t* groups = gather ? A.etp_groups.data() : D.rows_per_expert.data();
+  experts_forward(A, ye_all, w, groups);
   if (gather) etp_reduce_scatter(A.ye_t, ye_all, A);
 
   if (cfg_.shared_hidden > 0) {
@@ -289,7 +351,7 @@ void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, c
                dx.shape.str(), dy.shape.str(), N, C);
   DispatchState& D = A.dispatch;
   const bool gather = gathers_etp();
-  const int64_t M = D.expert_rows, Mt = gather ? A.etp_rows : M, H = glu ? 2 * Fl_ : Fl_;
+  const int64_t M = D.expert_rows, Mt = gather ? A.etp_rows : M;
   const int64_t* groups = gather ? A.etp_groups.data() : D.rows_per_expert.data();
 
   // Combine: d(gates) and d(expert outputs); then the experts, back to front.
@@ -303,14 +365,8 @@ void MoeLayer::backward(Tensor dx, MoeActs& A, Tensor dy, const MoeWeights& w, c
     etp_gather(all, rows_of(dye, A.etp_pad), A);
     dye = all;
   }
-  Tensor da = da_.get(ops_, {Mt, Fl_}, dt), dh = dh_.get(ops_, {Mt, H}, dt);
-  ops_.grouped_linear_backward(da, g.proj, g.proj_bias, dye, A.a_t, w.proj, groups);
-  if (glu)
-    ops_.swiglu_backward(dh, da, A.h_t);
-  else
-    ops_.gelu_backward(dh, da, A.h_t);
-  Tensor dxe = dye;  // dye is spent: its buffer takes d(expert inputs)
-  ops_.grouped_linear_backward(dxe, g.fc, g.fc_bias, dh, A.xe_t, w.fc, groups);
+  Tensor dxe = dye;  // dye is spent once da is: its buffer takes d(expert inputs)
+  experts_backward(A, dxe, dye, w, g, groups);
   if (gather) {
     Tensor mine = rows_of(dye_all_.get(ops_, {std::max<int64_t>(M, 1), C}, dt), M);
     etp_reduce_scatter(mine, dxe, A);

@@ -29,6 +29,7 @@ struct MoeConfig {
   bool bias = true;                            // fc and proj biases (experts and shared expert)
   int64_t hidden = 0;                          // F: hidden units per expert (before expert_tp splits it)
   int64_t shared_hidden = 0;                   // hidden units of the shared expert; 0: no shared expert
+  float lora_scale = 1.0f;                     // LoRA's alpha / r for the routed experts' adapters (MoeWeights)
   void validate() const;                       // throws naming the field
   bool normalize_gates() const { return router == Router::Sigmoid || norm_topk_prob; }
 };
@@ -43,6 +44,10 @@ struct MoeWeights {
   Tensor proj, proj_bias;                // (El, C, Fl), (El, C)
   Tensor shared_fc, shared_fc_bias;      // (Hs, C), (Hs)
   Tensor shared_proj, shared_proj_bias;  // (C, shared_hidden), (C)
+  // LoRA adapters of the routed experts (lib/model/lora.h, one per expert; undefined: not
+  // adapted): fc A (El, r, C) whole, B (El, H, r) split as fc's rows; proj A (El, r, Fl) split as
+  // proj's columns, B (El, C, r) whole. The whole factors' gradients are partial over expert_tp.
+  Tensor fc_lora_A, fc_lora_B, proj_lora_A, proj_lora_B;
 };
 
 // The router's losses, both already multiplied by their coefficients (T = tokens of the micro-batch
@@ -66,8 +71,9 @@ struct MoeActs {
   int64_t N = 0;
   std::vector<float> aux_row;  // d aux / d p_te per expert (the same for every token), unscaled
   double z_grad = 0.0;         // d z / d lse_t = z_grad * lse_t
-  GrowBuffer logits, probs, topk, gates, lse, xe, h, a, ye, sh, sa;
+  GrowBuffer logits, probs, topk, gates, lse, xe, h, a, ye, sh, sa, ufc, ufp;
   Tensor logits_t, probs_t, topk_t, gates_t, lse_t, xe_t, h_t, a_t, ye_t, sh_t, sa_t;
+  Tensor ufc_t, ufp_t;  // LoRA: s x A_e^T of the expert rows into fc and proj (rows, r)
   DispatchState dispatch;
   // expert_tp gather (alltoall dispatcher): expert rows of every expert_tp rank, padded to
   // etp_pad rows each; etp_index (etp_rows) maps the gathered rows, grouped by local expert, to
@@ -148,6 +154,14 @@ class MoeLayer {
  private:
   void mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, Tensor fcb, Tensor proj, Tensor projb,
                    const int64_t* groups);
+  void experts_forward(MoeActs& A, Tensor out, const MoeWeights& w, const int64_t* groups);
+  void experts_backward(MoeActs& A, Tensor dx, Tensor dout, const MoeWeights& w, const MoeWeights& g,
+                        const int64_t* groups);
+  // out (M,OUT) += s (x A_e^T) B_e^T per expert group; u (M,r) receives s x A_e^T.
+  void lora_forward(Tensor out, Tensor u, Tensor x, Tensor A, Tensor B, const int64_t* groups);
+  // Its backward: dA, dB accumulate, dx (M,IN) accumulates (optional).
+  void lora_backward(Tensor dx, Tensor dA, Tensor dB, Tensor dout, Tensor x, Tensor u, Tensor A, Tensor B,
+                     const int64_t* groups);
   Tensor router_input(Tensor x, const MoeWeights& w);
   bool gathers_etp() const { return etp_size_ > 1 && !disp_->spans_expert_tp(); }
   void plan_etp_gather(MoeActs& A);
@@ -165,7 +179,7 @@ class MoeLayer {
   int etp_size_ = 1, etp_rank_ = 0;
   // Scratch shared by all calls (one forward or backward of this layer runs at a time).
   GrowBuffer ones_, psum_, dgates_, dye_, da_, dh_, drow_, dprobs_, dlse_, dlogits_, dxr_, xr_, etp_full_, etp_pad_,
-      dye_all_;
+      dye_all_, lora_du_, lora_out_;
 };
 
 }  // namespace mpigpt

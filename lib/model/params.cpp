@@ -121,7 +121,7 @@ struct TableBuilder {
   // last-but-one dimension (fc: (E, H, C); the bias (E, H), whose matrix view has them as
   // columns) in that many equal parts ([gate; up]); -1: they are the columns (proj (E, C, F));
   // 0: no hidden dimension, replicated over expert_tp (proj bias).
-  void add_expert(std::string name, Shape g, ParamKind k, float std, int hidden_parts) {
+  ParamInfo& add_expert(std::string name, Shape g, ParamKind k, float std, int hidden_parts) {
     ParamInfo p = make(std::move(name), g, k, std, -1);
     p.expert = true;
     const int64_t E = g[0], El = E / pl.ep, gcols = p.global_cols(), per_expert = g.numel() / E / gcols;
@@ -145,6 +145,18 @@ struct TableBuilder {
     }
     if (p.row_blocks.empty() && pl.ep > 1) p.row_blocks.push_back({e0 * per_expert, El * per_expert});
     t.push_back(std::move(p));
+    return t.back();
+  }
+  // The LoRA factors of every routed expert of `base` ("layers.3.mlp.experts.fc"), in -> out
+  // features each, split as the base: fc (`hidden_parts` > 0 blocks of rows) has A replicated over
+  // expert_tp and B split as its rows; proj (-1) has A split on its input columns (the hidden
+  // units) and B replicated. ep splits whole experts. A's bound is from the GLOBAL fan-in.
+  void add_expert_lora(const std::string& base, int64_t E, int64_t in, int64_t out, int hidden_parts) {
+    const int64_t r = d.lora.rank;
+    const float bound = 1.0f / std::sqrt(float(in));
+    const bool fc = hidden_parts > 0;
+    add_expert(base + ".lora_A.weight", {E, r, in}, ParamKind::Weight, 0, fc ? 0 : -1).init_bound = bound;
+    add_expert(base + ".lora_B.weight", {E, out, r}, ParamKind::Weight, 0, fc ? hidden_parts : 0);
   }
 };
 
@@ -157,7 +169,6 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
   const float out_std = d.init_std / std::sqrt(2.0f * d.L);
   const int64_t HD = d.HD(), q = int64_t(d.NH) * HD, kv = int64_t(d.NKV) * HD, F = d.F;
   using parts_t = std::vector<int64_t>;
-  MPIGPT_CHECK(!d.lora.on() || d.moe.E == 0, "LoRA adapters on a mixture-of-experts model are not supported");
   if (pl.first_stage) {
     b.add_rows("embedding.word.weight", {d.Vp, d.C}, ParamKind::Embedding, d.init_std, {d.Vp}, d.V);
     if (g) b.add_full("embedding.position.weight", {d.maxT, d.C}, ParamKind::Embedding, d.init_std);
@@ -176,7 +187,8 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
       if (g) b.add_full(p + "attn.proj.bias", {d.C}, ParamKind::Bias);
       b.add_full(p + "mlp_norm.weight", {d.C}, ParamKind::Norm);
       if (g) b.add_full(p + "mlp_norm.bias", {d.C}, ParamKind::Bias);
-      if (d.is_moe(l)) {
+      const bool moe = d.is_moe(l);
+      if (moe) {
         // Routed experts as one (E, ...) tensor per projection: ep rank j holds experts
         // [j*El, (j+1)*El), expert_tp splits each one's hidden units. SwiGLU experts hold
         // [gate; up] rows per expert, as the dense MLP does.
@@ -192,20 +204,25 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
           b.add_full(p + "mlp.shared.proj.weight", {d.C, Fs}, ParamKind::Weight, out_std);
           if (g) b.add_full(p + "mlp.shared.proj.bias", {d.C}, ParamKind::Bias);
         }
-        continue;
+      } else {
+        // SwiGLU's gate and up projections are one [gate; up] matrix, split as two blocks.
+        if (g)
+          b.add_rows(p + "mlp.fc.weight", {F, d.C}, ParamKind::Weight, d.init_std, {F});
+        else
+          b.add_rows(p + "mlp.fc.weight", {2 * F, d.C}, ParamKind::Weight, d.init_std, {F, F});
+        if (g) b.add_rows(p + "mlp.fc.bias", {F}, ParamKind::Bias, 0, {F});
+        b.add_cols(p + "mlp.proj.weight", {d.C, F}, ParamKind::Weight, out_std);
+        if (g) b.add_full(p + "mlp.proj.bias", {d.C}, ParamKind::Bias);
       }
-      // SwiGLU's gate and up projections are one [gate; up] matrix, split as two blocks.
-      if (g)
-        b.add_rows(p + "mlp.fc.weight", {F, d.C}, ParamKind::Weight, d.init_std, {F});
-      else
-        b.add_rows(p + "mlp.fc.weight", {2 * F, d.C}, ParamKind::Weight, d.init_std, {F, F});
-      if (g) b.add_rows(p + "mlp.fc.bias", {F}, ParamKind::Bias, 0, {F});
-      b.add_cols(p + "mlp.proj.weight", {d.C, F}, ParamKind::Weight, out_std);
-      if (g) b.add_full(p + "mlp.proj.bias", {d.C}, ParamKind::Bias);
       if (d.lora.adapts(kLoraQkv)) b.add_lora(p + "attn.qkv", d.C, q + 2 * kv, {q, kv, kv});
       if (d.lora.adapts(kLoraProj)) b.add_lora(p + "attn.proj", q, d.C, {});
-      if (d.lora.adapts(kLoraFc1)) b.add_lora(p + "mlp.fc", d.C, g ? F : 2 * F, g ? parts_t{F} : parts_t{F, F});
-      if (d.lora.adapts(kLoraFc2)) b.add_lora(p + "mlp.proj", F, d.C, {});
+      // A MoE layer's fc1/fc2 adapters are one per routed expert; the shared expert is not adapted.
+      const int64_t E = d.moe.E, Fe = d.moe.F;
+      if (d.lora.adapts(kLoraFc1) && moe) b.add_expert_lora(p + "mlp.experts.fc", E, d.C, g ? Fe : 2 * Fe, g ? 1 : 2);
+      if (d.lora.adapts(kLoraFc1) && !moe)
+        b.add_lora(p + "mlp.fc", d.C, g ? F : 2 * F, g ? parts_t{F} : parts_t{F, F});
+      if (d.lora.adapts(kLoraFc2) && moe) b.add_expert_lora(p + "mlp.experts.proj", E, Fe, d.C, -1);
+      if (d.lora.adapts(kLoraFc2) && !moe) b.add_lora(p + "mlp.proj", F, d.C, {});
     }
   if (pl.last_stage) {
     b.add_full("final_norm.weight", {d.C}, ParamKind::Norm);

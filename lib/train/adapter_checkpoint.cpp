@@ -238,16 +238,26 @@ void merge_adapters(TensorMap& model, const TensorMap& adapters, const LoraDims&
       fail("adapter {} has no lora_B or no base weight {}.weight", name, stem);
     const HostTensor& B = b->second;
     HostTensor& W = w->second;
-    const int64_t r = A.shape[0], in = A.shape[1], out = B.shape[0];
-    if (B.shape[1] != r || W.shape[0] != out || W.shape[1] != in)
+    // A routed expert's adapters (E, r, in), (E, out, r) and weight (E, out, in): W_e += s B_e A_e.
+    const int n = A.shape.ndim;
+    const bool expert = n == 3;
+    bool fits = (n == 2 || expert) && B.shape.ndim == n && W.shape.ndim == n;
+    const int64_t E = expert ? A.shape[0] : 1, r = A.shape[expert ? 1 : 0], in = A.shape[expert ? 2 : 1],
+                  out = fits ? B.shape[expert ? 1 : 0] : 0;
+    fits = fits && B.shape[expert ? 2 : 1] == r && W.shape[expert ? 1 : 0] == out && W.shape[expert ? 2 : 1] == in &&
+           (!expert || (B.shape[0] == E && W.shape[0] == E));
+    if (!fits)
       fail("adapter {}: A {} and B {} do not fit the weight {}", stem, A.shape.str(), B.shape.str(), W.shape.str());
-    for (int64_t o = 0; o < out; ++o)
-      for (int64_t i = 0; i < in; ++i) {
-        double acc = 0;
-        for (int64_t k = 0; k < r; ++k) acc += double(B.data[size_t(o * r + k)]) * double(A.data[size_t(k * in + i)]);
-        float& x = W.data[size_t(o * in + i)];
-        x = float(double(x) + s * acc);
-      }
+    for (int64_t e = 0; e < E; ++e) {
+      const float *Ae = A.data.data() + e * r * in, *Be = B.data.data() + e * out * r;
+      float* We = W.data.data() + e * out * in;
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) {
+          double acc = 0;
+          for (int64_t k = 0; k < r; ++k) acc += double(Be[o * r + k]) * double(Ae[k * in + i]);
+          We[o * in + i] = float(double(We[o * in + i]) + s * acc);
+        }
+    }
   }
 }
 

@@ -50,7 +50,8 @@ void adopt_peft_lora(Config& cfg);
 // One process: the base's whole tensors (in the padding of d, vocabulary grown to d.V as a run
 // grows it), `cfg` the adapter run's configuration.
 TensorMap load_base_tensors(const AdapterBase& base, const Config& cfg, const GptDims& d);
-// W += (alpha / rank) B A for every adapted weight of `model` (the adapters are not added to it).
+// W += (alpha / rank) B A for every adapted weight of `model`, W_e += s B_e A_e per routed expert
+// for the (E, ...) expert tensors (the adapters are not added to it).
 void merge_adapters(TensorMap& model, const TensorMap& adapters, const LoraDims& lora);
 
 // One process (`mpigpt convert --merge-lora`): the adapter save `in` points to merged into the

@@ -23,6 +23,21 @@ TEST_CASE("merge_adapters adds (alpha / rank) B A to the adapted weight only") {
   CHECK_THROWS_WITH(merge_adapters(model, adapters, lora), doctest::Contains("has no lora_B"));
 }
 
+TEST_CASE("merge_adapters adds (alpha / rank) B_e A_e to each routed expert's weight") {
+  TensorMap model, adapters;
+  model["layers.0.mlp.experts.proj.weight"] = HostTensor{Shape{2, 2, 2}, {1, 2, 3, 4, 5, 6, 7, 8}};  // (E, out, in)
+  adapters["layers.0.mlp.experts.proj.lora_A.weight"] = HostTensor{Shape{2, 1, 2}, {1, 0, 0.5f, -1}};  // (E, r, in)
+  adapters["layers.0.mlp.experts.proj.lora_B.weight"] = HostTensor{Shape{2, 2, 1}, {1, 2, -2, 4}};  // (E, out, r)
+  LoraDims lora;
+  lora.rank = 1;
+  lora.alpha = 2;
+  merge_adapters(model, adapters, lora);
+  // Expert 0: B A = [[1, 0], [2, 0]]; expert 1: B A = [[-1, 2], [2, -4]]; W += 2 B A.
+  CHECK(model.at("layers.0.mlp.experts.proj.weight").data == std::vector<float>{3, 2, 7, 4, 3, 10, 11, 0});
+  adapters["layers.0.mlp.experts.proj.lora_B.weight"] = HostTensor{Shape{1, 2, 1}, {1, 2}};  // one expert only
+  CHECK_THROWS_WITH(merge_adapters(model, adapters, lora), doctest::Contains("do not fit the weight (2, 2, 2)"));
+}
+
 TEST_CASE("the base checksum covers every base tensor but not the vocabulary padding") {
   Config cfg;
   cfg.model.num_layers = 1;

@@ -2,6 +2,7 @@
 // they map to.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -14,8 +15,9 @@ using namespace mpigpt;
 
 namespace {
 
-GptDims moe_dims(Family f) {
+GptDims moe_dims(Family f, int lora_rank = 0) {
   GptDims d = testing::tiny_gpt_dims(f);
+  d.lora.rank = lora_rank;  // > 0: the routed experts' LoRA adapters are expert tensors too
   d.moe.E = 4;
   d.moe.K = 2;
   d.moe.F = 12;
@@ -48,39 +50,41 @@ std::vector<int64_t> box_indices(const ParamInfo& p, int64_t begin, int64_t end)
 TEST_CASE("expert shards over ep x expert_tp: global_index, checkpoint boxes and coverage agree") {
   for (Family f : {Family::GPT2, Family::Llama})
     for (int ep : {1, 2, 4})
-      for (int etp : {1, 2}) {
-        CAPTURE(int(f));
-        CAPTURE(ep);
-        CAPTURE(etp);
-        const GptDims d = moe_dims(f);
-        std::map<std::string, std::vector<int>> cover;  // expert tensor -> holders per global element
-        std::map<std::string, int> replicas;
-        for (int e = 0; e < ep; ++e)
-          for (int t = 0; t < etp; ++t) {
-            ModelPlacement pl;
-            pl.ep = ep, pl.ep_rank = e, pl.etp = etp, pl.etp_rank = t;
-            for (const ParamInfo& p : build_param_table(d, pl)) {
-              if (!p.expert) continue;
-              CAPTURE(p.name);
-              CHECK(p.shape[0] == d.moe.E / ep);
-              auto& cv = cover[p.name];
-              cv.resize(static_cast<size_t>(p.global.numel()), 0);
-              replicas[p.name] = p.split == TpSplit::None ? etp : 1;
-              std::vector<int64_t> want(static_cast<size_t>(p.numel()));
-              for (int64_t k = 0; k < p.numel(); ++k) ++cv[want[k] = p.global_index(k)];
-              // The whole tensor, and flat ranges cutting through rows and experts.
-              CHECK(box_indices(p, 0, p.numel()) == want);
-              const int64_t n = p.numel();
-              for (auto [b, end] : {std::pair<int64_t, int64_t>{1, n - 1}, {n / 3, 2 * n / 3 + 1}, {n / 2, n}})
-                CHECK(box_indices(p, b, end) == std::vector<int64_t>(want.begin() + b, want.begin() + end));
+      for (int etp : {1, 2})
+        for (int lora : {0, 2}) {
+          CAPTURE(int(f));
+          CAPTURE(ep);
+          CAPTURE(etp);
+          CAPTURE(lora);
+          const GptDims d = moe_dims(f, lora);
+          std::map<std::string, std::vector<int>> cover;  // expert tensor -> holders per global element
+          std::map<std::string, int> replicas;
+          for (int e = 0; e < ep; ++e)
+            for (int t = 0; t < etp; ++t) {
+              ModelPlacement pl;
+              pl.ep = ep, pl.ep_rank = e, pl.etp = etp, pl.etp_rank = t;
+              for (const ParamInfo& p : build_param_table(d, pl)) {
+                if (!p.expert) continue;
+                CAPTURE(p.name);
+                CHECK(p.shape[0] == d.moe.E / ep);
+                auto& cv = cover[p.name];
+                cv.resize(static_cast<size_t>(p.global.numel()), 0);
+                replicas[p.name] = p.split == TpSplit::None ? etp : 1;
+                std::vector<int64_t> want(static_cast<size_t>(p.numel()));
+                for (int64_t k = 0; k < p.numel(); ++k) ++cv[want[k] = p.global_index(k)];
+                // The whole tensor, and flat ranges cutting through rows and experts.
+                CHECK(box_indices(p, 0, p.numel()) == want);
+                const int64_t n = p.numel();
+                for (auto [b, end] : {std::pair<int64_t, int64_t>{1, n - 1}, {n / 3, 2 * n / 3 + 1}, {n / 2, n}})
+                  CHECK(box_indices(p, b, end) == std::vector<int64_t>(want.begin() + b, want.begin() + end));
+              }
             }
+          CHECK(!cover.empty());
+          for (const auto& [name, cv] : cover) {
+            CAPTURE(name);
+            for (int c : cv) REQUIRE(c == replicas[name]);  // every element, once per expert_tp replica
           }
-        CHECK(!cover.empty());
-        for (const auto& [name, cv] : cover) {
-          CAPTURE(name);
-          for (int c : cv) REQUIRE(c == replicas[name]);  // every element, once per expert_tp replica
         }
-      }
 }
 
 TEST_CASE("expert_tp splits fc rows per expert ([gate; up] halves) and proj columns") {
@@ -101,4 +105,42 @@ TEST_CASE("expert_tp splits fc rows per expert ([gate; up] halves) and proj colu
     }
     if (p.name == "layers.0.mlp.router.weight") CHECK(!p.expert);
   }
+}
+
+TEST_CASE("the routed experts' LoRA adapters split as their weights: fc A and proj B whole over expert_tp") {
+  const GptDims d = moe_dims(Family::Llama, 2);  // E 4, F 12, r 2
+  ModelPlacement pl;
+  pl.ep = 2, pl.ep_rank = 1, pl.etp = 2, pl.etp_rank = 1;
+  using blocks = std::vector<std::pair<int64_t, int64_t>>;
+  int seen = 0;
+  for (const ParamInfo& p : build_param_table(d, pl)) {
+    CAPTURE(p.name);
+    if (p.name.find("lora") == std::string::npos) continue;
+    ++seen;
+    CHECK(!p.frozen);
+    if (p.name.find(".mlp.") == std::string::npos) continue;
+    REQUIRE(p.name.find(".mlp.experts.") != std::string::npos);  // every layer MoE: no dense MLP adapter
+    CHECK(p.expert);
+    if (p.name.ends_with("fc.lora_A.weight")) {  // (E, r, C): experts 2, 3 whole
+      CHECK(p.shape == Shape{2, 2, d.C});
+      CHECK(p.split == TpSplit::None);
+      CHECK(p.row_blocks == blocks{{4, 4}});
+      CHECK(p.init_bound == doctest::Approx(1.0 / std::sqrt(double(d.C))));
+    } else if (p.name.ends_with("fc.lora_B.weight")) {  // (E, 2F, r): as fc's rows
+      CHECK(p.shape == Shape{2, 12, 2});
+      CHECK(p.split == TpSplit::Rows);
+      CHECK(p.row_blocks == blocks{{2 * 24 + 6, 6}, {2 * 24 + 18, 6}, {3 * 24 + 6, 6}, {3 * 24 + 18, 6}});
+    } else if (p.name.ends_with("proj.lora_A.weight")) {  // (E, r, F): columns F/2..F
+      CHECK(p.shape == Shape{2, 2, 6});
+      CHECK(p.split == TpSplit::Cols);
+      CHECK(p.col_begin == 6);
+      CHECK(p.row_blocks == blocks{{4, 4}});
+      CHECK(p.init_bound == doctest::Approx(1.0 / std::sqrt(12.0)));  // the global fan-in
+    } else {  // proj B (E, C, r) whole
+      CHECK(p.shape == Shape{2, d.C, 2});
+      CHECK(p.split == TpSplit::None);
+      CHECK(p.row_blocks == blocks{{2 * d.C, 2 * d.C}});
+    }
+  }
+  CHECK(seen == d.L * 4 * 2);  // qkv, proj, the experts' fc and proj, A and B each
 }

@@ -144,10 +144,13 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
       if (!table[i].frozen && !table[i].expert && table[i].split == TpSplit::None && token_local(table[i].name))
         sp_params_.push_back(int(i));
   // LoRA's replicated factor of a tp-split layer (column-parallel: A, row-parallel: B): each rank's
-  // gradient is its partial sum (lib/model/lora.h), with or without sequence parallelism.
-  if (tp_.size() > 1)
-    for (size_t i = 0; i < table.size(); ++i)
-      if (is_lora_param(table[i].name) && table[i].split == TpSplit::None) lora_partial_.push_back(int(i));
+  // gradient is its partial sum (lib/model/lora.h), with or without sequence parallelism. The
+  // routed experts' adapters (fc A, proj B) likewise over expert_tp (lib/model/moe.h).
+  for (size_t i = 0; i < table.size(); ++i) {
+    const ParamInfo& p = table[i];
+    if (!is_lora_param(p.name) || p.split != TpSplit::None) continue;
+    if (p.expert ? pc.expert_tp > 1 : tp_.size() > 1) (p.expert ? lora_etp_partial_ : lora_partial_).push_back(int(i));
+  }
 
   GradSyncOptions so;
   so.distributed_optimizer = cfg.engine.distributed_optimizer;
@@ -290,6 +293,7 @@ void ModelRunner::finish_grads() {
   // Sequence parallelism: norm weights saw only this rank's tokens.
   for (int i : sp_params_) tp_.sum_replicated_grad(model_->grad(i));
   for (int i : lora_partial_) tp_.allreduce_sum(model_->grad(i));
+  for (int i : lora_etp_partial_) mesh_.expert_tp().allreduce_sum(model_->grad(i));
 }
 
 double ModelRunner::grad_norm() {

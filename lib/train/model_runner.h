@@ -106,6 +106,7 @@ class ModelRunner {
   int tied_param_ = -1;          // this rank's word embedding (or replica) when pp > 1 ties it
   std::vector<int> sp_params_;   // replicated parameters whose gradients are partial over tp (SP)
   std::vector<int> lora_partial_;  // LoRA factors replicated over tp whose gradients are partial over it
+  std::vector<int> lora_etp_partial_;  // the routed experts' ones, replicated and partial over expert_tp
   int64_t frozen_numel_ = 0;     // elements of the frozen parameters (LoRA's base), after the trained ones
   std::vector<Range> norm_ranges_;  // owned elements that count in the gradient norm
 };
