@@ -198,6 +198,7 @@ void GPT::setup(const ModelPlacement& pl) {
   arena_.plan(&dres_, {Nl_, C}, d_.act);
   arena_.plan(&dn_, {Nl_, C}, d_.act);
   arena_.plan(&full_, {N_, C}, d_.act);
+  if (tp_.sequence_parallel()) arena_.plan(&gathered_, {N_, C}, d_.act);
   arena_.plan(&dqkv_, {N_, (nh_ + 2 * nkv_) * HD}, d_.act);
   arena_.plan(&datt_, {N_, nh_ * HD}, d_.act);
   arena_.plan(&dfc_, {N_, g ? Fl : 2 * Fl}, d_.act);
@@ -263,10 +264,8 @@ GPT::Slot& GPT::acquire(int c, int mb) {
     A.plan(&s->logits, {N_, d_.Vp / tp_.size()}, d_.act);
   }
   A.commit();
-  for (auto& a : s->a) {
-    alias_full(a);
-    if (recomputes_attention()) a.att_saved = rc_acts_.att_saved;
-  }
+  if (recomputes_attention())
+    for (auto& a : s->a) a.att_saved = rc_acts_.att_saved;
   if (!sp) s->xf_full = s->xf;
   s->busy = true;
   s->chunk = c, s->mb = mb;
@@ -289,7 +288,6 @@ void GPT::plan_block(Arena& A, BlockActs& a, bool dense, bool att_saved) const {
   A.plan(&a.n1, {Nl_, C}, d_.act);
   if (g) A.plan(&a.n1_mean, {Nl_});
   A.plan(&a.n1_rstd, {Nl_});
-  if (sp) A.plan(&a.n1_full, {N_, C}, d_.act);
   A.plan(&a.qkv, {N_, (nh_ + 2 * nkv_) * HD}, d_.act);
   if (att_saved) A.plan(&a.att_saved, {att_saved_numel()});
   A.plan(&a.att, {N_, nh_ * HD}, d_.act);
@@ -301,18 +299,10 @@ void GPT::plan_block(Arena& A, BlockActs& a, bool dense, bool att_saved) const {
   if (lo.adapts(kLoraQkv)) A.plan(&a.uqkv, {N_, lo.rank}, d_.act);
   if (lo.adapts(kLoraProj)) A.plan(&a.uproj, {N_, lo.rank}, d_.act);
   if (!dense) return;
-  if (sp) A.plan(&a.n2_full, {N_, C}, d_.act);
   A.plan(&a.fc, {N_, g ? Fl : 2 * Fl}, d_.act);
   A.plan(&a.act, {N_, Fl}, d_.act);
   if (lo.adapts(kLoraFc1)) A.plan(&a.ufc, {N_, lo.rank}, d_.act);
   if (lo.adapts(kLoraFc2)) A.plan(&a.ufp, {N_, lo.rank}, d_.act);
-}
-
-// Without sequence parallelism the column-parallel input is the norm output itself.
-void GPT::alias_full(BlockActs& a) const {
-  if (tp_.sequence_parallel()) return;
-  a.n1_full = a.n1;
-  a.n2_full = a.n2;
 }
 
 // Masked attention keeps the log-sum-exp per query and head; the plain op what its backend needs.
@@ -337,7 +327,6 @@ void GPT::set_recompute(Recompute r) {
     rc_arena_->plan(&rc_acts_.att_saved, {att_saved_numel()});
   }
   rc_arena_->commit();
-  alias_full(rc_acts_);
 }
 
 GPT::BlockActs& GPT::acts(Slot& s, int i) { return recompute_ == Recompute::Full ? rc_acts_ : s.a[i]; }

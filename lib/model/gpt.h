@@ -182,7 +182,7 @@ class GPT {
     Lora lqkv, lproj, lfc, lfp;
   };
   struct BlockActs {  // ... and the activations its backward needs
-    Tensor n1, n1_mean, n1_rstd, n1_full, qkv, att_saved, att, mid, n2, n2_mean, n2_rstd, n2_full, fc, act;
+    Tensor n1, n1_mean, n1_rstd, qkv, att_saved, att, mid, n2, n2_mean, n2_rstd, fc, act;
     Tensor uqkv, uproj, ufc, ufp;  // LoRA: s x A^T of each adapted layer (N, r)
   };
   struct Slot {  // the activations of one micro-batch in one chunk
@@ -232,7 +232,6 @@ class GPT {
   int64_t att_saved_numel() const;
   bool recomputes_attention() const { return recompute_ == Recompute::Selective && !masked_; }
   void plan_block(Arena& A, BlockActs& a, bool dense, bool att_saved) const;
-  void alias_full(BlockActs& a) const;
   // Returns the MoE layer's losses (default ones for a dense layer); the caller counts them.
   MoeLosses block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor x_in, Tensor x_out);
   void attention_core(const Slot& s, BlockActs& a);
@@ -284,6 +283,10 @@ class GPT {
   Arena arena_;  // shared by every chunk: positions and backward scratch
   Tensor positions_;
   Tensor dres_, dn_, full_, dqkv_, datt_, dfc_, dact_, dlora_, ce_max_, ce_sum_, ce_target_;
+  // Sequence parallelism: a norm output gathered over tp for a column-parallel layer, shared by all
+  // layers. The forward gathers into it and the backward gathers again (as Megatron-LM does), so a
+  // layer keeps only its (Nl, C) shards.
+  Tensor gathered_;
 };
 
 }  // namespace mpigpt

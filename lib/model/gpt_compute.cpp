@@ -106,7 +106,7 @@ MoeLosses GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Ten
   const Block& w = w_[local_of_layer_[l]];
   const bool bias_here = tp_.rank() == 0;  // a row-parallel bias is added once, before the reduction
   norm_forward(a.n1, a.n1_mean, a.n1_rstd, x_in, w.n1w, w.n1b);
-  Tensor n1 = tp_.column_input_forward(a.n1_full, a.n1);
+  Tensor n1 = tp_.column_input_forward(gathered_, a.n1);
   ops_.linear_forward(a.qkv, n1, w.qkvw, w.qkvb);
   lora_forward(w.lqkv, a.qkv, a.uqkv, n1);
   if (!d_.gpt2()) ops_.rope_forward(a.qkv, positions(s), nh_, nkv_, d_.HD(), d_.rope_theta);
@@ -121,7 +121,7 @@ MoeLosses GPT::block_forward(int l, const Slot& s, BlockActs& a, MoeActs* m, Ten
     ops_.add(x_out, x_out, a.mid);
     return L;
   }
-  Tensor n2 = tp_.column_input_forward(a.n2_full, a.n2);
+  Tensor n2 = tp_.column_input_forward(gathered_, a.n2);
   if (d_.gpt2() && !w.lfc.on()) {
     ops_.linear_gelu_forward(a.act, a.fc, n2, w.fcw, w.fcb);
   } else {  // the LoRA update joins the product before the activation
@@ -221,8 +221,9 @@ void GPT::block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor 
   else
     ops_.attention_backward(as3(dqkv_), as3(datt_), as3(a.qkv), as3(a.att), a.att_saved, nh_, nkv_, d_.HD());
   if (!d_.gpt2()) ops_.rope_backward(dqkv_, positions(s), nh_, nkv_, d_.HD(), d_.rope_theta);
-  ops_.linear_backward(full_, g.qkvw, g.qkvb, dqkv_, a.n1_full, w.qkvw);
-  lora_backward(w.lqkv, g.lqkv, full_, dqkv_, a.n1_full, a.uqkv);
+  const Tensor n1 = tp_.column_input_forward(gathered_, a.n1);  // gathered again (sequence parallelism)
+  ops_.linear_backward(full_, g.qkvw, g.qkvb, dqkv_, n1, w.qkvw);
+  lora_backward(w.lqkv, g.lqkv, full_, dqkv_, n1, a.uqkv);
   Tensor dn1 = tp_.column_input_backward(dn_, full_);
   norm_backward(dres, g.n1w, g.n1b, dn1, x_in, a.n1_mean, a.n1_rstd, w.n1w);  // dres = d(x_in)
 }
@@ -244,8 +245,9 @@ void GPT::mlp_backward(const Block& w, const Block& g, BlockActs& a, Tensor dres
     ops_.linear_backward(dact_, g.fpw, g.fpb, dout, a.act, w.fpw);
     ops_.swiglu_backward(dfc_, dact_, a.fc);
   }
-  ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, a.n2_full, w.fcw);
-  lora_backward(w.lfc, g.lfc, full_, dfc_, a.n2_full, a.ufc);
+  const Tensor n2 = tp_.column_input_forward(gathered_, a.n2);  // gathered again (sequence parallelism)
+  ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, n2, w.fcw);
+  lora_backward(w.lfc, g.lfc, full_, dfc_, n2, a.ufc);
 }
 
 void GPT::lora_forward(const Lora& w, Tensor out, Tensor u, Tensor x) {

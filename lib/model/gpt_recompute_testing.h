@@ -66,7 +66,6 @@ inline size_t dense_layer_bytes(const GptDims& d, int B, int64_t Tl, int tp, boo
   const int64_t N = B * Tl, Nl = sp ? N / tp : N, C = d.C, HD = d.HD(), Fl = d.F / tp;
   const int64_t nh = d.NH / tp, nkv = d.NKV / tp, stats = d.gpt2() ? 2 : 1;  // mean + rstd, or rstd
   size_t n = 2 * (arena_bytes(Nl * C) + stats * arena_bytes(Nl));          // n1, n2 and their statistics
-  if (sp) n += 2 * arena_bytes(N * C);                                       // n1_full, n2_full
   n += arena_bytes(N * (nh + 2 * nkv) * HD) + arena_bytes(att_saved);        // qkv, attention state
   n += arena_bytes(N * nh * HD) + arena_bytes(Nl * C);                       // att, mid
   n += arena_bytes(N * (d.gpt2() ? Fl : 2 * Fl)) + arena_bytes(N * Fl);      // fc, act

@@ -80,6 +80,8 @@ void layer_comm(std::vector<CommCall>& out, const Config& cfg, const GptDims& d,
     if (p.sequence_parallel) {  // each all-reduce becomes a reduce-scatter and an all-gather
       out.push_back({"tp", CommKind::AllGather, full, 2});
       out.push_back({"tp", CommKind::ReduceScatter, full, 2});
+      // The backward gathers the norm outputs again for the weight gradients (a dense MLP's too).
+      if (backward) out.push_back({"tp", CommKind::AllGather, full, d.is_moe(l) ? 1.0 : 2.0});
     } else {
       out.push_back({"tp", CommKind::AllReduce, full, 2});
     }

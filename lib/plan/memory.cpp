@@ -65,14 +65,13 @@ LayerActivations layer_of(const Dims& s, bool dense, bool attention_state) {
   LayerActivations a;
   const int64_t f4 = 4;  // the norms' statistics are fp32
   const int64_t stats = (s.gpt2 ? tensor(s.Nl, f4) : 0) + tensor(s.Nl, f4);
-  a.norm1 = tensor(s.Nl * s.C, s.act) + stats + (s.sp ? tensor(s.N * s.C, s.act) : 0);
+  a.norm1 = tensor(s.Nl * s.C, s.act) + stats;
   a.qkv = tensor(s.N * (s.nh + 2 * s.nkv) * s.HD, s.act);
   a.attention_state = attention_state ? tensor(attention_state_numel(s), f4) : 0;
   a.attention_out = tensor(s.N * s.nh * s.HD, s.act);
   a.residual = tensor(s.Nl * s.C, s.act);
   a.norm2 = tensor(s.Nl * s.C, s.act) + stats;
   if (dense) {
-    if (s.sp) a.norm2 += tensor(s.N * s.C, s.act);
     a.mlp = tensor(s.N * (s.gpt2 ? s.Fl : 2 * s.Fl), s.act) + tensor(s.N * s.Fl, s.act);
   }
   return a;
@@ -93,6 +92,7 @@ int64_t moe_layer_bytes(const GptDims& d, const Dims& s, const Config& cfg) {
 int64_t backward_scratch(const Dims& s) {
   int64_t n = tensor(s.N, 4);  // positions
   n += 2 * tensor(s.Nl * s.C, s.act) + tensor(s.N * s.C, s.act);  // dres, dn, full
+  if (s.sp) n += tensor(s.N * s.C, s.act);                          // gathered (a norm output over tp)
   n += tensor(s.N * (s.nh + 2 * s.nkv) * s.HD, s.act) + tensor(s.N * s.nh * s.HD, s.act);  // dqkv, datt
   n += tensor(s.N * (s.gpt2 ? s.Fl : 2 * s.Fl), s.act);  // dfc
   if (!s.gpt2) n += tensor(s.N * s.Fl, s.act);              // dact (SwiGLU)

@@ -17,12 +17,12 @@ namespace mpigpt {
 // One transformer layer's saved activations for one micro-batch on one rank (GPT::BlockActs),
 // bytes, each tensor rounded to the activation arena's 64 bytes.
 struct LayerActivations {
-  int64_t norm1 = 0;            // n1, its mean/rstd, and n1_full (gathered over tp) with sequence parallelism
+  int64_t norm1 = 0;            // n1 and its mean/rstd (sequence parallelism: the shard; gathered again in the backward)
   int64_t qkv = 0;              // the QKV projection's output (local heads, all tokens of the tp group)
   int64_t attention_state = 0;  // att_saved: softmax probabilities (CPU), log-sum-exp (CUDA, blockwise)
   int64_t attention_out = 0;    // att: the attention core's output
   int64_t residual = 0;         // mid: the residual after attention
-  int64_t norm2 = 0;            // n2, its mean/rstd (and n2_full with sequence parallelism, dense layers)
+  int64_t norm2 = 0;            // n2 and its mean/rstd
   int64_t mlp = 0;              // fc and the activation's output (dense layers)
   int64_t total() const { return norm1 + qkv + attention_state + attention_out + residual + norm2 + mlp; }
 };

@@ -64,7 +64,7 @@ TEST_CASE("memory model: make bench-parallel's CPU layouts within 10%") {
       {4, {}, 293.4, 92.4},
       {4, {"--engine.distributed_optimizer", "true"}, 183.4, 92.4},
       {2, {"--parallel.tp", "2"}, 147.3, 50.9},
-      {2, {"--parallel.tp", "2", "--parallel.sequence_parallel", "true"}, 147.3, 50.6},
+      {2, {"--parallel.tp", "2", "--parallel.sequence_parallel", "true"}, 147.3, 46.9},
       {2, {"--parallel.pp", "2"}, 245.2, 72.4},
       {4, {"--parallel.pp", "4"}, 221.1, 62.4},
       {4, {"--parallel.pp", "4", "--parallel.vpp", "2"}, 221.1, 83.7},
@@ -76,7 +76,7 @@ TEST_CASE("memory model: make bench-parallel's CPU layouts within 10%") {
       {2, {"--parallel.cp", "2", "--parallel.cp_comm_type", "all_gather"}, 293.4, 42.2},
       {4, {"--parallel.cp", "4"}, 293.4, 21.1},
       {4, {"--parallel.cp", "4", "--parallel.cp_comm_type", "all_gather"}, 293.4, 21.1},
-      {4, {"--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"}, 147.3, 23.3},
+      {4, {"--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"}, 147.3, 21.5},
   };
   for (const Measured& l : layouts) {
     const Reported p = reported(estimate(config("gpt2_parallel_bench.ini", l.args), l.np));
@@ -164,7 +164,7 @@ TEST_CASE("memory model: tensor and sequence parallelism shard the layer's activ
   CHECK(2 * b.attention_state == a.attention_state);
   CHECK(b.residual == a.residual);      // replicated over tp without sequence parallelism
   CHECK(2 * c.residual == a.residual);  // sharded with it
-  CHECK(c.norm1 > b.norm1 / 2);         // ... but the gathered copy of the norm's output is kept
+  CHECK(2 * c.norm1 == a.norm1);        // the norm output too: the backward gathers it again
 }
 
 TEST_CASE("memory model: 1F1B holds more micro-batches on earlier pipeline stages (from the schedule)") {
