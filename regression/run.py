@@ -46,10 +46,16 @@ class SetupError(Exception):
 
 # ---- layouts -------------------------------------------------------------------------------
 
+# A family's "@data" names the dataset it trains on (default: the fortunes as documents).
+DATASETS = {"sft": "the fortunes as prompt/response records: loss on the responses only (PREFIX.mask)"}
+
+
 def option_args(settings: dict) -> list[str]:
     """{"parallel.tp": 2, "engine.distributed_optimizer": true} -> ["--parallel.tp", "2", ...]."""
     args = []
     for key, value in settings.items():
+        if key.startswith("@"):  # the suite's own settings, not options
+            continue
         if isinstance(value, bool):
             value = "true" if value else "false"
         args += [f"--{key}", str(value)]
@@ -65,6 +71,9 @@ def load_layouts(path: Path) -> tuple[dict, list[dict]]:
     layouts = spec.get("layouts")
     if not isinstance(families, dict) or not families or not isinstance(layouts, list):
         raise SetupError(f"{path}: needs a 'families' object and a 'layouts' list")
+    for fam, settings in families.items():
+        if settings.get("@data", "sft") not in DATASETS:
+            raise SetupError(f"{path}: families.{fam}: '@data' must be one of {list(DATASETS)}")
     default_families = spec.get("default_families", list(families))
     if not isinstance(default_families, list) or any(f not in families for f in default_families):
         raise SetupError(f"{path}: 'default_families' must list families of 'families'")
@@ -110,6 +119,33 @@ def prepare_data(binary: str, prefix: str, corpus: str) -> None:
         raise SetupError(f"prepare-data failed with exit code {r.returncode}")
 
 
+def prepare_sft(binary: str, prefix: str, corpus: str) -> None:
+    """Instruction data from the corpus: each fortune of two or more lines becomes a record whose
+    prompt is its first line and whose response is the rest; prepare-data writes PREFIX.mask."""
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    records = 0
+    with open(prefix + ".jsonl", "w") as out:
+        for f in corpus_files(corpus):
+            text = Path(f).read_text(encoding="utf-8", errors="replace")
+            for fortune in re.split(r"^%$", text, flags=re.M):
+                lines = fortune.strip("\n").split("\n")
+                if len(lines) >= 2 and lines[0].strip():
+                    out.write(json.dumps({"prompt": lines[0] + "\n", "response": "\n".join(lines[1:])}) + "\n")
+                    records += 1
+    cmd = [binary, "prepare-data", "--overwrite", "--output", prefix, "--tokenizer", "byte", "--format", "jsonl",
+           "--prompt-key", "prompt", "--response-key", "response", prefix + ".jsonl"]
+    print(f"preparing {prefix} ({records} prompt/response records) from {corpus}", flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stdout.write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise SetupError(f"prepare-data (instruction data) failed with exit code {r.returncode}")
+
+
+def dataset(ctx, settings: dict) -> str:
+    """The dataset prefix a family trains on."""
+    return ctx.data + "-" + settings["@data"] if "@data" in settings else ctx.data
+
+
 # ---- one training run ----------------------------------------------------------------------
 
 def first_error(log: str, rc: int) -> str:
@@ -152,14 +188,14 @@ def read_curve(path: Path) -> tuple[list[int], list[float], list[float]]:
     return iters, losses, aux
 
 
-def train(ctx, family: str, name: str, ranks: int, args: list[str]) -> dict:
-    """Runs one training job; returns its record for results.json (losses empty on failure)."""
+def train(ctx, family: str, name: str, ranks: int, args: list[str], data: str) -> dict:
+    """Runs one training job on dataset `data`; returns its record for results.json (losses empty on failure)."""
     tag = f"{family}-{name}"
     metrics = ctx.out / "metrics" / f"{tag}.jsonl"
     log_path = ctx.out / "logs" / f"{tag}.log"
     metrics.unlink(missing_ok=True)
     cmd = ctx.mpirun + ["-np", str(ranks), ctx.binary, "train", "--config", str(ctx.config),
-                        "--data.path", ctx.data, "--training.train_iters", str(ctx.steps),
+                        "--data.path", data, "--training.train_iters", str(ctx.steps),
                         "--training.log_interval", "1", "--training.metrics_file", str(metrics)] + args
     rec = {"family": family, "layout": name, "ranks": ranks, "args": args, "command": shlex.join(cmd),
            "log": str(log_path), "iters": [], "losses": [], "aux_losses": []}
@@ -460,8 +496,12 @@ def main(argv=None) -> int:
     ctx.corpus = a.corpus
     if a.prepare_only or not os.path.exists(ctx.data + ".idx"):
         prepare_data(ctx.binary, ctx.data, a.corpus)
-        if a.prepare_only:
-            return 0
+    for name in sorted({s["@data"] for s in families.values() if "@data" in s}):
+        prefix = ctx.data + "-" + name
+        if a.prepare_only or not os.path.exists(prefix + ".idx"):
+            prepare_sft(ctx.binary, prefix, a.corpus)
+    if a.prepare_only:
+        return 0
     ctx.data_bytes = os.path.getsize(ctx.data + ".bin") if os.path.exists(ctx.data + ".bin") else None
     ctx.config = Path(a.config).resolve()
     ini = configparser.ConfigParser(interpolation=None)
@@ -494,7 +534,7 @@ def main(argv=None) -> int:
     singles, references, runs, rows = {}, {}, [], []
     for fam in fams:
         fam_args = option_args(families[fam])
-        s = train(ctx, fam, "single", 1, fam_args)
+        s = train(ctx, fam, "single", 1, fam_args, dataset(ctx, families[fam]))
         singles[fam] = s
         row = {"layout": "single vs stored", "family": fam, "ranks": 1, "seconds": s["seconds"], "notes": []}
         if "error" in s:
@@ -518,7 +558,7 @@ def main(argv=None) -> int:
             if fam not in lay["families"]:
                 continue
             args = option_args(families[fam]) + option_args(lay.get("set", {})) + extra
-            r = train(ctx, fam, lay["name"], lay["ranks"], args)
+            r = train(ctx, fam, lay["name"], lay["ranks"], args, dataset(ctx, families[fam]))
             row = {"layout": lay["name"], "family": fam, "ranks": lay["ranks"], "seconds": r["seconds"], "notes": []}
             if "error" in r:
                 row.update(result="ERROR", notes=[r["error"]])
