@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "lib/train/train_testing.h"
 #include "lib/train/trainer.h"
 
 using namespace mpigpt;
@@ -35,16 +36,7 @@ Config small_config(const std::string& family, const std::string& dir) {
   return cfg;
 }
 
-TrainResult run(Config cfg, MPI_Comm comm) {
-  int world = 0;
-  MPI_Comm_size(comm, &world);
-  cfg.validate(world);
-  TrainOptions opts;
-  opts.synthetic_data = true;
-  opts.quiet = true;
-  const auto ops = make_cpu_ops();
-  return train(cfg, Mesh(comm, mesh_sizes(cfg.parallel)), *ops, opts);
-}
+TrainResult run(const Config& cfg, MPI_Comm comm) { return testing::train_synthetic(cfg, comm); }
 
 }  // namespace
 

@@ -23,16 +23,7 @@ Config base_config(const std::string& family) {
   return cfg;
 }
 
-TrainResult run(Config cfg, MPI_Comm comm) {
-  int world = 0;
-  MPI_Comm_size(comm, &world);
-  cfg.validate(world);
-  TrainOptions opts;
-  opts.synthetic_data = true;
-  opts.quiet = true;
-  const auto ops = make_cpu_ops();
-  return train(cfg, Mesh(comm, mesh_sizes(cfg.parallel)), *ops, opts);
-}
+TrainResult run(const Config& cfg, MPI_Comm comm) { return testing::train_synthetic(cfg, comm); }
 
 // Rank 0 pretrains a base (full steps from `seed`: unlike the seeded init) into dir; all wait.
 void pretrain(Config cfg, const std::string& dir, int seed) {
@@ -128,21 +119,9 @@ TEST_CASE("LoRA adapter checkpoints: resume exactly and resharded, refuse anothe
     CHECK_THROWS_WITH(run(full_load, MPI_COMM_WORLD), doctest::Contains("holds a full model, not LoRA adapters"));
 
     // The merged full checkpoint at iteration 10: its first loss (batch 11) is the adapted model's.
-    if (rank == 0) merge_lora_checkpoint(dir + "/a", dir + "/merged");
-    MPI_Barrier(MPI_COMM_WORLD);
-    Config adapted = resume;
-    adapted.checkpoint.load = dir + "/a";
-    adapted.training.train_iters = 11;
-    const TrainResult a = run(adapted, MPI_COMM_WORLD);
     Config merged = base_config(family);
-    merged.checkpoint.load = dir + "/merged";
-    merged.training.train_iters = 11;
     merged.parallel.tp = 2;
-    const TrainResult m = run(merged, MPI_COMM_WORLD);
-    REQUIRE(a.losses.size() == 1);
-    REQUIRE(m.losses.size() == 1);
-    REQUIRE(m.first_iter == 11);
-    CHECK(m.losses[0] == doctest::Approx(a.losses[0]).epsilon(1e-5));
+    testing::check_merged_loss(dir + "/a", dir + "/merged", resume, merged, 10, MPI_COMM_WORLD);
     // The merge changed every adapted weight (B is no longer zero).
     const TensorMap base = read_model_tensors(dir + "/base", nullptr);
     const TensorMap sum = read_model_tensors(dir + "/merged", nullptr);

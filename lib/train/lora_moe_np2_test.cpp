@@ -34,16 +34,7 @@ Config moe_config(const std::string& family) {
   return cfg;
 }
 
-TrainResult run(Config cfg, MPI_Comm comm) {
-  int world = 0;
-  MPI_Comm_size(comm, &world);
-  cfg.validate(world);
-  TrainOptions opts;
-  opts.synthetic_data = true;
-  opts.quiet = true;
-  const auto ops = make_cpu_ops();
-  return train(cfg, Mesh(comm, mesh_sizes(cfg.parallel)), *ops, opts);
-}
+TrainResult run(const Config& cfg, MPI_Comm comm) { return testing::train_synthetic(cfg, comm); }
 
 // Rank 0 pretrains the base (a few full steps: a base unlike the seeded init) into dir; all wait.
 void pretrain(Config cfg, const std::string& dir) {
@@ -118,23 +109,9 @@ TEST_CASE("LoRA of a MoE model: ep2, expert_tp 2 (alltoall, allgather), tp2+sp a
     a.checkpoint.save = dir + "/a";
     a.checkpoint.save_interval = 10;
     run(a, MPI_COMM_WORLD);
-    if (rank == 0) merge_lora_checkpoint(dir + "/a", dir + "/merged");
-    MPI_Barrier(MPI_COMM_WORLD);
-    Config adapted = a;
-    adapted.checkpoint.save.clear();
-    adapted.checkpoint.save_interval = 0;
-    adapted.checkpoint.load = dir + "/a";
-    adapted.training.train_iters = 11;
-    const TrainResult ra = run(adapted, MPI_COMM_WORLD);
     Config merged = moe_config(family);
-    merged.checkpoint.load = dir + "/merged";
-    merged.training.train_iters = 11;
     merged.parallel.ep = 2;
-    const TrainResult rm = run(merged, MPI_COMM_WORLD);
-    REQUIRE(ra.losses.size() == 1);
-    REQUIRE(rm.losses.size() == 1);
-    REQUIRE(rm.first_iter == 11);
-    CHECK(rm.losses[0] == doctest::Approx(ra.losses[0]).epsilon(1e-5));
+    testing::check_merged_loss(dir + "/a", dir + "/merged", a, merged, 10, MPI_COMM_WORLD);
     const TensorMap before = read_model_tensors(dir + "/base", nullptr);
     const TensorMap after = read_model_tensors(dir + "/merged", nullptr);
     for (const char* w : {"layers.3.mlp.experts.fc.weight", "layers.3.mlp.experts.proj.weight"}) {

@@ -1,9 +1,15 @@
 // For the training tests: a small model of either family that a few CPU ranks train in a
-// fraction of a second. Tests set the iterations, layers and evaluation they need on top.
+// fraction of a second (tests set the iterations, layers and evaluation they need on top), a run
+// on synthetic tokens, and the check that merged LoRA adapters compute the adapted model's loss.
 #pragma once
+#include <doctest/doctest.h>
+#include <mpi.h>
+
 #include <string>
 
 #include "io/config/config.h"
+#include "lib/train/adapter_checkpoint.h"
+#include "lib/train/trainer.h"
 
 namespace mpigpt::testing {
 
@@ -25,6 +31,40 @@ inline Config small_train_config(const std::string& family, int num_layers, int 
   cfg.training.peak_tflops = 1;  // skip the GEMM calibration
   cfg.resolve_defaults();
   return cfg;
+}
+
+// cfg (validated for comm's size) trained quietly on synthetic tokens with the CPU backend.
+inline TrainResult train_synthetic(Config cfg, MPI_Comm comm) {
+  int world = 0;
+  MPI_Comm_size(comm, &world);
+  cfg.validate(world);
+  TrainOptions opts;
+  opts.synthetic_data = true;
+  opts.quiet = true;
+  const auto ops = make_cpu_ops();
+  return train(cfg, Mesh(comm, mesh_sizes(cfg.parallel)), *ops, opts);
+}
+
+// Merges the adapter save `adapters` (its last iteration `it`) into `merged_dir` on rank 0, then
+// runs batch it + 1 with `adapted` (a LoRA config) from the adapters and with `merged` (the full
+// model, any layout) from the merged save: the two losses agree to 1e-5. Collective over comm.
+inline void check_merged_loss(const std::string& adapters, const std::string& merged_dir, Config adapted,
+                              Config merged, int it, MPI_Comm comm) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  if (rank == 0) merge_lora_checkpoint(adapters, merged_dir);
+  MPI_Barrier(comm);
+  adapted.checkpoint.save.clear();
+  adapted.checkpoint.save_interval = 0;
+  adapted.checkpoint.load = adapters;
+  adapted.training.train_iters = it + 1;
+  merged.checkpoint.load = merged_dir;
+  merged.training.train_iters = it + 1;
+  const TrainResult a = train_synthetic(adapted, comm), m = train_synthetic(merged, comm);
+  REQUIRE(a.losses.size() == 1);
+  REQUIRE(m.losses.size() == 1);
+  REQUIRE(m.first_iter == it + 1);
+  CHECK(m.losses[0] == doctest::Approx(a.losses[0]).epsilon(1e-5));
 }
 
 }  // namespace mpigpt::testing
