@@ -3,9 +3,11 @@
 #include <doctest/doctest.h>
 #include <mpi.h>
 
+#include <cstring>
 #include <filesystem>
 #include <string>
 
+#include "io/data/loss_mask.h"
 #include "io/data/prepare_data.h"
 #include "io/io_testing.h"
 #include "lib/train/train_testing.h"
@@ -91,4 +93,48 @@ TEST_CASE("dp=2 reproduces the single-rank curve on instruction data: the loss c
   cfg.validate(1);
   const TrainResult unmasked = train(cfg, Mesh(MPI_COMM_SELF, MeshSizes{}), *ops, opts);
   CHECK(unmasked.losses.front() != doctest::Approx(single.losses.front()).epsilon(1e-3));
+}
+
+TEST_CASE("a loss mask changes the loss by a known amount: the mean over the counted targets") {
+  // Documents of even length (odd text + EOD): a token's parity in its document is its parity in
+  // the stream whatever the document order, so any T (even) consecutive targets hold T/2 of each
+  // parity. Counting the even tokens, then the odd ones, splits every batch's targets in halves:
+  // the unmasked loss (over all of them) is the mean of the two masked losses of the same step.
+  // A loss divided by all the batch's targets instead of the counted ones would be half that.
+  testing::TempDir tmp;
+  std::string records;
+  for (int i = 0; i < 80; ++i) {
+    std::string text = fmt::format("note {} says {} and {}", i, i * 7 % 13, i * i);
+    if (text.size() % 2 == 0) text += '.';
+    records += fmt::format("{{\"text\": \"{}\"}}\n", text);
+  }
+  testing::write_file(tmp / "d.jsonl", records);
+  const std::string prefix = tmp / "d";
+  REQUIRE(run_prepare_data({"--output", prefix, "--format", "jsonl", tmp / "d.jsonl"}, 0) == 0);
+  const int64_t tokens = int64_t(std::filesystem::file_size(prefix + ".bin") / 2);  // uint16 byte tokens
+  auto write_mask = [&](int parity) {
+    std::string m(kMaskHeaderBytes + size_t(tokens), '\0');
+    std::memcpy(m.data(), kMaskMagic, 8);
+    std::memcpy(m.data() + 8, &kMaskVersion, 8);
+    std::memcpy(m.data() + 16, &tokens, 8);
+    for (int64_t t = 0; t < tokens; ++t) m[kMaskHeaderBytes + size_t(t)] = char(t % 2 == parity);
+    testing::write_file(prefix + ".mask", m);
+  };
+  Config cfg = small_config("llama");
+  cfg.model.vocab_size = 257;
+  cfg.data.path = prefix;
+  cfg.training.train_iters = 1;
+  cfg.validate(1);
+  REQUIRE(cfg.model.seq_len % 2 == 0);
+  TrainOptions opts;
+  opts.quiet = true;
+  const auto ops = make_cpu_ops();
+  auto first_loss = [&] { return train(cfg, Mesh(MPI_COMM_SELF, MeshSizes{}), *ops, opts).losses.at(0); };
+  const double all = first_loss();
+  write_mask(0);
+  const double even = first_loss();
+  write_mask(1);
+  const double odd = first_loss();
+  CHECK(even != doctest::Approx(odd).epsilon(1e-3));  // the halves differ: the mask is applied
+  CHECK(all == doctest::Approx((even + odd) / 2).epsilon(1e-6));
 }
