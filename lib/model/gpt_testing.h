@@ -31,6 +31,37 @@ inline GptDims tiny_gpt_dims(Family f) {
   return d;
 }
 
+// tiny_gpt_dims with LoRA adapters of rank 3 (scale 2) on `targets` (LoraTarget bits); `moe`: GPT-2
+// a dense layer below a MoE layer of 4 experts, Llama both MoE with a shared expert (not adapted).
+inline GptDims lora_dims(Family fam, unsigned targets, bool moe = false) {
+  GptDims d = tiny_gpt_dims(fam);
+  d.lora.rank = 3;
+  d.lora.alpha = 6.0f;
+  d.lora.targets = targets;
+  if (moe) {
+    d.moe.E = 4;
+    d.moe.K = 2;
+    d.moe.F = fam == Family::Llama ? 12 : 16;
+    d.moe.shared_F = fam == Family::Llama ? 8 : 0;
+    d.moe.aux_coeff = 0.5f;
+    d.moe.z_coeff = 0.05f;
+    d.moe.norm_topk = fam == Family::Llama;
+    d.moe.layers = {fam == Family::Llama, true};
+  }
+  return d;
+}
+
+// B starts at zero; random values (by global element) make B A matter, and A's gradient non-zero.
+// The model must hold its parameters on the host.
+inline void randomize_lora_b(GPT& m) {
+  for (size_t i = 0; i < m.params().size(); ++i) {
+    const ParamInfo& p = m.params()[i];
+    if (!p.name.ends_with("lora_B.weight")) continue;
+    float* w = m.param(int(i)).f32();
+    for (int64_t k = 0; k < p.numel(); ++k) w[k] = 0.3f * normal_at(13, stream_of(p.name), uint64_t(p.global_index(k)));
+  }
+}
+
 struct TinyBatch {
   std::vector<int32_t> tokens, targets;
 };

@@ -93,38 +93,10 @@ TEST_CASE("lora: targets parse, and a bad one names the field") {
 
 namespace {
 
-GptDims lora_dims(Family fam, unsigned targets, bool moe = false) {
-  GptDims d = testing::tiny_gpt_dims(fam);
-  d.lora.rank = 3;
-  d.lora.alpha = 6.0f;  // scale 2
-  d.lora.targets = targets;
-  if (moe) {  // GPT-2: a dense layer below a MoE layer of 4 experts; Llama: both MoE, with a shared expert (not adapted)
-    d.moe.E = 4;
-    d.moe.K = 2;
-    d.moe.F = fam == Family::Llama ? 12 : 16;
-    d.moe.shared_F = fam == Family::Llama ? 8 : 0;
-    d.moe.aux_coeff = 0.5f;
-    d.moe.z_coeff = 0.05f;
-    d.moe.norm_topk = fam == Family::Llama;
-    d.moe.layers = {fam == Family::Llama, true};
-  }
-  return d;
-}
-
 // The adapted layer `layer` ("mlp.fc") of layer l: on a MoE layer the routed experts' ("mlp.experts.fc").
 std::string adapted(const GptDims& d, int l, const std::string& layer) {
   const bool expert = d.is_moe(l) && layer.starts_with("mlp.");
   return "layers." + std::to_string(l) + "." + (expert ? "mlp.experts." + layer.substr(4) : layer);
-}
-
-// B starts at zero; random values (by global element) make B A matter, and A's gradient non-zero.
-void randomize_b(GPT& m) {
-  for (size_t i = 0; i < m.params().size(); ++i) {
-    const ParamInfo& p = m.params()[i];
-    if (!p.name.ends_with("lora_B.weight")) continue;
-    float* w = m.param(int(i)).f32();
-    for (int64_t k = 0; k < p.numel(); ++k) w[k] = 0.3f * normal_at(13, stream_of(p.name), uint64_t(p.global_index(k)));
-  }
 }
 
 // The GPT with adapters on `target` against the plain GPT whose weight is W + s B A (per expert
@@ -134,7 +106,7 @@ void check_merged(Family fam, unsigned target, const char* layer, bool moe = fal
   CAPTURE(int(fam));
   CAPTURE(layer);
   CAPTURE(moe);
-  const GptDims dl = lora_dims(fam, target, moe);
+  const GptDims dl = testing::lora_dims(fam, target, moe);
   GptDims d = dl;
   d.lora = LoraDims{};
   const int Bsz = 2;
@@ -142,7 +114,7 @@ void check_merged(Family fam, unsigned target, const char* layer, bool moe = fal
   GPT lm(dl, *ops, Bsz), base(d, *ops, Bsz);
   lm.init_weights(7);
   base.init_weights(7);
-  randomize_b(lm);
+  testing::randomize_lora_b(lm);
   const double s = dl.lora.scale();
   const int64_t r = dl.lora.rank;
   // Weight, A and B of layer l: (E, OUT, IN), (E, r, IN), (E, OUT, r), E = 1 for a dense layer.
@@ -224,7 +196,7 @@ TEST_CASE("lora: the adapters' gradients match finite differences (both families
     for (bool moe : {false, true}) {
       CAPTURE(int(fam));
       CAPTURE(moe);
-      GptDims d = lora_dims(fam, kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2, moe);
+      GptDims d = testing::lora_dims(fam, kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2, moe);
       // Every token to every expert (K = E): the top-k choice is piecewise constant, and probes of
       // 1e-2 on the factors cross its near-ties in this tiny model. check_merged covers top-2 routing.
       if (moe) d.moe.K = d.moe.E;
@@ -232,7 +204,7 @@ TEST_CASE("lora: the adapters' gradients match finite differences (both families
       auto ops = make_cpu_ops();
       GPT model(d, *ops, B);
       model.init_weights(7);
-      randomize_b(model);
+      testing::randomize_lora_b(model);
       const auto b = testing::tiny_batch(d, B);
       model.zero_grads();
       model.forward(b.tokens.data(), b.targets.data(), 1.0f);
@@ -249,7 +221,7 @@ TEST_CASE("lora: the adapters' gradients match finite differences (both families
 }
 
 TEST_CASE("lora: the base is frozen and laid out after the adapters; A is Kaiming-uniform from the fan-in, B zero") {
-  const GptDims d = lora_dims(Family::Llama, kLoraQkv | kLoraFc2);
+  const GptDims d = testing::lora_dims(Family::Llama, kLoraQkv | kLoraFc2);
   auto ops = make_cpu_ops();
   GPT m(d, *ops, 1);
   m.init_weights(7);
