@@ -102,7 +102,6 @@ TEST_CASE("planner: Table 1 with the layout free: the published tp and pp rank n
     PlanRequest r = request(row, a100);
     r.fix = LayoutFix{};
     r.fix.recompute = "full", r.fix.sp = false, r.fix.distopt = false, r.fix.overlap = false, r.fix.cp = 1;
-    r.base.training.global_batch = r.global_batch;
     const PlanResult res = run_plan(r, dims);
     REQUIRE(!res.rows.empty());
     size_t rank = 0;

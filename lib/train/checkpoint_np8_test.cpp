@@ -13,26 +13,11 @@ using namespace mpigpt;
 namespace {
 
 Config small_config(const std::string& family, const std::string& dir) {
-  Config cfg;
-  cfg.model.family = family;
-  cfg.model.num_layers = 4;
-  cfg.model.hidden = 32;
-  cfg.model.num_heads = 4;
-  cfg.model.num_kv_heads = family == "llama" ? 4 : 0;
-  cfg.model.ffn_hidden = 128;
-  cfg.model.seq_len = 16;
-  cfg.model.vocab_size = 97;
-  cfg.training.micro_batch = 2;
-  cfg.training.global_batch = 8;
-  cfg.training.train_iters = 12;
-  cfg.training.lr = 3e-3;
+  Config cfg = testing::small_train_config(family, 4, 12);
+  cfg.model.num_kv_heads = family == "llama" ? 4 : cfg.model.num_heads;
   cfg.training.warmup_iters = 2;
-  cfg.training.eval_interval = 0;
-  cfg.training.log_interval = 100;
-  cfg.training.peak_tflops = 1;
   cfg.checkpoint.save = dir;
   cfg.checkpoint.save_interval = 6;
-  cfg.resolve_defaults();
   return cfg;
 }
 
