@@ -1,5 +1,5 @@
 // `mpigpt bench --profile-ops --profile-out FILE.json`: a device profile for the planner's time
-// model (lib/plan/profile.h) from the profiled step, a GEMM sweep and a two-rank link measurement.
+// model (lib/plan/profile.h) from the profiled step, GEMM and masked-attention timings and the links.
 #include <fmt/format.h>
 #include <mpi.h>
 #include <omp.h>
@@ -15,6 +15,7 @@
 #include "lib/kernels/buffer.h"
 #include "lib/plan/step_work.h"
 #include "lib/train/trainer.h"
+#include "parallel/context_parallel.h"
 
 namespace mpigpt::app {
 
@@ -62,6 +63,53 @@ std::vector<GemmSample> sweep_gemms(const Config& cfg, const GptDims& d, Ops& op
     out.push_back({g.m, g.n, g.k, best_of(ops, [&] { ops.gemm(tc, ta, tb, false, true, 1.0f, 0.0f); })});
   }
   return out;
+}
+
+// Context parallelism's attention as rank 0 of cp 2 runs it (parallel/context_parallel.cpp's ring,
+// load-balanced tokens: its own and the other K/V block, merged, then both blocks' backward) against
+// the plain causal attention of the whole sequence, each best of 3: the ratios of their seconds per
+// causal FLOP, forward and backward. Ratios, so that the profiled step's rates set the scale.
+std::pair<double, double> masked_attention_ratio(const Config& cfg, const GptDims& d, Ops& ops) {
+  const int B = cfg.training.micro_batch, T = d.T, cp = 2, NH = d.NH, NKV = d.NKV, HD = d.HD();
+  const int64_t Tl = T / cp, R = d.qkv_dim(), RK = 2 * int64_t(NKV) * HD, C = int64_t(NH) * HD;
+  const DType dt = ops.device() == Device::CUDA ? DType::BF16 : DType::F32;
+  const std::vector<int32_t> index = cp_token_index(B, T, cp, nullptr);  // (cp, B, Tl) flat b*T + s
+  std::vector<int32_t> pos(index.size()), seg(index.size(), 0);
+  for (size_t i = 0; i < index.size(); ++i) pos[i] = index[i] % T;
+  std::vector<Buffer> bufs;
+  bufs.reserve(32);
+  auto make = [&](Shape s, DType t) {
+    bufs.emplace_back(ops, size_t(s.numel()) * dtype_size(t));
+    return bufs.back().tensor(s, t);
+  };
+  auto host_block = [&](std::vector<int32_t>& v, int r) {
+    Tensor t = make({B, Tl}, DType::I32);
+    ops.copy(t, Tensor(v.data() + size_t(r) * B * Tl, {B, Tl}, DType::I32));
+    return t;
+  };
+  const Tensor qkv = make({B, Tl, R}, dt), out = make({B, Tl, C}, dt), lse = make({B, NH, Tl}, DType::F32),
+               bo = make({B, Tl, C}, dt), bl = make({B, NH, Tl}, DType::F32), dout = make({B, Tl, C}, dt),
+               dqkv = make({B, Tl, R}, dt), dkv = make({B, Tl, RK}, dt);
+  const Tensor kv[2] = {make({B, Tl, RK}, dt), make({B, Tl, RK}, dt)};
+  const Tensor qpos = host_block(pos, 0), qseg = host_block(seg, 0);
+  const Tensor kpos[2] = {qpos, host_block(pos, 1)}, kseg[2] = {qseg, host_block(seg, 1)};
+  const Tensor fqkv = make({B, T, R}, dt), fout = make({B, T, C}, dt), fdout = make({B, T, C}, dt),
+               fdqkv = make({B, T, R}, dt), saved = make({ops.attention_saved_numel(B, T, NH)}, DType::F32);
+  for (const Tensor& t : {qkv, kv[0], kv[1], dout, fqkv, fdout}) ops.fill(t, 0.1f);
+  const double masked_fwd = best_of(ops, [&] {
+    ops.attention_block_forward(out, lse, qkv, kv[0], qpos, qseg, kpos[0], kseg[0], NH, NKV, HD);
+    ops.attention_block_forward(bo, bl, qkv, kv[1], qpos, qseg, kpos[1], kseg[1], NH, NKV, HD);
+    ops.attention_merge(out, lse, bo, bl);
+  });
+  const double masked_bwd = best_of(ops, [&] {
+    for (int j = 0; j < 2; ++j)
+      ops.attention_block_backward(dqkv, dkv, dout, qkv, kv[j], out, lse, qpos, qseg, kpos[j], kseg[j], NH, NKV, HD);
+  });
+  const double plain_fwd = best_of(ops, [&] { ops.attention_forward(fout, saved, fqkv, NH, NKV, HD); });
+  const double plain_bwd =
+      best_of(ops, [&] { ops.attention_backward(fdqkv, fdout, fqkv, fout, saved, NH, NKV, HD); });
+  // Causal FLOPs as step_work counts them: rank 0's queries are half of the sequence's.
+  return {cp * masked_fwd / plain_fwd, cp * masked_bwd / plain_bwd};
 }
 
 // Latency and bandwidth between world ranks 0 and 1 (ping-pong, least squares over sizes), and the
@@ -136,6 +184,8 @@ void write_device_profile(const Config& cfg, const TrainResult& r, Ops& ops, con
   auto per = [](double t, double units) { return units > 0 ? t / units : 0.0; };
   p.ops = {per(ew, w.elementwise), per(af, w.attention_fwd), per(ab, w.attention_bwd), per(ce, w.crossentropy),
            per(opt, w.optimizer), per(zero, w.grad_zero)};
+  const auto [masked_fwd, masked_bwd] = masked_attention_ratio(cfg, d, ops);
+  p.ops.masked_attention_fwd = p.ops.attention_fwd * masked_fwd, p.ops.masked_attention_bwd = p.ops.attention_bwd * masked_bwd;
   p.gemm = sweep_gemms(cfg, d, ops);
   p.gemm_in_model = gemm / w.gemm_seconds(p);
   for (const GemmSample& s : p.gemm) p.peak_flops = std::max(p.peak_flops, s.flops() / s.seconds);

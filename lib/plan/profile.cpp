@@ -81,6 +81,8 @@ DeviceProfile parse_profile(const std::string& text, const std::string& what) {
   // Optional: a fused attention keeps no score matrix.
   if (o.contains("attention_scores_fwd")) p.ops.attention_scores_fwd = number(o, "attention_scores_fwd", w, false);
   if (o.contains("attention_scores_bwd")) p.ops.attention_scores_bwd = number(o, "attention_scores_bwd", w, false);
+  if (o.contains("masked_attention_fwd")) p.ops.masked_attention_fwd = number(o, "masked_attention_fwd", w, false);
+  if (o.contains("masked_attention_bwd")) p.ops.masked_attention_bwd = number(o, "masked_attention_bwd", w, false);
   p.intra_node = link_of(j, "intra_node", what);
   p.inter_node = link_of(j, "inter_node", what);
   p.reduce_rate = number(j, "reduce_rate", what, false);
@@ -118,6 +120,10 @@ std::string to_json(const DeviceProfile& p) {
   if (p.ops.attention_scores_fwd > 0 || p.ops.attention_scores_bwd > 0) {
     j["ops"]["attention_scores_fwd"] = p.ops.attention_scores_fwd;
     j["ops"]["attention_scores_bwd"] = p.ops.attention_scores_bwd;
+  }
+  if (p.ops.masked_attention_fwd > 0 || p.ops.masked_attention_bwd > 0) {
+    j["ops"]["masked_attention_fwd"] = p.ops.masked_attention_fwd;
+    j["ops"]["masked_attention_bwd"] = p.ops.masked_attention_bwd;
   }
   j["intra_node"] = {{"latency_s", p.intra_node.latency}, {"bandwidth_Bps", p.intra_node.bandwidth}};
   j["inter_node"] = {{"latency_s", p.inter_node.latency}, {"bandwidth_Bps", p.inter_node.bandwidth}};

@@ -33,6 +33,11 @@ struct OpRates {
   // score element (every key of every query, per head) of a forward and of a backward. 0: fused.
   double attention_scores_fwd = 0;
   double attention_scores_bwd = 0;
+  // The blockwise attention with an explicit mask (context parallelism's blocks and their merge,
+  // packed documents): seconds per causal FLOP as above, forward and backward. 0: priced as the
+  // plain attention (a kernel that skips masked tiles costs about the same).
+  double masked_attention_fwd = 0;
+  double masked_attention_bwd = 0;
 };
 
 struct DeviceProfile {

@@ -28,6 +28,7 @@ void Work::add(const Work& w, double times) {
   attention_bwd += w.attention_bwd * times;
   scores_fwd += w.scores_fwd * times;
   scores_bwd += w.scores_bwd * times;
+  masked = masked || w.masked;
   crossentropy += w.crossentropy * times;
   optimizer += w.optimizer * times;
   grad_zero += w.grad_zero * times;
@@ -45,10 +46,17 @@ double Work::gemm_seconds(const DeviceProfile& p) const {
   return s;
 }
 
+double Work::attention_seconds(const DeviceProfile& p) const {
+  const OpRates& r = p.ops;
+  const bool blockwise = masked && r.masked_attention_fwd > 0;  // else the profile did not time it apart
+  return attention_fwd * (blockwise ? r.masked_attention_fwd : r.attention_fwd) +
+         attention_bwd * (blockwise ? r.masked_attention_bwd : r.attention_bwd) + scores_fwd * r.attention_scores_fwd +
+         scores_bwd * r.attention_scores_bwd;
+}
+
 double Work::other_seconds(const DeviceProfile& p) const {
   const OpRates& r = p.ops;
-  return elementwise * r.elementwise + attention_fwd * r.attention_fwd + attention_bwd * r.attention_bwd +
-         scores_fwd * r.attention_scores_fwd + scores_bwd * r.attention_scores_bwd + crossentropy * r.crossentropy +
+  return elementwise * r.elementwise + attention_seconds(p) + crossentropy * r.crossentropy +
          optimizer * r.optimizer + grad_zero * r.grad_zero;
 }
 
@@ -96,6 +104,7 @@ Work layer_forward(const LocalShape& s, const GptDims& d, const ParallelConfig& 
   Work w;
   w.gemm(s.N, (s.nh + 2 * s.nkv) * s.HD, s.C);  // QKV (the input gathered over tp with sp)
   w.attention_fwd += attention_flops(s);
+  w.masked = s.masked;
   w.scores_fwd += double(s.B * s.nh) * double(s.Tl) * double(s.T);
   w.gemm(s.N, s.C, s.nh * s.HD);  // attention projection
   w.elementwise += double(2 * s.Nl * s.C);  // two norms and residuals
@@ -114,6 +123,7 @@ Work layer_backward(const LocalShape& s, const GptDims& d, const ParallelConfig&
   Work w;
   for (const GemmCall& g : f.gemms) w.gemm_backward(g.m, g.n, g.k, g.count);
   w.attention_bwd = 2 * f.attention_fwd;
+  w.masked = f.masked;
   w.scores_bwd = f.scores_fwd;
   w.elementwise = 2 * f.elementwise;
   if (s.full) w.add(f);  // the layer's forward again

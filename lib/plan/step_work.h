@@ -22,6 +22,7 @@ struct Work {
   double attention_bwd = 0;     // attention backward FLOPs (2 x the forward's)
   double scores_fwd = 0;        // attention score elements (T x T per head, unmasked) a forward writes
   double scores_bwd = 0;        // and a backward
+  bool masked = false;          // the attention runs blockwise with an explicit mask (cp, packed documents)
   double crossentropy = 0;      // logit elements
   double optimizer = 0;         // parameter elements this rank updates
   double grad_zero = 0;         // gradient elements this rank holds
@@ -33,6 +34,7 @@ struct Work {
   double gemm_flops() const;
   double gemm_seconds(const DeviceProfile& p) const;  // the plain GEMMs' time from the profile's samples
   double other_seconds(const DeviceProfile& p) const;  // everything but the GEMMs
+  double attention_seconds(const DeviceProfile& p) const;  // the attention's part of that
   // One rank's compute time: GEMMs (times gemm_in_model) plus the other ops.
   double seconds(const DeviceProfile& p) const { return gemm_seconds(p) * p.gemm_in_model + other_seconds(p); }
 };

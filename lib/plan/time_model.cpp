@@ -63,10 +63,7 @@ Pass stage_pass(const Ctx& x, std::pair<int, int> layers, bool embed, bool head,
   }
   // The context-parallel ring sends the next K/V block while the current one is computed; on shared
   // cores the copies take core time like everything else.
-  const OpRates& r = x.dev.ops;
-  const double attention = w.attention_fwd * r.attention_fwd + w.attention_bwd * r.attention_bwd +
-                           w.scores_fwd * r.attention_scores_fwd + w.scores_bwd * r.attention_scores_bwd;
-  const double hidden = x.shared ? 0.0 : std::min(ring, attention);
+  const double hidden = x.shared ? 0.0 : std::min(ring, w.attention_seconds(x.dev));
   p.exposed += ring - hidden;
   if (ring > 0) p.hidden["cp"] = hidden;
   return p;

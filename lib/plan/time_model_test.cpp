@@ -11,6 +11,7 @@
 
 #include "lib/plan/comm_model.h"
 #include "lib/plan/shared_sim.h"
+#include "lib/plan/step_work.h"
 #include "lib/plan/time_model.h"
 #include "lib/train/trainer.h"
 #include "parallel/schedule.h"
@@ -257,6 +258,32 @@ TEST_CASE("device profile: JSON round trip and GEMM interpolation") {
   CHECK(mid > 100e12);
   CHECK(mid < 200e12);
   CHECK_THROWS_WITH_AS(parse_profile("{\"peak_flops\": 1}", "x.json"), doctest::Contains("shared_cores"), Error);
+}
+
+TEST_CASE("time model: context parallelism's masked attention is priced by its own measured rate") {
+  DeviceProfile plain = toy_gpu();
+  DeviceProfile timed = plain;
+  timed.ops.masked_attention_fwd = 3 * plain.ops.attention_fwd, timed.ops.masked_attention_bwd = 2 * plain.ops.attention_bwd;
+  const Config cp = config("gpt2_parallel_bench.ini", {"--model.vocab_size", "1024", "--parallel.cp", "2"});
+  const Config dense = config("gpt2_parallel_bench.ini", {"--model.vocab_size", "1024"});
+  const GptDims d = make_dims(cp, 1024);
+  const Work f = forward_work(cp, d, 0, 8, true, true), b = backward_work(cp, d, 0, 8, true, true);
+  CHECK(f.masked);
+  CHECK(f.attention_seconds(timed) == doctest::Approx(3 * f.attention_seconds(plain)));
+  CHECK(b.attention_seconds(timed) == doctest::Approx(2 * b.attention_seconds(plain)));
+  // (The ring's sends hide behind the attention up to its time: with the gathered K/V nothing hides.)
+  Config gathered = cp;
+  gathered.parallel.cp_comm_type = "all_gather";
+  CHECK(predict(gathered, 2, 2, timed).step - predict(gathered, 2, 2, plain).step ==
+        doctest::Approx(8 * (2 * f.attention_seconds(plain) + b.attention_seconds(plain))).epsilon(1e-6));  // 8 micro-batches
+  // Without a mask the plain attention's rate prices it, whatever the profile says of masked blocks.
+  const Work g = forward_work(dense, d, 0, 8, true, true);
+  CHECK_FALSE(g.masked);
+  CHECK(g.attention_seconds(timed) == doctest::Approx(g.attention_seconds(plain)));
+  CHECK(predict(dense, 1, 1, timed).step == doctest::Approx(predict(dense, 1, 1, plain).step));
+  const DeviceProfile q = parse_profile(to_json(timed), "round trip");
+  CHECK(q.ops.masked_attention_fwd == timed.ops.masked_attention_fwd);
+  CHECK(q.ops.masked_attention_bwd == timed.ops.masked_attention_bwd);
 }
 
 // docs/performance.md's one-H200 steps (bf16, cuDNN attention, no recompute, micro-batch 64, 2026-11-27):
