@@ -25,7 +25,7 @@ FORTUNES := $(filter-out %.dat %.u8,$(wildcard /usr/share/games/fortunes/*))
 PYTHON3  := $(firstword $(wildcard /usr/bin/python3) python3)
 RUN_NP   ?= 1
 
-.PHONY: all build deps run test test-sanitize bench bench-parallel bench-moe bench-checkpoint bench-attention bench-gpu bundle clean
+.PHONY: all build deps run test test-sanitize bench bench-parallel bench-moe bench-checkpoint bench-plan bench-attention bench-gpu bundle clean
 
 all: build
 
@@ -91,6 +91,11 @@ bench-parallel: deps build
 	@for l in $(PAR_LAYOUTS); do set -- $$l; np=$$1; shift; echo "== np $$np $$*"; \
 	  $(MPIRUN) -np $$np -x OMP_NUM_THREADS=1 $(BUILD)/mpigpt bench --config inputs/gpt2_parallel_bench.ini \
 	    --bench-steps 2 --bench-warmup 1 "$$@" | grep -E "bench: (per rank|communication|pipeline)"; done
+
+# The planner's time model against this machine: the CPU profile, then the step time of the layouts
+# lib/plan/time_model_test.cpp predicts (scripts/bench_plan_cpu.sh; ROUNDS=5 for steadier medians).
+bench-plan: deps build
+	MPIGPT=$(BUILD)/mpigpt MPIRUN="$(MPIRUN)" OUT=$(BUILD)/bench_plan scripts/bench_plan_cpu.sh
 
 # Mixture of experts: the communication volume per group of expert-parallel layouts (synthetic
 # tokens), then the expert load imbalance (max/mean top-k assignments per expert) of the `make run`

@@ -82,7 +82,8 @@ SimResult simulate_shared(const Schedule& schedule, int pp, int vpp, const SimCo
       res.errors.push_back("simulate_shared: deadlock (a receive whose message is never sent)");
       break;
     }
-    const double rate = std::min(1.0, double(cores) / (double(copies) * double(running.size())));
+    const int working = copies * int(running.size());
+    const double rate = std::min(1.0, busy_cores(working, copies * pp - working, cores) / working);
     double dt = next_arrival - now;
     for (int r : running) dt = std::min(dt, left[r] / rate);
     now += dt;
@@ -109,12 +110,31 @@ double shared_makespan(std::vector<double> work, int cores) {
   MPIGPT_CHECK(cores >= 1, "shared_makespan: {} cores", cores);
   std::sort(work.begin(), work.end());
   double now = 0, done = 0;  // work each remaining task has received
-  for (size_t i = 0; i < work.size(); ++i) {
-    const double rate = std::min(1.0, double(cores) / double(work.size() - i));
-    now += (work[i] - done) / rate;
-    done = work[i];
+  const int n = int(work.size());
+  for (int i = 0; i < n; ++i) {
+    const double rate = std::min(1.0, busy_cores(n - i, i, cores) / (n - i));
+    now += (work[size_t(i)] - done) / rate;
+    done = work[size_t(i)];
   }
   return now;
+}
+
+double busy_cores(int working, int waiting, int cores) {
+  MPIGPT_CHECK(working >= 0 && waiting >= 0 && cores >= 1, "busy_cores: {} working, {} waiting, {} cores", working,
+               waiting, cores);
+  const int n = working + waiting;
+  if (working == 0 || n <= cores) return std::min(working, cores);
+  // A core with m places holds no working rank with probability prod_{j<m} (waiting-j)/(n-j); the
+  // places per core, n / cores, are interpolated between the whole numbers around them.
+  auto idle = [&](int m) {
+    double p = 1;
+    for (int j = 0; j < m; ++j) p *= std::max(0.0, double(waiting - j) / double(n - j));
+    return p;
+  };
+  const double per = double(n) / cores;
+  const int lo = int(per);
+  const double p = idle(lo) + (per - lo) * (idle(lo + 1) - idle(lo));
+  return std::min(double(working), cores * (1 - p));
 }
 
 }  // namespace mpigpt
