@@ -2,6 +2,7 @@
 # `make bench-plan`: the CPU measurements the planner's time model is checked against
 # (lib/plan/time_model_test.cpp, docs/planner.md): this machine's profile, then each layout's step.
 #
+#   scripts/bench_plan_cpu.sh ["RANKS OPTIONS..." ...]   (layouts; default: the 23 below)
 #   MPIGPT=build/mpigpt  MPIRUN="mpirun ..."  ROUNDS=3  STEPS=8  WARMUP=2  OUT=build/bench_plan
 # The rounds go over all layouts in turn (so that the machine's drift spreads over every layout);
 # each layout's figure is the median of its rounds, each round's the bench's median ms/step. Run it
@@ -13,7 +14,7 @@ ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-2}
 OUT=${OUT:-build/bench_plan}
-MODEL=(--config inputs/gpt2_parallel_bench.ini --model.vocab_size 8192)
+MODEL=(--config "$(dirname "$0")/../inputs/gpt2_parallel_bench.ini" --model.vocab_size 8192)
 # Ranks, then options: every dimension the planner chooses (tp, sp, cp, pp, vpp, dp, micro-batch,
 # recompute, distributed optimizer) at 4 and 8 ranks, global batch 16.
 LAYOUTS=(
@@ -26,6 +27,7 @@ LAYOUTS=(
   "4 --parallel.pp 4 --training.micro_batch 1" "8 --training.micro_batch 1 --engine.recompute full"
   "8 --parallel.pp 2 --engine.recompute selective"
 )
+[ $# -eq 0 ] || LAYOUTS=("$@")
 mkdir -p "$OUT"
 rm -f "$OUT"/layout*.ms
 read -ra RUN <<<"$MPIRUN"
