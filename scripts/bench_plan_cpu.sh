@@ -54,7 +54,7 @@ for i in "${!LAYOUTS[@]}"; do
   set -- ${LAYOUTS[$i]}
   np=$1
   shift
-  rounds=$(tail -n "$ROUNDS" "$OUT/layout$i.ms" | paste -sd' ')
-  median=$(tail -n "$ROUNDS" "$OUT/layout$i.ms" | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}')
+  rounds=$(paste -sd' ' "$OUT/layout$i.ms")
+  median=$(sort -g "$OUT/layout$i.ms" | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}')
   echo "bench-plan: $np | $* | $median ($rounds)"
 done
