@@ -189,6 +189,13 @@ if(MPIGPT_PYTHON3)
     "rm -rf ${CLI_DIR}/pl && ${PLOT_RUN} --training.metrics_file ${CLI_DIR}/pl/a.jsonl > /dev/null && ${PLOT_RUN} --training.lr 1e-2 --training.metrics_file ${CLI_DIR}/pl/b.jsonl > /dev/null && echo $(${PLOT} ${CLI_DIR}/pl/a.jsonl ${CLI_DIR}/pl/b.jsonl --label a --label 'lr 1e-2' --output ${CLI_DIR}/pl/loss.png) $(head -c 4 ${CLI_DIR}/pl/loss.png | tail -c 3)")
   cli_test(plot_not_metrics fail "plot_metrics: error: .*/CMakeLists.txt:1 is not a JSON object. is it an mpigpt metrics file"
     "${PLOT} ${PROJECT_SOURCE_DIR}/CMakeLists.txt --output ${CLI_DIR}/never.png")
+  # Our Hugging Face and PEFT exports in the real transformers and peft: the same loss as mpigpt's
+  # on the same tokens (scripts/hf_check.py). Skipped (77) where python3 lacks torch, transformers
+  # or peft, as here; scripts/gpu_check.sh runs it on the GPU node, whose python3 has them.
+  add_test(NAME cli/hf_check COMMAND ${MPIGPT_PYTHON3} ${PROJECT_SOURCE_DIR}/scripts/hf_check.py --mpigpt ${BIN}
+           --data ${PROJECT_BINARY_DIR}/regression/data/fortunes --out ${CLI_DIR}/hf_check)
+  set_tests_properties(cli/hf_check PROPERTIES FIXTURES_REQUIRED regression_data SKIP_RETURN_CODE 77 TIMEOUT 600
+    ENVIRONMENT "${MPIGPT_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
 endif()
 ckpt_test(no_mfu_shared_cores_np2 ok "^no MFU: 2 ranks x 32 threads share this node's [0-9]+ cores, 0 MFU figures$"
   "${MPIRUN_STR} -np 2 -x OMP_NUM_THREADS=32 -x OMP_WAIT_POLICY=passive ${BIN} train ${CK} --training.peak_tflops 0 --training.train_iters 2 --training.log_interval 1 > ${CLI_DIR}/nomfu.log 2>&1 && echo \"$(grep -o 'no MFU: [^,]*' ${CLI_DIR}/nomfu.log), $(grep -c 'MFU [0-9]' ${CLI_DIR}/nomfu.log) MFU figures\"")

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, run from a bundle (make bundle) on a GPU node, each step's log in
 # OUT_DIR: `unit` the gpu unit tests, `regression` the loss curves with CUDA compute, `bench`
-# scripts/bench_gpu.sh, `attention` the two attention implementations side by side.
+# scripts/bench_gpu.sh, `attention` the two attention implementations side by side, `hf` our
+# Hugging Face and PEFT exports in the real transformers and peft (scripts/hf_check.py; the node's
+# python3 has them, this machine's may not).
 #
-#   scripts/gpu_check.sh BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention]
+#   scripts/gpu_check.sh BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention] [hf]
 #                                          (default: unit, regression and bench)
-#   DATA=PREFIX     the regression's dataset (a copy of build/regression/data/fortunes: the node has
-#                   no fortune files to prepare it from)
+#   DATA=PREFIX     the dataset of regression and hf (a copy of build/regression/data/fortunes: the
+#                   node has no fortune files to prepare it from)
 #   MODELS=...      bench and attention: the inputs/*_gpu.ini models (default: all four)
 #   ARGS=...        bench: more options for every run (scripts/bench_gpu.sh)
 #   STEP_TIMEOUT=S  seconds each step may run before it is killed and reported failed (exit 124), so
 #                   that a kernel that hangs costs one step, not the session (default: none)
 set -uo pipefail
-[ $# -ge 2 ] || { echo "usage: $0 BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention]" >&2; exit 2; }
+[ $# -ge 2 ] || { echo "usage: $0 BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention] [hf]" >&2; exit 2; }
 mkdir -p "$2"
 B=$(cd "$1" && pwd) OUT=$(cd "$2" && pwd)
 shift 2
@@ -104,7 +106,10 @@ for part in "${parts[@]}"; do
         echo "== $(basename "$log" .log)"
         grep -E "bench-attention: (forward|attention)|bench: (achieved|attention)|rror" "$log" | cut -c1-300 | head -8
       done ;;
-    *) echo "gpu_check: unknown part $part (unit, regression, bench, attention)" >&2; exit 2 ;;
+    hf)
+      [ -n "${DATA:-}" ] || { echo "gpu_check: hf needs DATA=PREFIX" >&2; status=1; continue; }
+      step hf "$B/run" python3 "$SRC/scripts/hf_check.py" --mpigpt "$B/bin/mpigpt" --data "$DATA" --out "$OUT/hf" ;;
+    *) echo "gpu_check: unknown part $part (unit, regression, bench, attention, hf)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -35,10 +35,10 @@ run() {  # case [VAR=value...] -- parts...: gpu_check.sh's output; its exit stat
 expect() { grep -qE -- "$2" <<<"$1" || { echo "$1" >&2; fail "expected a line matching '$2'"; }; }
 count() { grep -cE -- "$2" "$1" || true; }
 
-out=$(run all -- unit regression bench attention)
+out=$(run all -- unit regression bench attention hf)
 [ "$(cat "$T/all.rc")" = 0 ] || { echo "$out" >&2; fail "gpu_check.sh failed with every command passing"; }
 for s in unit unit_np2 regression_fp32 regression_bf16 resume_bf16 regression_bf16_hd64_builtin \
-  regression_bf16_hd64_cudnn bench kernels_llama_1b_cudnn attention_gpt2_124m_builtin; do
+  regression_bf16_hd64_cudnn bench kernels_llama_1b_cudnn attention_gpt2_124m_builtin hf; do
   expect "$out" "^gpu_check: $s exit 0 "
 done
 [ "$(count "$T/all.calls" "^mpigpt_tests --source-file=[*]/cuda/[*]_test.cpp")" = 1 ] || fail "unit ran no gpu tests"
@@ -48,6 +48,8 @@ done
   fail "the bench did not run MODELS' configs alone"
 [ "$(count "$T/all.calls" "bench-attention .*llama_1b_gpu.ini --training.micro_batch 32 .*backend cudnn$")" = 1 ] ||
   fail "attention did not time cuDNN at Llama 1B's micro-batch"
+[ "$(count "$T/all.calls" "^python3 [^ ]*/scripts/hf_check.py --mpigpt [^ ]*/bin/mpigpt --data /nowhere ")" = 1 ] ||
+  fail "hf did not run scripts/hf_check.py on the bundle's mpigpt and DATA"
 
 # A failing step and a hanging one: both reported, every later step still runs, exit 1.
 out=$(run bad FAIL="_np2_test" HANG="hd64.ini" STEP_TIMEOUT=2 -- unit regression)
@@ -57,7 +59,8 @@ expect "$out" "^gpu_check: regression_bf16_hd64_builtin exit 124 "
 expect "$out" "^gpu_check: regression_bf16_hd64_cudnn exit 124 "
 expect "$out" "^gpu_check: resume_bf16 exit 0 "
 
-out=$(run nodata DATA= -- regression)
-[ "$(cat "$T/nodata.rc")" = 1 ] || fail "regression without DATA did not fail"
+out=$(run nodata DATA= -- regression hf)
+[ "$(cat "$T/nodata.rc")" = 1 ] || fail "regression and hf without DATA did not fail"
 expect "$out" "regression needs DATA=PREFIX"
+expect "$out" "hf needs DATA=PREFIX"
 echo "gpu_check check: ok"
