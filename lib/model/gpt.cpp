@@ -101,18 +101,26 @@ GPT::GPT(const GptDims& d, Ops& ops, int B, const ModelPlacement& pl, const Tens
 GPT::~GPT() = default;
 
 void GPT::setup(const ModelPlacement& pl) {
-  const bool g = d_.gpt2();
-  // Parameter index ranges: the table is embedding, layers in chunk order, head.
-  auto index_of = [&](const std::string& prefix) {
-    for (size_t i = 0; i < table_.size(); ++i)
-      if (table_[i].name.rfind(prefix, 0) == 0) return int(i);
-    return -1;
-  };
+  setup_chunks(pl);
+  setup_views(pl);
+  setup_convert_ranges();
+  setup_arena();
+}
+
+// The first parameter whose name starts with prefix (-1: none).
+int GPT::index_of_prefix(const std::string& prefix) const {
+  for (size_t i = 0; i < table_.size(); ++i)
+    if (table_[i].name.rfind(prefix, 0) == 0) return int(i);
+  return -1;
+}
+
+// Parameter index ranges: the table is embedding, layers in chunk order, head.
+void GPT::setup_chunks(const ModelPlacement& pl) {
   std::vector<std::pair<int, int>> ranges = pl.chunks;
   if (ranges.empty()) ranges.push_back({0, d_.L});
   local_of_layer_.assign(d_.L, -1);
   const bool replica = !table_.empty() && table_[0].replica;
-  const int n_embed = pl.first_stage ? (g ? 2 : 1) : 0;
+  const int n_embed = pl.first_stage ? (d_.gpt2() ? 2 : 1) : 0;
   embed_params_ = {0, n_embed};
   int next = n_embed + (replica ? 1 : 0);
   std::vector<std::vector<int>> kinds;
@@ -124,7 +132,7 @@ void GPT::setup(const ModelPlacement& pl) {
     ch.head = pl.last_stage && c + 1 == ranges.size();
     ch.first_param = ch.embed ? 0 : next;
     for (int l = ch.first_layer; l < ch.end_layer; ++l) {
-      MPIGPT_CHECK(index_of("layers." + std::to_string(l) + ".") == next, "layer {} out of table order", l);
+      MPIGPT_CHECK(index_of_prefix("layers." + std::to_string(l) + ".") == next, "layer {} out of table order", l);
       local_of_layer_[l] = int(w_.size());
       w_.push_back(weights(compute_params(), l, d_.act));
       g_.push_back(weights(grads_, l, DType::F32));
@@ -144,7 +152,11 @@ void GPT::setup(const ModelPlacement& pl) {
   head_params_ = {next, pl.last_stage ? int(table_.size()) : next};
   MPIGPT_CHECK(pl.last_stage || next == int(table_.size()), "parameter table has {} entries, expected {}",
                table_.size(), next);
+}
 
+// The embedding's and the head's weights and gradients, on the stages that hold them.
+void GPT::setup_views(const ModelPlacement& pl) {
+  const bool g = d_.gpt2();
   if (pl.first_stage) {
     wte_ = view_of(compute_params(), table_[0].name, d_.act);
     dwte_ = grad(0);
@@ -162,15 +174,17 @@ void GPT::setup(const ModelPlacement& pl) {
     }
     // Tied: the word embedding, or on a later stage its replica, is the head.
     const std::string head = d_.tied ? "embedding.word.weight" : "lm_head.weight";
-    const int h = index_of(head);
+    const int h = index_of_prefix(head);
     MPIGPT_CHECK(h >= 0 && table_[h].name == head, "no {} in the parameter table", head);
     head_ = view_of(compute_params(), head, d_.act);
     head_param_ = h;
     dhead_ = grad(h);
   }
+}
 
-  // Each chunk's conversion ranges: its parameters (and the head) in buffer order, those that follow
-  // one another in the buffer (nothing but bucket padding between them) merged into one range.
+// Each chunk's conversion ranges: its parameters (and the head) in buffer order, those that follow
+// one another in the buffer (nothing but bucket padding between them) merged into one range.
+void GPT::setup_convert_ranges() {
   std::vector<int> by_offset;  // non-empty entries in buffer order
   for (int i = 0; i < int(table_.size()); ++i)
     if (table_[i].numel() > 0) by_offset.push_back(i);
@@ -191,8 +205,11 @@ void GPT::setup(const ModelPlacement& pl) {
         ch.convert.push_back({p.offset, p.offset + p.numel()});
     }
   }
+}
 
-  // Shared buffers: positions and the backward scratch (one backward runs at a time).
+// Shared buffers: positions and the backward scratch (one backward runs at a time).
+void GPT::setup_arena() {
+  const bool g = d_.gpt2();
   const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
   arena_.plan(&positions_, {N_}, DType::I32);
   arena_.plan(&dres_, {Nl_, C}, d_.act);
@@ -283,7 +300,7 @@ void GPT::release(int c, int mb) {
 // Which of a layer's saved activations A holds: the MLP's only for a dense layer (a MoE layer
 // keeps its own in MoeActs), the attention state unless it is recomputed.
 void GPT::plan_block(Arena& A, BlockActs& a, bool dense, bool att_saved) const {
-  const bool g = d_.gpt2(), sp = tp_.sequence_parallel();
+  const bool g = d_.gpt2();
   const int64_t C = d_.C, HD = d_.HD(), Fl = d_.F / tp_.size();
   A.plan(&a.n1, {Nl_, C}, d_.act);
   if (g) A.plan(&a.n1_mean, {Nl_});

@@ -206,7 +206,14 @@ class GPT {
     std::vector<std::pair<int64_t, int64_t>> convert;
     int pool = 0;  // its slots' pool in pools_ (shared by the chunks of one slot_kind)
   };
+  // Construction: the chunks and their parameter ranges, the embedding's and head's views, each
+  // chunk's conversion ranges, and the buffers every micro-batch shares.
   void setup(const ModelPlacement& pl);
+  void setup_chunks(const ModelPlacement& pl);
+  void setup_views(const ModelPlacement& pl);
+  void setup_convert_ranges();
+  void setup_arena();
+  int index_of_prefix(const std::string& prefix) const;
   Slot& acquire(int c, int mb);
   Slot* find(int c, int mb) const;
   Block weights(const Buffer& buf, int l, DType dt) const;

@@ -230,12 +230,12 @@ void MoeLayer::etp_reduce_scatter(Tensor rows, Tensor all, MoeActs& A) {
   if (M) ops_.copy(rows, rows_of(part, M));
 }
 
-MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token_index, const MoeWeights& w) {
-  const int64_t N = x.size(0), E = cfg_.num_experts, C = C_;
+// The router and the top-k choice: each assignment's expert (-1: dropped over capacity), and in
+// stat the per-expert assignments before dropping, then the tokens, over the token group.
+std::vector<int32_t> MoeLayer::route(MoeActs& A, std::vector<int64_t>& stat, Tensor x, const int32_t* token_index,
+                                     const MoeWeights& w) {
+  const int64_t N = x.size(0), E = cfg_.num_experts;
   const int K = cfg_.top_k;
-  const bool glu = cfg_.activation == MoeConfig::Activation::Swiglu;
-  MPIGPT_CHECK(x.numel() == N * C && y.numel() == N * C, "moe forward: x {} and y {} must be (N, C = {})",
-               x.shape.str(), y.shape.str(), C);
   A.x = x, A.N = N;
   A.logits_t = A.logits.get(ops_, {N, E});
   A.probs_t = A.probs.get(ops_, {N, E});
@@ -251,7 +251,7 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
   std::vector<float> gate(static_cast<size_t>(N * K));
   ops_.copy(host(expert, DType::I32), A.topk_t.view({N * K}));
   ops_.copy(host(gate, DType::F32), A.gates_t.view({N * K}));
-  std::vector<int64_t> stat(static_cast<size_t>(E) + 1, 0);  // per-expert assignments before dropping, then N
+  stat.assign(static_cast<size_t>(E) + 1, 0);  // per-expert assignments before dropping, then N
   for (int32_t e : expert) ++stat[e];
   stat[E] = N;
   const bool grouped = token_group_ && token_group_->size() > 1;
@@ -278,7 +278,14 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
     for (int64_t a = 0; a < N * K; ++a)
       if (!keep[r * N * K + a]) expert[a] = -1;
   }
+  return expert;
+}
 
+// The load imbalance and the aux and z losses of the routing (A.aux_row, A.z_grad: their gradients).
+MoeLosses MoeLayer::router_losses(MoeActs& A, const std::vector<int64_t>& stat) {
+  const int64_t N = A.N, E = cfg_.num_experts, T = stat[E];
+  const int K = cfg_.top_k;
+  const bool grouped = token_group_ && token_group_->size() > 1;
   MoeLosses L;
   L.load_imbalance = T > 0 ? double(*std::max_element(stat.begin(), stat.end() - 1)) * double(E) / double(T * K) : 1.0;
   A.aux_row.assign(static_cast<size_t>(E), 0.0f);
@@ -306,6 +313,18 @@ MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token
     L.z = double(cfg_.z_loss_coeff) * ss / double(T);
     A.z_grad = 2.0 * double(cfg_.z_loss_coeff) / double(T);
   }
+  return L;
+}
+
+MoeLosses MoeLayer::forward(MoeActs& A, Tensor y, Tensor x, const int32_t* token_index, const MoeWeights& w) {
+  const int64_t N = x.size(0), C = C_;
+  const int K = cfg_.top_k;
+  const bool glu = cfg_.activation == MoeConfig::Activation::Swiglu;
+  MPIGPT_CHECK(x.numel() == N * C && y.numel() == N * C, "moe forward: x {} and y {} must be (N, C = {})",
+               x.shape.str(), y.shape.str(), C);
+  std::vector<int64_t> stat;
+  const std::vector<int32_t> expert = route(A, stat, x, token_index, w);
+  const MoeLosses L = router_losses(A, stat);
 
   // Experts: dispatch, one grouped GEMM per projection (over expert_tp's rows too when it gathers).
   DispatchState& D = A.dispatch;

@@ -152,6 +152,11 @@ class MoeLayer {
   void backward(Tensor dx, MoeActs& acts, Tensor dy, const MoeWeights& w, const MoeWeights& g, float aux_scale);
 
  private:
+  // forward's first steps: the routing (each assignment's expert, -1 when dropped; stat: the
+  // assignments per expert, then the tokens) and its losses.
+  std::vector<int32_t> route(MoeActs& A, std::vector<int64_t>& stat, Tensor x, const int32_t* token_index,
+                             const MoeWeights& w);
+  MoeLosses router_losses(MoeActs& A, const std::vector<int64_t>& stat);
   void mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, Tensor fcb, Tensor proj, Tensor projb,
                    const int64_t* groups);
   void experts_forward(MoeActs& A, Tensor out, const MoeWeights& w, const int64_t* groups);

@@ -93,31 +93,9 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   placement_.etp = pc.expert_tp;
   placement_.etp_rank = mesh.coords().etp;
 
-  // The flat buffers follow the data-parallel bucket plans: dense parameters first, planned over
-  // dp x cp, then the routed experts, planned over the expert-data-parallel group, then the frozen
-  // parameters (LoRA's base: no gradient, no bucket), region -1.
   std::vector<ParamInfo> table = build_param_table(d, placement_);
-  std::vector<int64_t> numels[2];
-  for (const auto& p : table) {
-    const int k = p.frozen ? -1 : p.expert ? 1 : 0;
-    region_.push_back({k, k < 0 ? -1 : int(numels[k].size())});
-    if (k >= 0) numels[k].push_back(p.numel());
-  }
-  const Comm& dp = mesh.dp_cp();
-  BufferLayout layout = plan_buffer(numels[0], cfg.engine.bucket_size, dp.size());
-  BufferLayout elayout = plan_buffer(numels[1], cfg.engine.bucket_size, mesh.expert_dp().size());
-  expert_base_ = layout.total;
-  int64_t total = layout.total + (numels[1].empty() ? 0 : elayout.total);
-  for (size_t i = 0; i < table.size(); ++i) {
-    const auto [k, j] = region_[i];
-    if (k < 0) {  // aligned as the plans align theirs
-      table[i].offset = total = (total + 15) / 16 * 16;
-      total += table[i].numel();
-      frozen_numel_ += table[i].numel();
-    } else {
-      table[i].offset = k == 0 ? layout.offsets[j] : expert_base_ + elayout.offsets[j];
-    }
-  }
+  BufferLayout layouts[2];
+  const int64_t total = place_params(table, layouts);
   MoeLayout moe{&mesh.tp_cp(), pc.moe_dispatcher == "allgather", &mesh.ep(), &mesh.expert_tp(), &mesh.expert_tp_ep(),
                 mesh.ep_of_member()};
   model_ = std::make_unique<GPT>(d, ops, tc.micro_batch, placement_, tp_, table, total, seq_, moe);
@@ -132,6 +110,50 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
     MPIGPT_CHECK(model_->params()[tied_param_].name == "embedding.word.weight", "tied parameter not first");
     mesh.embedding().broadcast(model_->param(tied_param_), 0);
   }
+  find_partial_grads(table);
+  make_optimizer(d, layouts);
+
+  // The gradient norm counts each element once over the world, on the rank that writes its
+  // optimizer state to a checkpoint: of owned elements those of parameters it writes.
+  std::vector<Range> counted;
+  for (const ParamInfo& p : table)
+    if (!p.frozen && writes_state(p)) counted.push_back({p.offset, p.offset + p.numel()});
+  norm_ranges_ = intersect_ranges(counted, owned_);
+
+  num_micro_ = tc.global_batch / (mesh.dp().size() * tc.micro_batch);  // cp ranks share their rows
+  schedule_ = make_schedule(pc.pp, pc.vpp, num_micro_);
+}
+
+// The flat buffers follow the data-parallel bucket plans: dense parameters first, planned over
+// dp x cp, then the routed experts, planned over the expert-data-parallel group, then the frozen
+// parameters (LoRA's base: no gradient, no bucket), region -1. Sets each entry's offset and
+// returns the buffers' length.
+int64_t ModelRunner::place_params(std::vector<ParamInfo>& table, BufferLayout layouts[2]) {
+  std::vector<int64_t> numels[2];
+  for (const auto& p : table) {
+    const int k = p.frozen ? -1 : p.expert ? 1 : 0;
+    region_.push_back({k, k < 0 ? -1 : int(numels[k].size())});
+    if (k >= 0) numels[k].push_back(p.numel());
+  }
+  layouts[0] = plan_buffer(numels[0], cfg_.engine.bucket_size, mesh_.dp_cp().size());
+  layouts[1] = plan_buffer(numels[1], cfg_.engine.bucket_size, mesh_.expert_dp().size());
+  expert_base_ = layouts[0].total;
+  int64_t total = layouts[0].total + (numels[1].empty() ? 0 : layouts[1].total);
+  for (size_t i = 0; i < table.size(); ++i) {
+    const auto [k, j] = region_[i];
+    if (k < 0) {  // aligned as the plans align theirs
+      table[i].offset = total = (total + 15) / 16 * 16;
+      total += table[i].numel();
+      frozen_numel_ += table[i].numel();
+    } else {
+      table[i].offset = k == 0 ? layouts[0].offsets[j] : expert_base_ + layouts[1].offsets[j];
+    }
+  }
+  return total;
+}
+
+// The replicated parameters whose gradient each tp (or expert_tp) rank holds only its part of.
+void ModelRunner::find_partial_grads(const std::vector<ParamInfo>& table) {
   // Under sequence parallelism norms and the MoE router and shared expert (replicated over tp)
   // see only this rank's tokens. (Routed experts sum over the expert-data-parallel group.)
   auto token_local = [](const std::string& n) {
@@ -149,47 +171,43 @@ ModelRunner::ModelRunner(const Config& cfg, const GptDims& d, const Mesh& mesh, 
   for (size_t i = 0; i < table.size(); ++i) {
     const ParamInfo& p = table[i];
     if (!is_lora_param(p.name) || p.split != TpSplit::None) continue;
-    if (p.expert ? pc.expert_tp > 1 : tp_.size() > 1) (p.expert ? lora_etp_partial_ : lora_partial_).push_back(int(i));
+    if (p.expert ? cfg_.parallel.expert_tp > 1 : tp_.size() > 1)
+      (p.expert ? lora_etp_partial_ : lora_partial_).push_back(int(i));
   }
+}
 
+// The gradient reductions of both regions (sync_, esync_), the elements this rank owns, and AdamW.
+void ModelRunner::make_optimizer(const GptDims& d, const BufferLayout layouts[2]) {
   GradSyncOptions so;
-  so.distributed_optimizer = cfg.engine.distributed_optimizer;
-  so.overlap_grad_reduce = cfg.engine.overlap_grad_reduce;
-  so.overlap_param_gather = cfg.engine.overlap_param_gather;
+  so.distributed_optimizer = cfg_.engine.distributed_optimizer;
+  so.overlap_grad_reduce = cfg_.engine.overlap_grad_reduce;
+  so.overlap_param_gather = cfg_.engine.overlap_param_gather;
   const Tensor params = model_->params_flat(), grads = model_->grads_flat();
   const Tensor trained = params.flat_slice(0, grads.numel());  // the parameters the optimizer updates
   // In bf16 the distributed optimizer gathers the bf16 compute weights, not the f32 masters.
   bf16_gather_ = so.distributed_optimizer && d.act != DType::F32;
   const Tensor gather = bf16_gather_ ? model_->compute_params_flat() : Tensor{};
   auto region = [&](const Tensor& t, int64_t begin, int64_t n) { return t.ptr ? t.flat_slice(begin, n) : Tensor{}; };
-  sync_ = std::make_unique<GradSync>(dp, layout, params.flat_slice(0, layout.total), grads.flat_slice(0, layout.total),
-                                     so, region(gather, 0, layout.total));
+  const BufferLayout &layout = layouts[0], &elayout = layouts[1];
+  sync_ = std::make_unique<GradSync>(mesh_.dp_cp(), layout, params.flat_slice(0, layout.total),
+                                     grads.flat_slice(0, layout.total), so, region(gather, 0, layout.total));
   owned_ = sync_->owned_ranges();
-  if (!numels[1].empty()) {
-    esync_ = std::make_unique<GradSync>(mesh.expert_dp(), elayout, params.flat_slice(expert_base_, elayout.total),
+  if (!elayout.numels.empty()) {  // a model with routed experts
+    esync_ = std::make_unique<GradSync>(mesh_.expert_dp(), elayout, params.flat_slice(expert_base_, elayout.total),
                                         grads.flat_slice(expert_base_, elayout.total), so,
                                         region(gather, expert_base_, elayout.total));
     for (const Range& r : esync_->owned_ranges()) owned_.push_back({expert_base_ + r.begin, expert_base_ + r.end});
   }
   owned_ = normalize_ranges(std::move(owned_));
 
+  const TrainingConfig& tc = cfg_.training;
   AdamWConfig ac;
   ac.beta1 = float(tc.beta1);
   ac.beta2 = float(tc.beta2);
   ac.eps = float(tc.eps);
   ac.weight_decay = float(tc.weight_decay);
-  opt_ = std::make_unique<AdamW>(ops, optim_params(model_->params(), parse_no_decay(tc.no_decay)), trained, grads, ac,
+  opt_ = std::make_unique<AdamW>(ops_, optim_params(model_->params(), parse_no_decay(tc.no_decay)), trained, grads, ac,
                                  owned_);
-
-  // The gradient norm counts each element once over the world, on the rank that writes its
-  // optimizer state to a checkpoint: of owned elements those of parameters it writes.
-  std::vector<Range> counted;
-  for (const ParamInfo& p : table)
-    if (!p.frozen && writes_state(p)) counted.push_back({p.offset, p.offset + p.numel()});
-  norm_ranges_ = intersect_ranges(counted, owned_);
-
-  num_micro_ = tc.global_batch / (mesh.dp().size() * tc.micro_batch);  // cp ranks share their rows
-  schedule_ = make_schedule(pc.pp, pc.vpp, num_micro_);
 }
 
 ModelRunner::~ModelRunner() = default;

@@ -71,6 +71,11 @@ class ModelRunner {
 
  private:
   class Stage;
+  // Construction steps: the parameters' places in the flat buffers (returns their length); the
+  // parameters whose gradients are partial over tp or expert_tp; the reductions and AdamW.
+  int64_t place_params(std::vector<ParamInfo>& table, BufferLayout layouts[2]);
+  void find_partial_grads(const std::vector<ParamInfo>& table);
+  void make_optimizer(const GptDims& d, const BufferLayout layouts[2]);
   double run(const std::vector<Action>& actions, const int32_t* tokens, const int32_t* targets,
              const int32_t* positions, float dloss, bool train, int num_micro);
   void finish_grads();
