@@ -103,34 +103,29 @@ void report_bench_speed(const Config& cfg, const TrainResult& r, int warmup, con
              o.calls);
 }
 
-}  // namespace
-
-int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench) {
-  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "profile-ops!", "profile-out", "world-size"});
-  if (parsed.help) {
-    if (mpi.rank() == 0)
-      fmt::print("usage: mpirun -np N mpigpt {} [--config FILE.ini ...] [--section.key value ...]\n\n{}",
-                 bench ? "bench" : "train", parsed.help_text);
-    return 0;
-  }
-  reject_positional(parsed, fmt::format("see mpigpt {} --help", bench ? "bench" : "train"));
-  Config& cfg = parsed.config;
-  int steps = 10, warmup = 2, world_size = mpi.size();
+// The subcommand's own flags (bench's --bench-steps and --profile-*, train's --world-size).
+struct TrainFlags {
+  int steps = 10, warmup = 2, world_size = 0;
   bool dry_run = false, profile_ops = false;
   std::string profile_out;
+};
+
+TrainFlags parse_train_flags(const ParsedArgs& parsed, int world_size, bool bench) {
+  TrainFlags f;
+  f.world_size = world_size;
   for (const auto& [k, v] : parsed.flags) {
     if (k == "profile-out") {
       if (!bench) fail("--profile-out is a flag of `mpigpt bench`");
-      profile_out = v, profile_ops = true;  // the profile prices ops by the profiled step's times
+      f.profile_out = v, f.profile_ops = true;  // the profile prices ops by the profiled step's times
       continue;
     }
     if (k == "dry-run" || k == "profile-ops") {
       if (k == "profile-ops" && !bench) fail("--profile-ops is a flag of `mpigpt bench`");
-      (k == "dry-run" ? dry_run : profile_ops) = true;
+      (k == "dry-run" ? f.dry_run : f.profile_ops) = true;
       continue;
     }
     if (bench == (k == "world-size")) fail("--{} is not a flag of `mpigpt {}`", k, bench ? "bench" : "train");
-    int* dst = k == "bench-steps" ? &steps : k == "world-size" ? &world_size : &warmup;
+    int* dst = k == "bench-steps" ? &f.steps : k == "world-size" ? &f.world_size : &f.warmup;
     try {
       *dst = std::stoi(v);
     } catch (...) {
@@ -138,17 +133,11 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     }
     if (*dst < (k == "bench-steps" ? 1 : 0)) fail("--{} = {} must be positive", k, v);
   }
-  TrainOptions opts;
-  opts.in_save = fault_injection(mpi.rank());
-  if (bench) {
-    cfg.training.train_iters = steps + warmup;
-    cfg.training.eval_interval = 0;
-    cfg.training.peak_tflops = 0;  // measure this machine's GEMM peak for the floor printed below
-    opts.synthetic_data = true;
-    opts.quiet = true;
-    opts.profile_ops = profile_ops;
-  }
-  // A model to start from decides the model's shape; resumed LoRA adapters name their base.
+  return f;
+}
+
+// A model to start from decides the model's shape; resumed LoRA adapters name their base.
+void adopt_start_model(Config& cfg) {
   adopt_adapter_base(cfg);
   adopt_peft_base(cfg);
   if (!cfg.checkpoint.init_from_hf.empty()) {
@@ -167,11 +156,37 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
     cfg.adopt_model(read_checkpoint_config(from, "checkpoint.init_from_checkpoint = " + from).model, from);
   }
   adopt_peft_lora(cfg);  // the adapter's lora settings, read for the model now adopted
-  if (world_size != mpi.size() && !dry_run)
-    fail("--world-size {} only plans a layout with --dry-run; this job has {} rank(s)", world_size, mpi.size());
-  cfg.validate(world_size);
-  if (dry_run) {
-    if (mpi.rank() == 0) fmt::print("{}", layout_report(cfg, world_size));
+}
+
+}  // namespace
+
+int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool bench) {
+  ParsedArgs parsed = parse_config_args(args, {"bench-steps", "bench-warmup", "dry-run!", "profile-ops!", "profile-out", "world-size"});
+  if (parsed.help) {
+    if (mpi.rank() == 0)
+      fmt::print("usage: mpirun -np N mpigpt {} [--config FILE.ini ...] [--section.key value ...]\n\n{}",
+                 bench ? "bench" : "train", parsed.help_text);
+    return 0;
+  }
+  reject_positional(parsed, fmt::format("see mpigpt {} --help", bench ? "bench" : "train"));
+  Config& cfg = parsed.config;
+  const TrainFlags flags = parse_train_flags(parsed, mpi.size(), bench);
+  TrainOptions opts;
+  opts.in_save = fault_injection(mpi.rank());
+  if (bench) {
+    cfg.training.train_iters = flags.steps + flags.warmup;
+    cfg.training.eval_interval = 0;
+    cfg.training.peak_tflops = 0;  // measure this machine's GEMM peak for the floor printed below
+    opts.synthetic_data = true;
+    opts.quiet = true;
+    opts.profile_ops = flags.profile_ops;
+  }
+  adopt_start_model(cfg);
+  if (flags.world_size != mpi.size() && !flags.dry_run)
+    fail("--world-size {} only plans a layout with --dry-run; this job has {} rank(s)", flags.world_size, mpi.size());
+  cfg.validate(flags.world_size);
+  if (flags.dry_run) {
+    if (mpi.rank() == 0) fmt::print("{}", layout_report(cfg, flags.world_size));
     return 0;
   }
   if (mpi.rank() == 0) fmt::print("mpigpt {}: {} rank(s), resolved configuration:\n{}\n", bench ? "bench" : "train",
@@ -188,8 +203,8 @@ int cmd_train(const std::vector<std::string>& args, const MpiEnv& mpi, bool benc
   TrainResult r = train(cfg, mesh, *ops, opts);
   if (bench) {
     report_bench_resources(cfg, r, mpi);
-    if (mpi.rank() == 0) report_bench_speed(cfg, r, warmup, mpi);
-    if (!profile_out.empty()) write_device_profile(cfg, r, *ops, mpi, profile_out);
+    if (mpi.rank() == 0) report_bench_speed(cfg, r, flags.warmup, mpi);
+    if (!flags.profile_out.empty()) write_device_profile(cfg, r, *ops, mpi, flags.profile_out);
   }
   // Stopped by a signal with nothing saved: the shell's status for that signal (143, 130), so a
   // script can tell it from a finished run. Stopped with a save: 0, the run resumes from it.

@@ -249,6 +249,23 @@ std::string to_string(const Schedule& schedule, bool compute_only) {
   return out;
 }
 
+// The ranks a replay left before the end of their actions, each with the receive it waits at.
+static std::string stuck_ranks(const Schedule& schedule, const std::vector<size_t>& pos, int pp) {
+  std::string stuck;
+  for (int r = 0; r < pp; ++r) {
+    if (pos[r] == schedule[r].size()) continue;
+    const Action& a = schedule[r][pos[r]];
+    bool ever_sent = false;
+    const MsgKey key = message_of(a, r, pp);
+    for (const Action& b : schedule[a.peer])
+      if (is_send(b.type) && message_of(b, a.peer, pp) == key) ever_sent = true;
+    stuck += fmt::format("{}rank {} waits at {} (action {} of {}) for a message {}", stuck.empty() ? "" : "; ", r,
+                         to_string(a), pos[r], schedule[r].size(),
+                         ever_sent ? fmt::format("rank {} has not sent yet", a.peer) : std::string("no rank sends"));
+  }
+  return stuck;
+}
+
 SimResult simulate(const Schedule& schedule, int pp, int vpp, const SimCosts& costs) {
   if (pp < 1 || vpp < 1) fail("simulate: pp = {} and vpp = {} must be at least 1", pp, vpp);
   if (int(schedule.size()) != pp) fail("simulate: the schedule has {} ranks, pp = {}", schedule.size(), pp);
@@ -314,19 +331,7 @@ SimResult simulate(const Schedule& schedule, int pp, int vpp, const SimCosts& co
     }
   }
 
-  std::string stuck;
-  for (int r = 0; r < pp; ++r) {
-    if (pos[r] == schedule[r].size()) continue;
-    const Action& a = schedule[r][pos[r]];
-    bool ever_sent = false;
-    const MsgKey key = message_of(a, r, pp);
-    for (const Action& b : schedule[a.peer])
-      if (is_send(b.type) && message_of(b, a.peer, pp) == key) ever_sent = true;
-    stuck += fmt::format("{}rank {} waits at {} (action {} of {}) for a message {}", stuck.empty() ? "" : "; ", r,
-                         to_string(a), pos[r], schedule[r].size(),
-                         ever_sent ? fmt::format("rank {} has not sent yet", a.peer) : std::string("no rank sends"));
-  }
-  if (!stuck.empty()) {
+  if (const std::string stuck = stuck_ranks(schedule, pos, pp); !stuck.empty()) {
     res.deadlock = true;
     res.errors.push_back("deadlock: " + stuck);
   }

@@ -175,14 +175,11 @@ std::string help_text(const po::options_description& visible) {
   return os.str();
 }
 
-}  // namespace
-
-ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std::vector<std::string>& extra_flags) {
-  const std::vector<ConfigOption>& options = config_options();
-  const std::vector<Flag> flags = parse_flag_specs(extra_flags);
-  // Megatron-LM spells options with dashes (--save-interval); config keys use underscores.
-  // Subcommand flags keep their dashes (--dry-run).
-  std::vector<std::string> args = raw_args;
+// Megatron-LM spells options with dashes (--save-interval); config keys use underscores.
+// Subcommand flags keep their dashes (--dry-run), and only a spelling of a real option is
+// rewritten: anything else keeps its words for the error.
+std::vector<std::string> underscored(std::vector<std::string> args, const std::vector<ConfigOption>& options,
+                                     const std::vector<Flag>& flags) {
   for (std::string& a : args) {
     if (a.size() <= 2 || a.rfind("--", 0) != 0) continue;
     const size_t end = std::min(a.find('='), a.size());
@@ -190,14 +187,44 @@ ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std
     if (name.find('-') == std::string::npos) continue;
     std::string key = name;
     std::replace(key.begin(), key.end(), '-', '_');
-    // Only a spelling of a real option is rewritten; anything else keeps its words for the error.
     const bool known = std::any_of(options.begin(), options.end(),
                                    [&](const ConfigOption& o) { return o.name() == key || o.key == key; });
     if (known && std::none_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == name; }))
       a.replace(2, end - 2, key);
   }
+  return args;
+}
+
+bool is_bool_option(const std::vector<ConfigOption>& options, const std::string& name) {
+  return std::any_of(options.begin(), options.end(),
+                     [&](const ConfigOption& o) { return o.name() == name && o.type == "bool"; });
+}
+
+// Unambiguous bare keys as hidden aliases (alias_of: key -> full name); a flag of the same name
+// wins over the alias. Ambiguous ones stay unregistered and are reported with their candidates.
+po::options_description hidden_aliases(const std::vector<ConfigOption>& options, const std::vector<Flag>& flags,
+                                       std::map<std::string, std::string>& alias_of) {
   std::map<std::string, std::vector<std::string>> by_key;  // bare key -> full names
   for (const ConfigOption& o : options) by_key[o.key].push_back(o.name());
+  po::options_description hidden;
+  hidden.add_options()("positional", po::value<std::vector<std::string>>());
+  for (const auto& [key, names] : by_key) {
+    const bool is_flag = std::any_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == key; });
+    if (names.size() != 1 || is_flag || key == "config" || key == "help" || key == "positional") continue;
+    auto* v = po::value<std::string>();
+    if (is_bool_option(options, names[0])) v->implicit_value("true");
+    hidden.add_options()(key.c_str(), v);
+    alias_of[key] = names[0];
+  }
+  return hidden;
+}
+
+}  // namespace
+
+ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std::vector<std::string>& extra_flags) {
+  const std::vector<ConfigOption>& options = config_options();
+  const std::vector<Flag> flags = parse_flag_specs(extra_flags);
+  const std::vector<std::string> args = underscored(raw_args, options, flags);
   auto is_flag = [&](const std::string& n) {
     return std::any_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == n; });
   };
@@ -206,22 +233,9 @@ ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std
                  "subcommand flag '--{}' clashes with a config option", f.name);
 
   const po::options_description visible = describe(flags, true);
-  // Unambiguous bare keys are hidden aliases; a flag of the same name wins over the alias.
-  // Ambiguous ones stay unregistered and are reported with their candidates below.
-  po::options_description hidden;
-  hidden.add_options()("positional", po::value<std::vector<std::string>>());
   std::map<std::string, std::string> alias_of;
-  for (const auto& [key, names] : by_key) {
-    if (names.size() != 1 || is_flag(key) || key == "config" || key == "help" || key == "positional") continue;
-    const bool is_bool = std::any_of(options.begin(), options.end(),
-                                     [&](const ConfigOption& o) { return o.name() == names[0] && o.type == "bool"; });
-    auto* v = po::value<std::string>();
-    if (is_bool) v->implicit_value("true");
-    hidden.add_options()(key.c_str(), v);
-    alias_of[key] = names[0];
-  }
   po::options_description everything;
-  everything.add(visible).add(hidden);
+  everything.add(visible).add(hidden_aliases(options, flags, alias_of));
   po::positional_options_description positional;
   positional.add("positional", -1);
 
@@ -266,8 +280,7 @@ ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std
       out.flags.emplace_back(o.string_key, o.value.empty() ? "true" : value);
     } else {
       const std::string name = alias_of.count(o.string_key) ? alias_of[o.string_key] : o.string_key;
-      const bool is_bool = std::any_of(options.begin(), options.end(),
-                                       [&](const ConfigOption& c) { return c.name() == name && c.type == "bool"; });
+      const bool is_bool = is_bool_option(options, name);
       std::string v = o.value.empty() ? "true" : value;
       // Boost gives a BOOL option the next word as its value (`--x false`); a word that is no
       // boolean (`--x input.txt`) means the option stood alone and the word is positional.

@@ -120,6 +120,26 @@ double TimeEstimate::exposed_comm() const {
   return s;
 }
 
+// Each group's time on the pipeline rank that spends the most in it (seconds and exposed apart).
+static std::vector<GroupTime> busiest_groups(const std::vector<std::map<std::string, GroupTime>>& per_rank,
+                                             const Config& cfg, int world_size, int per_node) {
+  std::map<std::string, GroupTime> most;
+  for (const auto& rank : per_rank)
+    for (const auto& [g, gt] : rank) {
+      GroupTime& w = most[g];
+      w.group = g;
+      w.seconds = std::max(w.seconds, gt.seconds), w.exposed = std::max(w.exposed, gt.exposed);
+    }
+  std::vector<GroupTime> out;
+  for (auto& [g, gt] : most) {
+    if (gt.seconds <= 0) continue;
+    gt.ranks = group_size(cfg, world_size, g);
+    gt.inside_node = group_inside_node(cfg, world_size, per_node, g);
+    out.push_back(gt);
+  }
+  return out;
+}
+
 TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, int per_node,
                            const DeviceProfile& device, ScheduleCache* cache, const MemoryEstimate* memory) {
   const ParallelConfig& p = cfg.parallel;
@@ -193,19 +213,7 @@ TimeEstimate estimate_time(const Config& cfg, const GptDims& d, int world_size, 
     t.step = sim.makespan + after_shared;
   }
   t.bubble = sim.makespan - sim.ideal;
-  std::map<std::string, GroupTime> most;
-  for (const auto& rank : per_rank)
-    for (const auto& [g, gt] : rank) {
-      GroupTime& w = most[g];
-      w.group = g;
-      w.seconds = std::max(w.seconds, gt.seconds), w.exposed = std::max(w.exposed, gt.exposed);
-    }
-  for (auto& [g, gt] : most) {
-    if (gt.seconds <= 0) continue;
-    gt.ranks = group_size(cfg, world_size, g);
-    gt.inside_node = group_inside_node(cfg, world_size, per_node, g);
-    t.groups.push_back(gt);
-  }
+  t.groups = busiest_groups(per_rank, cfg, world_size, per_node);
   return t;
 }
 
