@@ -67,13 +67,13 @@ void check_cudnn_attention(const Config& c) {
            "are builtin");
 }
 
-void check_ranges(const Config& c) {
+// Enumerations, the grid and the engine.
+void check_engine_ranges(const Config& c) {
   const ParallelConfig& p = c.parallel;
   const EngineConfig& e = c.engine;
   const TrainingConfig& t = c.training;
-  const ModelConfig& m = c.model;
 
-  one_of("model.family", m.family, {"gpt2", "llama"});
+  one_of("model.family", c.model.family, {"gpt2", "llama"});
   one_of("training.lr_schedule", t.lr_schedule, {"cosine", "linear", "constant"});
   one_of("engine.recompute", e.recompute, {"none", "selective", "full"});
   one_of("engine.grad_accum_dtype", e.grad_accum_dtype, {"fp32", "bf16"});
@@ -98,7 +98,9 @@ void check_ranges(const Config& c) {
   at_least("parallel.expert_tp", p.expert_tp, 1);
   at_least("engine.bucket_size", e.bucket_size, int64_t{1});
   at_least("engine.threads", e.threads, 0);
+}
 
+void check_model_ranges(const ModelConfig& m) {
   at_least("model.num_layers", m.num_layers, 1);
   at_least("model.hidden", m.hidden, 1);
   at_least("model.num_heads", m.num_heads, 1);
@@ -111,7 +113,10 @@ void check_ranges(const Config& c) {
   if (!(m.norm_eps > 0)) fail("model.norm_eps = {} must be positive; the usual value is 1e-5", m.norm_eps);
   if (!(m.rope_theta > 0)) fail("model.rope_theta = {} must be positive; the usual value is 10000", m.rope_theta);
   if (m.init_std < 0) fail("model.init_std = {} must not be negative; the usual value is 0.02", m.init_std);
+}
 
+void check_training_ranges(const Config& c) {
+  const TrainingConfig& t = c.training;
   at_least("training.micro_batch", t.micro_batch, 1);
   at_least("training.global_batch", t.global_batch, 1);
   at_least("training.train_iters", t.train_iters, int64_t{0});
@@ -136,7 +141,10 @@ void check_ranges(const Config& c) {
   if (t.peak_tflops < 0) fail("training.peak_tflops = {} must not be negative; set 0 for the backend's default", t.peak_tflops);
   if (c.data.valid_fraction < 0 || c.data.valid_fraction >= 1)
     fail("data.valid_fraction = {} must lie in [0, 1); e.g. 0.05 holds out 5% of the documents", c.data.valid_fraction);
+}
 
+// The checkpoint fields, and the places a run may start from.
+void check_checkpoint_ranges(const Config& c) {
   at_least("checkpoint.save_interval", c.checkpoint.save_interval, int64_t{0});
   at_least("checkpoint.keep_last", c.checkpoint.keep_last, 0);
   {
@@ -164,6 +172,13 @@ void check_ranges(const Config& c) {
   if (c.checkpoint.save_interval > 0 && c.checkpoint.save.empty())
     fail("checkpoint.save_interval = {} but checkpoint.save is empty; set checkpoint.save = DIR to save, "
          "or save_interval = 0", c.checkpoint.save_interval);
+}
+
+void check_ranges(const Config& c) {
+  check_engine_ranges(c);
+  check_model_ranges(c.model);
+  check_training_ranges(c);
+  check_checkpoint_ranges(c);
 }
 
 // The expert grid (expert_tp x ep x expert-dp) must re-divide each pipeline stage's ranks.

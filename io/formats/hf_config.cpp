@@ -200,6 +200,80 @@ struct Fields {
   }
 };
 
+// GPT2LMHeadModel's fields.
+void gpt2_from_hf(const Fields& f, ModelConfig& m) {
+  m.family = "gpt2";
+  m.hidden = f.integer("n_embd");
+  m.num_layers = f.integer("n_layer");
+  m.num_heads = f.integer("n_head");
+  m.num_kv_heads = m.num_heads;
+  m.ffn_hidden = f.integer("n_inner", 4 * m.hidden);
+  m.max_position = f.integer("n_positions", f.integer("n_ctx", 1024));
+  m.seq_len = m.max_position;
+  m.norm_eps = f.number("layer_norm_epsilon", 1e-5);
+  m.tie_embeddings = f.boolean("tie_word_embeddings", true);
+  const std::string act = f.text("activation_function", "gelu_new");
+  f.require("activation_function", act == "gelu_new" || act == "gelu_pytorch_tanh" || act == "gelu_fast",
+            "\"" + act + "\"", "mpigpt's GPT-2 uses GELU with the tanh approximation (gelu_new)");
+  f.require("scale_attn_weights", f.boolean("scale_attn_weights", true), "false", "attention is scaled by 1/sqrt(HD)");
+  f.require("scale_attn_by_inverse_layer_idx", !f.boolean("scale_attn_by_inverse_layer_idx", false), "true",
+            "attention is not scaled by the layer index");
+  f.require("add_cross_attention", !f.boolean("add_cross_attention", false), "true", "decoder-only models only");
+}
+
+// LlamaForCausalLM's fields; MixtralForCausalLM is Llama with every MLP a mixture of experts
+// (modeling_mixtral.py).
+void llama_from_hf(const Fields& f, bool mixtral, ModelConfig& m) {
+  const json& j = f.j;
+  const std::string& where = f.where;
+  m.family = "llama";
+  m.hidden = f.integer("hidden_size");
+  m.num_layers = f.integer("num_hidden_layers");
+  m.num_heads = f.integer("num_attention_heads");
+  m.num_kv_heads = f.integer("num_key_value_heads", m.num_heads);
+  m.ffn_hidden = f.integer("intermediate_size");
+  // transformers' defaults: LlamaConfig 2048 / 1e-6 / 1e4, MixtralConfig 4096 * 32 / 1e-5 / 1e6.
+  m.max_position = f.integer("max_position_embeddings", mixtral ? 4096 * 32 : 2048);
+  m.seq_len = std::min(m.max_position, 2048);
+  m.norm_eps = f.number("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
+  m.rope_theta = f.number("rope_theta", mixtral ? 1e6 : 10000.0);
+  m.tie_embeddings = f.boolean("tie_word_embeddings", false);
+  const std::string act = f.text("hidden_act", "silu");
+  f.require("hidden_act", act == "silu", "\"" + act + "\"", "the MLP is SwiGLU (silu)");
+  f.require("attention_bias", !f.boolean("attention_bias", false), "true", "Llama projections have no bias");
+  f.require("mlp_bias", !f.boolean("mlp_bias", false), "true", "Llama projections have no bias");
+  if (f.has("head_dim"))
+    f.require("head_dim", f.integer("head_dim") * m.num_heads == m.hidden, j["head_dim"].dump(),
+              "the head size must be hidden_size / num_attention_heads");
+  // transformers >= 5 moves rope_theta into rope_parameters.
+  for (const char* k : {"rope_scaling", "rope_parameters"}) {
+    if (!f.has(k)) continue;
+    const json& r = j[k];
+    const char* tk = r.is_object() && r.contains("rope_type") ? "rope_type" : "type";  // older configs: "type"
+    const bool plain = r.is_object() && (r.contains(tk) ? r[tk] == "default" : !r.contains("factor"));
+    f.require(k, plain, r.dump(),
+              "only plain RoPE (no scaling: linear, dynamic, yarn, llama3) is implemented");
+    if (r.contains("rope_theta")) m.rope_theta = Fields{r, where}.number("rope_theta", m.rope_theta);
+  }
+  if (mixtral) {
+    f.require("sliding_window", !f.has("sliding_window"), j.value("sliding_window", json()).dump(),
+              "mpigpt's attention is full causal, without a sliding window (a window at least as long as "
+              "every sequence you run changes nothing: then set it to null)");
+    m.num_experts = f.integer("num_local_experts", 8);
+    m.moe_top_k = f.integer("num_experts_per_tok", 2);
+    if (m.moe_top_k > m.num_experts)
+      fail("{}: num_experts_per_tok = {} exceeds num_local_experts = {}", where, m.moe_top_k, m.num_experts);
+    m.moe_ffn_hidden = m.ffn_hidden;  // intermediate_size is per expert; no layer is dense
+    m.moe_router = "softmax";
+    m.moe_norm_topk_prob = true;
+    m.moe_layers = "all";
+    m.moe_shared_expert_ffn = 0;
+    m.moe_capacity_factor = 0.0;  // dropless, as Mixtral routes
+    m.moe_z_loss_coeff = 0.0;
+    m.moe_aux_loss_coeff = f.nonnegative("router_aux_loss_coef", 0.001);
+  }
+}
+
 }  // namespace
 
 ModelConfig model_config_from_hf(const json& j, int* vocab, const std::string& where) {
@@ -208,72 +282,9 @@ ModelConfig model_config_from_hf(const json& j, int* vocab, const std::string& w
   const std::string type = f.text("model_type", "");
   ModelConfig m;
   if (type == "gpt2") {
-    m.family = "gpt2";
-    m.hidden = f.integer("n_embd");
-    m.num_layers = f.integer("n_layer");
-    m.num_heads = f.integer("n_head");
-    m.num_kv_heads = m.num_heads;
-    m.ffn_hidden = f.integer("n_inner", 4 * m.hidden);
-    m.max_position = f.integer("n_positions", f.integer("n_ctx", 1024));
-    m.seq_len = m.max_position;
-    m.norm_eps = f.number("layer_norm_epsilon", 1e-5);
-    m.tie_embeddings = f.boolean("tie_word_embeddings", true);
-    const std::string act = f.text("activation_function", "gelu_new");
-    f.require("activation_function", act == "gelu_new" || act == "gelu_pytorch_tanh" || act == "gelu_fast",
-              "\"" + act + "\"", "mpigpt's GPT-2 uses GELU with the tanh approximation (gelu_new)");
-    f.require("scale_attn_weights", f.boolean("scale_attn_weights", true), "false", "attention is scaled by 1/sqrt(HD)");
-    f.require("scale_attn_by_inverse_layer_idx", !f.boolean("scale_attn_by_inverse_layer_idx", false), "true",
-              "attention is not scaled by the layer index");
-    f.require("add_cross_attention", !f.boolean("add_cross_attention", false), "true", "decoder-only models only");
+    gpt2_from_hf(f, m);
   } else if (type == "llama" || type == "mixtral") {
-    // MixtralForCausalLM is Llama with every MLP a mixture of experts (modeling_mixtral.py).
-    const bool mixtral = type == "mixtral";
-    m.family = "llama";
-    m.hidden = f.integer("hidden_size");
-    m.num_layers = f.integer("num_hidden_layers");
-    m.num_heads = f.integer("num_attention_heads");
-    m.num_kv_heads = f.integer("num_key_value_heads", m.num_heads);
-    m.ffn_hidden = f.integer("intermediate_size");
-    // transformers' defaults: LlamaConfig 2048 / 1e-6 / 1e4, MixtralConfig 4096 * 32 / 1e-5 / 1e6.
-    m.max_position = f.integer("max_position_embeddings", mixtral ? 4096 * 32 : 2048);
-    m.seq_len = std::min(m.max_position, 2048);
-    m.norm_eps = f.number("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
-    m.rope_theta = f.number("rope_theta", mixtral ? 1e6 : 10000.0);
-    m.tie_embeddings = f.boolean("tie_word_embeddings", false);
-    const std::string act = f.text("hidden_act", "silu");
-    f.require("hidden_act", act == "silu", "\"" + act + "\"", "the MLP is SwiGLU (silu)");
-    f.require("attention_bias", !f.boolean("attention_bias", false), "true", "Llama projections have no bias");
-    f.require("mlp_bias", !f.boolean("mlp_bias", false), "true", "Llama projections have no bias");
-    if (f.has("head_dim"))
-      f.require("head_dim", f.integer("head_dim") * m.num_heads == m.hidden, j["head_dim"].dump(),
-                "the head size must be hidden_size / num_attention_heads");
-    // transformers >= 5 moves rope_theta into rope_parameters.
-    for (const char* k : {"rope_scaling", "rope_parameters"}) {
-      if (!f.has(k)) continue;
-      const json& r = j[k];
-      const char* tk = r.is_object() && r.contains("rope_type") ? "rope_type" : "type";  // older configs: "type"
-      const bool plain = r.is_object() && (r.contains(tk) ? r[tk] == "default" : !r.contains("factor"));
-      f.require(k, plain, r.dump(),
-                "only plain RoPE (no scaling: linear, dynamic, yarn, llama3) is implemented");
-      if (r.contains("rope_theta")) m.rope_theta = Fields{r, where}.number("rope_theta", m.rope_theta);
-    }
-    if (mixtral) {
-      f.require("sliding_window", !f.has("sliding_window"), j.value("sliding_window", json()).dump(),
-                "mpigpt's attention is full causal, without a sliding window (a window at least as long as "
-                "every sequence you run changes nothing: then set it to null)");
-      m.num_experts = f.integer("num_local_experts", 8);
-      m.moe_top_k = f.integer("num_experts_per_tok", 2);
-      if (m.moe_top_k > m.num_experts)
-        fail("{}: num_experts_per_tok = {} exceeds num_local_experts = {}", where, m.moe_top_k, m.num_experts);
-      m.moe_ffn_hidden = m.ffn_hidden;  // intermediate_size is per expert; no layer is dense
-      m.moe_router = "softmax";
-      m.moe_norm_topk_prob = true;
-      m.moe_layers = "all";
-      m.moe_shared_expert_ffn = 0;
-      m.moe_capacity_factor = 0.0;  // dropless, as Mixtral routes
-      m.moe_z_loss_coeff = 0.0;
-      m.moe_aux_loss_coeff = f.nonnegative("router_aux_loss_coef", 0.001);
-    }
+    llama_from_hf(f, type == "mixtral", m);
   } else if (type == "qwen2_moe" || type == "deepseek_v2") {
     fail("{}: model_type \"{}\" is a mixture-of-experts model mpigpt does not read (shared experts, its own "
          "routing); mpigpt reads mixture-of-experts checkpoints as mixtral (MixtralForCausalLM)", where, type);
