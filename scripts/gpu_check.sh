@@ -9,6 +9,7 @@
 #                                          (default: unit, regression and bench)
 #   DATA=PREFIX     the dataset of regression and hf (a copy of build/regression/data/fortunes: the
 #                   node has no fortune files to prepare it from)
+#   PYTHON=...      hf: the python3 that has torch, transformers and peft (default: python3)
 #   MODELS=...      bench and attention: the inputs/*_gpu.ini models (default: all four)
 #   ARGS=...        bench: more options for every run (scripts/bench_gpu.sh)
 #   STEP_TIMEOUT=S  seconds each step may run before it is killed and reported failed (exit 124), so
@@ -108,7 +109,9 @@ for part in "${parts[@]}"; do
       done ;;
     hf)
       [ -n "${DATA:-}" ] || { echo "gpu_check: hf needs DATA=PREFIX" >&2; status=1; continue; }
-      step hf "$B/run" python3 "$SRC/scripts/hf_check.py" --mpigpt "$B/bin/mpigpt" --data "$DATA" --out "$OUT/hf" ;;
+      # The node's own python (torch loads its libraries, not the bundle's); mpigpt through ./run.
+      read -ra py <<<"${PYTHON:-python3}"
+      step hf "${py[@]}" "$SRC/scripts/hf_check.py" --mpigpt "$B/run mpigpt" --data "$DATA" --out "$OUT/hf" ;;
     *) echo "gpu_check: unknown part $part (unit, regression, bench, attention, hf)" >&2; exit 2 ;;
   esac
 done

@@ -35,7 +35,7 @@ run() {  # case [VAR=value...] -- parts...: gpu_check.sh's output; its exit stat
 expect() { grep -qE -- "$2" <<<"$1" || { echo "$1" >&2; fail "expected a line matching '$2'"; }; }
 count() { grep -cE -- "$2" "$1" || true; }
 
-out=$(run all -- unit regression bench attention hf)
+out=$(run all PYTHON="$T/bundle/run python3" -- unit regression bench attention hf)
 [ "$(cat "$T/all.rc")" = 0 ] || { echo "$out" >&2; fail "gpu_check.sh failed with every command passing"; }
 for s in unit unit_np2 regression_fp32 regression_bf16 resume_bf16 regression_bf16_hd64_builtin \
   regression_bf16_hd64_cudnn bench kernels_llama_1b_cudnn attention_gpt2_124m_builtin hf; do
@@ -48,8 +48,8 @@ done
   fail "the bench did not run MODELS' configs alone"
 [ "$(count "$T/all.calls" "bench-attention .*llama_1b_gpu.ini --training.micro_batch 32 .*backend cudnn$")" = 1 ] ||
   fail "attention did not time cuDNN at Llama 1B's micro-batch"
-[ "$(count "$T/all.calls" "^python3 [^ ]*/scripts/hf_check.py --mpigpt [^ ]*/bin/mpigpt --data /nowhere ")" = 1 ] ||
-  fail "hf did not run scripts/hf_check.py on the bundle's mpigpt and DATA"
+[ "$(count "$T/all.calls" "^python3 [^ ]*/scripts/hf_check.py --mpigpt [^ ]*/run mpigpt --data /nowhere ")" = 1 ] ||
+  fail "hf did not run scripts/hf_check.py with PYTHON on the bundle's mpigpt and DATA"
 
 # A failing step and a hanging one: both reported, every later step still runs, exit 1.
 out=$(run bad FAIL="_np2_test" HANG="hd64.ini" STEP_TIMEOUT=2 -- unit regression)
