@@ -175,6 +175,10 @@ std::string help_text(const po::options_description& visible) {
   return os.str();
 }
 
+bool is_flag(const std::vector<Flag>& flags, const std::string& name) {
+  return std::any_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == name; });
+}
+
 // Megatron-LM spells options with dashes (--save-interval); config keys use underscores.
 // Subcommand flags keep their dashes (--dry-run), and only a spelling of a real option is
 // rewritten: anything else keeps its words for the error.
@@ -189,7 +193,7 @@ std::vector<std::string> underscored(std::vector<std::string> args, const std::v
     std::replace(key.begin(), key.end(), '-', '_');
     const bool known = std::any_of(options.begin(), options.end(),
                                    [&](const ConfigOption& o) { return o.name() == key || o.key == key; });
-    if (known && std::none_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == name; }))
+    if (known && !is_flag(flags, name))
       a.replace(2, end - 2, key);
   }
   return args;
@@ -209,8 +213,7 @@ po::options_description hidden_aliases(const std::vector<ConfigOption>& options,
   po::options_description hidden;
   hidden.add_options()("positional", po::value<std::vector<std::string>>());
   for (const auto& [key, names] : by_key) {
-    const bool is_flag = std::any_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == key; });
-    if (names.size() != 1 || is_flag || key == "config" || key == "help" || key == "positional") continue;
+    if (names.size() != 1 || is_flag(flags, key) || key == "config" || key == "help" || key == "positional") continue;
     auto* v = po::value<std::string>();
     if (is_bool_option(options, names[0])) v->implicit_value("true");
     hidden.add_options()(key.c_str(), v);
@@ -225,9 +228,6 @@ ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std
   const std::vector<ConfigOption>& options = config_options();
   const std::vector<Flag> flags = parse_flag_specs(extra_flags);
   const std::vector<std::string> args = underscored(raw_args, options, flags);
-  auto is_flag = [&](const std::string& n) {
-    return std::any_of(flags.begin(), flags.end(), [&](const Flag& f) { return f.name == n; });
-  };
   for (const Flag& f : flags)
     MPIGPT_CHECK(f.name.find('.') == std::string::npos && f.name != "config" && f.name != "help",
                  "subcommand flag '--{}' clashes with a config option", f.name);
@@ -276,7 +276,7 @@ ParsedArgs parse_config_args(const std::vector<std::string>& raw_args, const std
       out.help = true;
     } else if (o.string_key == "config") {
       files.push_back(value);
-    } else if (is_flag(o.string_key)) {
+    } else if (is_flag(flags, o.string_key)) {
       out.flags.emplace_back(o.string_key, o.value.empty() ? "true" : value);
     } else {
       const std::string name = alias_of.count(o.string_key) ? alias_of[o.string_key] : o.string_key;

@@ -254,7 +254,7 @@ std::vector<int32_t> MoeLayer::route(MoeActs& A, std::vector<int64_t>& stat, Ten
   stat.assign(static_cast<size_t>(E) + 1, 0);  // per-expert assignments before dropping, then N
   for (int32_t e : expert) ++stat[e];
   stat[E] = N;
-  const bool grouped = token_group_ && token_group_->size() > 1;
+  const bool grouped = spans_token_group();
   if (grouped) token_group_->allreduce_sum(stat.data(), int(E + 1));
   const int64_t T = stat[E];
   const int P = grouped ? token_group_->size() : 1, r = grouped ? token_group_->rank() : 0;
@@ -285,7 +285,7 @@ std::vector<int32_t> MoeLayer::route(MoeActs& A, std::vector<int64_t>& stat, Ten
 MoeLosses MoeLayer::router_losses(MoeActs& A, const std::vector<int64_t>& stat) {
   const int64_t N = A.N, E = cfg_.num_experts, T = stat[E];
   const int K = cfg_.top_k;
-  const bool grouped = token_group_ && token_group_->size() > 1;
+  const bool grouped = spans_token_group();
   MoeLosses L;
   L.load_imbalance = T > 0 ? double(*std::max_element(stat.begin(), stat.end() - 1)) * double(E) / double(T * K) : 1.0;
   A.aux_row.assign(static_cast<size_t>(E), 0.0f);

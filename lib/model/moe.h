@@ -157,6 +157,8 @@ class MoeLayer {
   std::vector<int32_t> route(MoeActs& A, std::vector<int64_t>& stat, Tensor x, const int32_t* token_index,
                              const MoeWeights& w);
   MoeLosses router_losses(MoeActs& A, const std::vector<int64_t>& stat);
+  // The routing statistics and losses are over a micro-batch split over several ranks.
+  bool spans_token_group() const { return token_group_ && token_group_->size() > 1; }
   void mlp_forward(Tensor out, Tensor h, Tensor a, Tensor x, Tensor fc, Tensor fcb, Tensor proj, Tensor projb,
                    const int64_t* groups);
   void experts_forward(MoeActs& A, Tensor out, const MoeWeights& w, const int64_t* groups);
