@@ -13,6 +13,8 @@
 #   (MAX_MB caps the doubling: the default lets memory decide, as the benchmark asks; a smaller
 #   cap shortens the search, e.g. MAX_MB=64 where each command's time is limited)
 #   ARGS="--engine.attention_backend builtin"   (more options for every run)
+#   PYTORCH=python3   the python with torch (2.5 or newer) for the comparison; unset and without torch,
+#   the comparison is skipped with a note, set and without torch, it fails ("" skips it)
 set -uo pipefail
 MPIGPT=${MPIGPT:-build/mpigpt}  # may be a command line, e.g. "bundle/run mpigpt"
 read -ra MPIGPT_CMD <<<"$MPIGPT"
@@ -22,6 +24,10 @@ RECOMPUTE=${RECOMPUTE:-"none full"}
 MAX_MB=${MAX_MB:-1024}
 LOG=${LOG:-bench_gpu.log}
 read -ra EXTRA_ARGS <<<"${ARGS:-}"
+read -ra PYTORCH_CMD <<<"${PYTORCH-python3}"
+SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(inputs/gpt2_124m_gpu.ini inputs/gpt2_350m_gpu.ini inputs/gpt2_1p3b_gpu.ini
                                      inputs/llama_1b_gpu.ini)
@@ -45,6 +51,70 @@ run_bench() {  # config micro_batch recompute [extra args]
   failed=1
   return 2
 }
+
+# PyTorch's step at mpigpt's shape: the configuration mpigpt resolved (its INI lines of $out), sets
+# $torch_out. Returns as run_bench (out of memory: 1).
+run_torch() {  # config micro_batch
+  awk '/resolved configuration:$/ {on = 1; next} /^bench: / {on = 0} on && /^(\[|#|$|[a-z_0-9]+ = )/' \
+    <<<"$out" >"$TMP/resolved.ini"
+  torch_out=$("${PYTORCH_CMD[@]}" "$SRC/scripts/torch_bench.py" --config "$TMP/resolved.ini" --steps "$STEPS" \
+              --warmup "$WARMUP" 2>&1)
+  local status=$?
+  { echo "== PyTorch: $1 micro_batch $2"; echo "$torch_out"; } >>"$LOG"
+  [ $status -eq 0 ] && return 0
+  [ $status -eq 3 ] && return 1
+  echo "bench_gpu: PyTorch at $1 micro_batch $2 failed:" >&2
+  tail -5 <<<"$torch_out" >&2
+  failed=1
+  return 2
+}
+# mpigpt's figures ($out) beside PyTorch's ($torch_out): tokens/s, MFU (PyTorch's at mpigpt's FLOP
+# count, which it must match) and the ratio.
+compare() {  # config micro_batch
+  local ours theirs mfu gflop tgflop
+  ours=$(sed -n 's/^bench: .* steps after .*, \([0-9.]*\) tok\/s.*/\1/p' <<<"$out")
+  mfu=$(sed -n 's/^bench: achieved .* MFU \([0-9.]*\)%.*/\1/p' <<<"$out")
+  gflop=$(sed -n 's/^bench: \([0-9.]*\) GFLOP per step.*/\1/p' <<<"$out")
+  theirs=$(sed -n 's/^torch: .* steps after .*, \([0-9.]*\) tok\/s$/\1/p' <<<"$torch_out")
+  tgflop=$(sed -n 's/^torch: \([0-9.]*\) GFLOP per step.*/\1/p' <<<"$torch_out")
+  if [ -z "$ours" ] || [ -z "$theirs" ] || [ "$gflop" != "$tgflop" ]; then
+    echo "bench_gpu: $1 micro-batch $2: no comparison: mpigpt ${ours:-?} tok/s at ${gflop:-?} GFLOP per step," \
+         "PyTorch ${theirs:-?} tok/s at ${tgflop:-?} (the FLOPs must be equal)" >&2
+    failed=1
+    return
+  fi
+  awk -v c="$1" -v mb="$2" -v a="$ours" -v b="$theirs" -v m="${mfu:-0}" 'BEGIN {
+    printf "%s vs PyTorch at micro-batch %d: mpigpt %.0f tok/s (MFU %.1f%%), PyTorch %.0f tok/s (MFU %.1f%%), " \
+           "mpigpt / PyTorch %.2fx\n", c, mb, a, m, b, m * b / a, a / b }'
+  grep -E "^torch: " <<<"$torch_out" | sed 's/^/  /'
+}
+# The comparison at mpigpt's largest micro-batch without recompute ($out holds that run); halving
+# both where PyTorch does not fit.
+pytorch_side() {  # config micro_batch
+  local cfg=$1 mb=$2
+  while :; do
+    run_torch "$cfg" "$mb"
+    case $? in
+      0) compare "$cfg" "$mb"; return ;;
+      2) return ;;
+    esac
+    [ "$mb" -gt 1 ] || { echo "$cfg: PyTorch does not fit even micro-batch 1"; return; }
+    mb=$((mb / 2))
+    echo "$cfg: PyTorch out of GPU memory at micro-batch $((mb * 2)); both again at $mb"
+    run_bench "$cfg" "$mb" none || return
+  done
+}
+has_torch=0
+if [ ${#PYTORCH_CMD[@]} -gt 0 ]; then
+  if "${PYTORCH_CMD[@]}" -c "import torch" 2>/dev/null; then
+    has_torch=1
+  elif [ -n "${PYTORCH:-}" ]; then
+    echo "bench_gpu: PYTORCH=$PYTORCH cannot import torch: no PyTorch comparison" >&2
+    failed=1
+  else
+    echo "bench_gpu: python3 has no torch: no PyTorch comparison (PYTORCH=... names a python that has it)"
+  fi
+fi
 
 for cfg in "${configs[@]}"; do
   start=$(sed -n 's/^micro_batch *= *\([0-9]*\).*/\1/p' "$cfg" | head -1)
@@ -83,7 +153,11 @@ for cfg in "${configs[@]}"; do
       echo "$cfg recompute $rc: largest micro-batch $best"
     fi
     [ "$rc" = none ] && best_none=$best
-    grep -E "^.*bench: " <<<"$best_out" | sed 's/^/  /'
+    grep -E "^bench: " <<<"$best_out" | sed 's/^/  /'
+    if [ "$rc" = none ] && [ $has_torch = 1 ]; then
+      out=$best_out
+      pytorch_side "$cfg" "$best"
+    fi
   done
   if [ -n "$best_none" ] && run_bench "$cfg" "$best_none" none --profile-ops; then
     # the per-op breakdown of one step at the largest micro-batch without recompute

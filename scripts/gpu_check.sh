@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, run from a bundle (make bundle) on a GPU node, each step's log in
 # OUT_DIR: `unit` the gpu unit tests, `regression` the loss curves with CUDA compute, `bench`
-# scripts/bench_gpu.sh, `attention` the two attention implementations side by side, `hf` our
-# Hugging Face and PEFT exports in the real transformers and peft (scripts/hf_check.py; the node's
-# python3 has them, this machine's may not).
+# scripts/bench_gpu.sh (each model beside PyTorch), `attention` the two attention implementations side
+# by side, `hf` our Hugging Face and PEFT exports in the real transformers and peft
+# (scripts/hf_check.py; the node's python3 has them, this machine's may not).
 #
 #   scripts/gpu_check.sh BUNDLE_DIR OUT_DIR [unit] [regression] [bench] [attention] [hf]
 #                                          (default: unit, regression and bench)
 #   DATA=PREFIX     the dataset of regression and hf (a copy of build/regression/data/fortunes: the
 #                   node has no fortune files to prepare it from)
-#   PYTHON=...      hf: the python3 that has torch, transformers and peft (default: python3)
+#   PYTHON=...      bench and hf: the python3 that has torch, transformers and peft (default: python3)
 #   MODELS=...      bench and attention: the inputs/*_gpu.ini models (default: all four)
 #   ARGS=...        bench: more options for every run (scripts/bench_gpu.sh)
 #   STEP_TIMEOUT=S  seconds each step may run before it is killed and reported failed (exit 124), so
@@ -87,7 +87,7 @@ for part in "${parts[@]}"; do
     bench)
       configs=()
       for model in $MODELS; do configs+=("$SRC/inputs/${model}_gpu.ini"); done
-      step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" ARGS="${ARGS:-}" \
+      step bench env MPIGPT="$B/run mpigpt" LOG="$OUT/bench_runs.log" ARGS="${ARGS:-}" PYTORCH="${PYTHON:-python3}" \
         "$SRC/scripts/bench_gpu.sh" "${configs[@]}" ;;
     attention)
       # Each implementation alone at the model's shape (`mpigpt bench-attention`) and in a training

@@ -14,7 +14,11 @@ echo "$*" >>"$CALLS"
 if [ -n "${FAIL:-}" ] && [[ "$*" =~ $FAIL ]]; then echo "mpigpt: error: planted"; exit 1; fi
 if [ -n "${HANG:-}" ] && [[ "$*" =~ $HANG ]]; then exec sleep 60; fi
 case "$1 ${2:-}" in
-  "mpigpt bench"*) echo "bench: achieved 100 TFLOP/s per rank, MFU 10.1% (stand-in)" ;;
+  "mpigpt bench"*) echo "bench: 1 steps after 0 warm-up: median 1.0 ms/step (min 1.0, max 1.0), 100 tok/s, 1 GFLOP/s"
+                   echo "bench: 1.0 GFLOP per step (stand-in)"
+                   echo "bench: achieved 100 TFLOP/s per rank, MFU 10.1% (stand-in)" ;;
+  "python3 "*/torch_bench.py) echo "torch: 1 steps after 0 warm-up: median 2.0 ms/step (min 2.0, max 2.0), 50 tok/s"
+                              echo "torch: 1.0 GFLOP per step (stand-in)" ;;
   "mpirun -np"*) for a in "$@"; do [ "$prev" = --training.metrics_file ] && echo '"grad_norm":1,"iter":3,"loss":2
 "grad_norm":1,"iter":4,"loss":2' >"$a"; prev=$a; done ;;
 esac
@@ -46,6 +50,9 @@ done
 [ "$(count "$T/all.calls" "^mpigpt bench --config [^ ]*/inputs/(gpt2_124m|llama_1b)_gpu.ini ")" -ge 2 ] &&
   [ "$(count "$T/all.calls" "^mpigpt bench --config [^ ]*/inputs/gpt2_(350m|1p3b)_gpu")" = 0 ] ||
   fail "the bench did not run MODELS' configs alone"
+[ "$(count "$T/all.calls" "^python3 [^ ]*/scripts/torch_bench.py --config ")" = 2 ] &&
+  expect "$(cat "$T/all.out/bench.log")" "llama_1b_gpu.ini vs PyTorch at micro-batch 32: .* mpigpt / PyTorch 2.00x$" ||
+  fail "the bench did not compare each model with PyTorch in PYTHON"
 [ "$(count "$T/all.calls" "bench-attention .*llama_1b_gpu.ini --training.micro_batch 32 .*backend cudnn$")" = 1 ] ||
   fail "attention did not time cuDNN at Llama 1B's micro-batch"
 [ "$(count "$T/all.calls" "^python3 [^ ]*/scripts/hf_check.py --mpigpt [^ ]*/run mpigpt --data /nowhere ")" = 1 ] ||
