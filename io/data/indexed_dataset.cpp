@@ -158,9 +158,9 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     if (len < 0 || ptr < 0)
       fail("{} is corrupt: sequence {} has length {} at byte {}; {}", idx_path, i, len, ptr, kRemake);
     if (ptr > bin_size || len > (bin_size - ptr) / dtype_size_)
-      fail("{} is shorter than its index says: sequence {} needs bytes [{}, {}) but the file has {} "
-           "bytes (truncated copy, or a .bin from another run); {}", bin_path, i, ptr,
-           ptr + len * dtype_size_, bin_size, kRemake);
+      fail("{} is shorter than its index says: sequence {} needs {} bytes from byte {} but the file has {} "
+           "bytes (truncated copy, or a .bin from another run); {}", bin_path, i, len * dtype_size_, ptr,
+           bin_size, kRemake);
     num_tokens_ += len;
   }
 }

@@ -146,6 +146,11 @@ TEST_CASE("MMIDIDX: errors name the file and the fix") {
   truncate_file(prefix + ".bin", 7);
   CHECK_THROWS_WITH_AS(IndexedDataset{prefix}, doctest::Contains("small.bin is shorter than its index says"), Error);
   restore();
+  // A pointer near the int64 limit is refused, and its message is made without overflowing.
+  const size_t pointers_at = 34 + 4 * size_t(uint8_t(idx[18]));
+  write_file(prefix + ".idx", idx.substr(0, pointers_at) + le64(INT64_MAX - 11) + idx.substr(pointers_at + 8));
+  CHECK_THROWS_WITH_AS(IndexedDataset{prefix}, doctest::Contains("from byte 9223372036854775796 but"), Error);
+  restore();
   CHECK(IndexedDataset(prefix).num_tokens() == 5);
 }
 

@@ -70,6 +70,15 @@ TensorMap read_llmc_model(const std::string& path, ModelConfig* m_out, int* voca
   const int maxT = h[2], V = h[3], L = h[4], NH = h[5], C = h[6], Vp = h[7];
   if (Vp < V) fail("llm.c model file {}: padded_vocab_size {} is smaller than vocab_size {}; {}", path, Vp, V, fix);
   if (C % NH != 0) fail("llm.c model file {}: channels {} is not a multiple of num_heads {}; {}", path, C, NH, fix);
+  // The size the header promises, in floating point first: a corrupt header (a billion layers, say)
+  // is refused before anything of that size is built or counted in integers that would overflow.
+  const double c = C, bytes = version == 3 ? 4 : 2;
+  const double numel = (double(Vp) + maxT) * c + double(L) * (12 * c * c + 13 * c) + 2 * c;
+  const double expected = kHeaderBytes + numel * bytes, size = double(file.size());
+  if (size != expected)
+    fail("llm.c model file {} has {} bytes, but its header (version {}, L {}, C {}, Vp {}, maxT {}) promises {:.0f} "
+         "parameters = {:.0f} bytes; the file is {}; {}", path, file.size(), version, L, C, Vp, maxT, numel, expected,
+         size < expected ? "truncated" : "longer than that", fix);
   ModelConfig m;
   m.family = "gpt2";
   m.num_layers = L;
@@ -82,25 +91,22 @@ TensorMap read_llmc_model(const std::string& path, ModelConfig* m_out, int* voca
   m.tie_embeddings = true;
   const std::vector<std::string> order = file_order(L);
   const std::map<std::string, Shape> shapes = shape_map(m, Vp);
-  uint64_t numel = 0;
-  for (const auto& name : order) numel += uint64_t(shapes.at(name).numel());
-  const uint64_t bytes = version == 3 ? 4 : 2, expected = kHeaderBytes + numel * bytes;
-  if (file.size() != expected)
-    fail("llm.c model file {} has {} bytes, but its header (version {}, L {}, C {}, Vp {}, maxT {}) promises {} "
-         "parameters = {} bytes; the file is {}; {}", path, file.size(), version, L, C, Vp, maxT, numel, expected,
-         file.size() < expected ? "truncated" : "longer than that", fix);
   TensorMap out;
+  uint64_t total = 0;
+  for (const auto& [name, s] : shapes) total += uint64_t(s.numel());
+  MPIGPT_CHECK(double(total) == numel, "{}: the header's parameter count {:.0f} against the model's {}", path, numel,
+               total);
   for (const auto& [name, s] : shapes) out[name] = HostTensor{s, std::vector<float>(size_t(s.numel()))};
   uint64_t pos = kHeaderBytes;
   for (size_t k = 0; k < order.size(); ++k) {
     HostTensor& t = out.at(order[k]);
     const size_t n = t.data.size();
-    if (version == 3) {
+    if (bytes == 4) {
       std::memcpy(t.data.data(), file.data() + pos, n * 4);
     } else {
       for (size_t i = 0; i < n; ++i) t.data[i] = std::bit_cast<float>(uint32_t(file.at<uint16_t>(pos + 2 * i)) << 16);
     }
-    pos += n * bytes;
+    pos += n * size_t(bytes);
   }
   std::vector<float>& wte = out.at("embedding.word.weight").data;
   std::fill(wte.begin() + int64_t(V) * C, wte.end(), 0.0f);  // padding rows are zero by definition

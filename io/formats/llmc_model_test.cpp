@@ -161,6 +161,13 @@ TEST_CASE("llm.c model: errors name the file, the field or the tensor") {
   bad = good;
   std::memset(bad.data() + 4 * 4, 0, 4);
   fails(bad, "header num_layers = 0 must be positive");
+  // A corrupt header promising a billion layers of 2^30 channels is refused at once: nothing of that
+  // size is built first, and 4 * channels does not overflow.
+  bad = good;
+  const int32_t huge[] = {1000000000, 1, 1 << 30};  // num_layers, num_heads, channels
+  std::memcpy(bad.data() + 4 * 4, huge, sizeof huge);
+  fails(bad, "L 1000000000, C 1073741824");
+  fails(bad, "the file is truncated");
   fails(good.substr(0, 1000), "shorter than the 1024-byte header");
   fails(good.substr(0, good.size() - 4), "the file is truncated");
   fails(good + "abcd", "longer than that");
