@@ -13,7 +13,7 @@
 #   (MAX_MB caps the doubling: the default lets memory decide, as the benchmark asks; a smaller
 #   cap shortens the search, e.g. MAX_MB=64 where each command's time is limited)
 #   ARGS="--engine.attention_backend builtin"   (more options for every run)
-#   PYTORCH=python3   the python with torch (2.5 or newer) for the comparison; unset and without torch,
+#   PYTORCH=python3   the python with torch (2.4 or newer) for the comparison; unset and without torch,
 #   the comparison is skipped with a note, set and without torch, it fails ("" skips it)
 set -uo pipefail
 MPIGPT=${MPIGPT:-build/mpigpt}  # may be a command line, e.g. "bundle/run mpigpt"

@@ -65,7 +65,9 @@ class Block(nn.Module):
         v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
+        if self.nkv != self.nh:  # as Hugging Face's Llama does (repeat_kv): the fused SDPA kernels then apply
+            k, v = k.repeat_interleave(self.nh // self.nkv, 1), v.repeat_interleave(self.nh // self.nkv, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         h = self.fc(self.mlp_norm(x))
         if self.gpt2:
@@ -201,7 +203,7 @@ def main():
             losses.append(step())
             sync()
             times.append((time.perf_counter() - t0) * 1e3)
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:
         print(f"torch: out of GPU memory at micro-batch {B}", flush=True)
         sys.exit(3)
     t = sorted(times[a.warmup:])
