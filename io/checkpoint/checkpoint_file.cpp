@@ -25,6 +25,22 @@ constexpr const char* kChecksumAlgorithm = "splitmix64-sum-v1";
 constexpr hsize_t kAlign = 1 << 20;          // datasets of 1 MiB or more start on a 1 MiB boundary
 constexpr int64_t kKickBytes = 64 << 20;     // start the disk on every 64 MiB written
 constexpr int64_t kVerifyFloats = 16 << 20;  // verify() holds at most 64 MiB per rank
+constexpr const char* kAttrsChecksum = "attributes_checksum";
+
+// A root attribute as read or written.
+struct Attr {
+  enum Kind { Str, Int, Dbl, Other } kind = Other;
+  std::string s;
+  int64_t i = 0;
+  uint64_t u = 0;  // an integer as unsigned: checksums use all 64 bits
+  double d = 0;
+};
+// Its kind and value hashed: the writers vote with it, and attributes_checksum sums it per key.
+uint64_t attr_hash(const Attr& a) {
+  if (a.kind == Attr::Str) return h5::fnv1a(1, a.s.data(), a.s.size());
+  if (a.kind == Attr::Int) return h5::fnv1a(2, &a.i, 8);
+  return a.kind == Attr::Dbl ? h5::fnv1a(3, &a.d, 8) : 4;
+}
 
 std::string check_name(const std::string& name) {
   bool bad = name.empty() || name.front() == '/' || name.back() == '/' || name.find("//") != std::string::npos;
@@ -60,6 +76,7 @@ struct CheckpointWriter::Impl {
   int kick_fd = -1;
   int64_t unkicked = 0;  // dataset bytes written since the last kick
   std::vector<float> staging;
+  uint64_t attrs_sum = 0;  // attributes_checksum: the sum of every root attribute's hash with its key
 
   Impl(MPI_Comm comm, const std::string& p) : ag(comm), path(p) {}
   ~Impl() {
@@ -84,11 +101,12 @@ struct CheckpointWriter::Impl {
 #endif
     unkicked = 0;
   }
+  // `hash`: the attribute's kind and value (attr_hash); every rank must pass the same.
   void put_attr(const std::string& key, hid_t file_type, hid_t mem_type, const void* value, uint64_t hash) {
     h5::Quiet quiet;
     const std::string call = what(fmt::format("attr('{}')", key));
-    ag.vote(file.ok() ? "" : fmt::format("checkpoint '{}': attr('{}') after close()", path, key),
-            h5::fnv1a(hash, key.data(), key.size()), call);
+    hash = h5::fnv1a(hash, key.data(), key.size());
+    ag.vote(file.ok() ? "" : fmt::format("checkpoint '{}': attr('{}') after close()", path, key), hash, call);
     std::string err = watched(call, [&]() -> std::string {
       if (H5Aexists(file, key.c_str()) > 0)
         return fmt::format("checkpoint '{}': root attribute '{}' is written twice ('format' and 'format_version' "
@@ -97,6 +115,7 @@ struct CheckpointWriter::Impl {
                                                                     : h5fail("H5Acreate2/H5Awrite", "root attribute '" + key + "'");
     });
     ag.agree(err);
+    attrs_sum += hash;  // written
   }
 };
 
@@ -184,13 +203,13 @@ void CheckpointWriter::write(const std::string& name, const Shape& global, const
 void CheckpointWriter::attr(const std::string& key, const std::string& value) {
   Handle t = h5::string_type();
   const char* p = value.c_str();
-  impl_->put_attr(key, t, t, &p, h5::fnv1a(1, value.data(), value.size()));
+  impl_->put_attr(key, t, t, &p, attr_hash(Attr{Attr::Str, value}));
 }
 void CheckpointWriter::attr(const std::string& key, int64_t value) {
-  impl_->put_attr(key, H5T_STD_I64LE, H5T_NATIVE_INT64, &value, h5::fnv1a(2, &value, 8));
+  impl_->put_attr(key, H5T_STD_I64LE, H5T_NATIVE_INT64, &value, attr_hash(Attr{Attr::Int, "", value}));
 }
 void CheckpointWriter::attr(const std::string& key, double value) {
-  impl_->put_attr(key, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &value, h5::fnv1a(3, &value, 8));
+  impl_->put_attr(key, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &value, attr_hash(Attr{Attr::Dbl, "", 0, 0, value}));
 }
 
 void CheckpointWriter::close() {
@@ -198,8 +217,13 @@ void CheckpointWriter::close() {
   Impl& I = *impl_;
   if (!I.file.ok()) return;
   // The metadata is written at the flush; the close that follows only when every rank flushed
-  // (a rank whose flush failed must not enter the collective close alone).
+  // (a rank whose flush failed must not enter the collective close alone). First the root
+  // attributes' checksum: the datasets' do not cover the iteration, the data position or the
+  // configuration, and a damaged one of those can still read as a valid value. Every rank holds
+  // the same sum: each attribute was agreed on when written.
   I.ag.agree(watched(I.what("the flush (H5Fflush)"), [&] {
+    if (!h5::put_scalar(I.file, kAttrsChecksum, H5T_STD_U64LE, H5T_NATIVE_UINT64, &I.attrs_sum))
+      return I.h5fail("H5Acreate2/H5Awrite", fmt::format("root attribute '{}'", kAttrsChecksum));
     errno = 0;
     return H5Fflush(I.file, H5F_SCOPE_GLOBAL) < 0 ? h5::write_failure(I.path, "the metadata", 0, h5::error()) : "";
   }));
@@ -232,14 +256,6 @@ struct Entry {
   uint64_t checksum = 0;
   std::string algorithm;
 };
-struct Attr {
-  enum Kind { Str, Int, Dbl, Other } kind = Other;
-  std::string s;
-  int64_t i = 0;
-  uint64_t u = 0;  // an integer as unsigned: checksums use all 64 bits
-  double d = 0;
-};
-
 // A scalar attribute of any string, integer or float type, as what it holds.
 Attr read_attr(hid_t loc, const char* key) {
   Attr out;
@@ -385,6 +401,15 @@ CheckpointReader::CheckpointReader(MPI_Comm comm, const std::string& path) : imp
   if (v->second.i > kFormatVersion)
     fail("checkpoint '{}' has format_version {}, this mpigpt reads version {} or older; it was written by a newer "
          "mpigpt: update mpigpt to read it", path, v->second.i, kFormatVersion);
+  if (auto c = I.attrs.find(kAttrsChecksum); c != I.attrs.end()) {  // saves before 2026-11-29 have none
+    uint64_t sum = 0;
+    for (const auto& [key, a] : I.attrs)
+      if (key != kAttrsChecksum) sum += h5::fnv1a(attr_hash(a), key.data(), key.size());
+    if (c->second.kind != Attr::Int || c->second.u != sum)
+      fail("checkpoint '{}' is damaged: its root attributes (iteration, data position, configuration) do not match "
+           "their checksum '{}'; use an earlier checkpoint (after editing attributes on purpose, delete {})", path,
+           kAttrsChecksum, kAttrsChecksum);
+  }
 }
 
 CheckpointReader::~CheckpointReader() = default;

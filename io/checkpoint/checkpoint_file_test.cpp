@@ -324,3 +324,31 @@ TEST_CASE("bad calls: missing dataset, wrong shape, boxes outside or overlapping
   std::string nodir = tmp / "no/such/dir/ck.h5";
   CHECK_THROWS_WITH_AS(CheckpointWriter(MPI_COMM_SELF, nodir), in("does not exist"), Error);
 }
+
+// Overwrites the root attribute `key` of the closed checkpoint at `path` with an int64 or deletes it.
+static void poke_attr(const std::string& path, const char* key, const int64_t* value) {
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  REQUIRE(f >= 0);
+  if (value) {
+    hid_t a = H5Aopen(f, key, H5P_DEFAULT);
+    REQUIRE(a >= 0);
+    H5Awrite(a, H5T_NATIVE_INT64, value);
+    H5Aclose(a);
+  } else {
+    H5Adelete(f, key);
+  }
+  H5Fclose(f);
+}
+
+TEST_CASE("root attributes: a damaged value is caught by attributes_checksum; saves without one still read") {
+  TempDir tmp;
+  const std::string path = write_sample(tmp);
+  CHECK(CheckpointReader(MPI_COMM_SELF, path).attr_int("iteration") == 7);
+  const int64_t eight = 8;
+  poke_attr(path, "iteration", &eight);  // still a valid iteration: only the checksum tells
+  CHECK_THROWS_WITH_AS(CheckpointReader(MPI_COMM_SELF, path),
+                       in("checkpoint '" + path + "' is damaged: its root attributes (iteration, data position, "
+                          "configuration) do not match their checksum 'attributes_checksum'"), Error);
+  poke_attr(path, "attributes_checksum", nullptr);  // as a save from before the checksum
+  CHECK(CheckpointReader(MPI_COMM_SELF, path).attr_int("iteration") == 8);
+}
