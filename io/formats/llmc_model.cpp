@@ -72,7 +72,8 @@ TensorMap read_llmc_model(const std::string& path, ModelConfig* m_out, int* voca
   if (C % NH != 0) fail("llm.c model file {}: channels {} is not a multiple of num_heads {}; {}", path, C, NH, fix);
   // The size the header promises, in floating point first: a corrupt header (a billion layers, say)
   // is refused before anything of that size is built or counted in integers that would overflow.
-  const double c = C, bytes = version == 3 ? 4 : 2;
+  const int bytes = version == 3 ? 4 : 2;
+  const double c = C;
   const double numel = (double(Vp) + maxT) * c + double(L) * (12 * c * c + 13 * c) + 2 * c;
   const double expected = kHeaderBytes + numel * bytes, size = double(file.size());
   if (size != expected)
@@ -101,12 +102,12 @@ TensorMap read_llmc_model(const std::string& path, ModelConfig* m_out, int* voca
   for (size_t k = 0; k < order.size(); ++k) {
     HostTensor& t = out.at(order[k]);
     const size_t n = t.data.size();
-    if (bytes == 4) {
+    if (version == 3) {
       std::memcpy(t.data.data(), file.data() + pos, n * 4);
     } else {
       for (size_t i = 0; i < n; ++i) t.data[i] = std::bit_cast<float>(uint32_t(file.at<uint16_t>(pos + 2 * i)) << 16);
     }
-    pos += n * size_t(bytes);
+    pos += n * bytes;
   }
   std::vector<float>& wte = out.at("embedding.word.weight").data;
   std::fill(wte.begin() + int64_t(V) * C, wte.end(), 0.0f);  // padding rows are zero by definition
