@@ -122,12 +122,12 @@ class GPT(nn.Module):
 
 
 def model_dims(cfg):
-    tp, mult = int(cfg["parallel.tp"]), int(cfg["model.vocab_multiple"])
+    mult = int(cfg["model.vocab_multiple"])  # times tp, which check_supported holds at 1
     V = int(cfg["model.vocab_size"])
     return {"gpt2": cfg["model.family"] == "gpt2", "L": int(cfg["model.num_layers"]), "C": int(cfg["model.hidden"]),
             "NH": int(cfg["model.num_heads"]), "NKV": int(cfg["model.num_kv_heads"]), "F": int(cfg["model.ffn_hidden"]),
             "T": int(cfg["model.seq_len"]), "maxT": int(cfg["model.max_position"]), "V": V,
-            "Vp": (V + mult * tp - 1) // (mult * tp) * (mult * tp), "eps": float(cfg["model.norm_eps"]),
+            "Vp": (V + mult - 1) // mult * mult, "eps": float(cfg["model.norm_eps"]),
             "theta": float(cfg["model.rope_theta"]), "std": float(cfg["model.init_std"]),
             "tied": cfg["model.tie_embeddings"] == "true"}
 
@@ -141,16 +141,15 @@ def flops_per_token(model):
     return 3 * (gemms + attention)
 
 
-def optimizer(model, cfg, fused):
-    """AdamW with mpigpt's hyperparameters; biases, norms and embeddings without weight decay."""
+def optimizer(model, cfg):
+    """Fused AdamW with mpigpt's hyperparameters; biases, norms and embeddings without weight decay."""
     no_decay = {id(p) for mod in model.modules() if isinstance(mod, (nn.Embedding, nn.LayerNorm, nn.RMSNorm))
                 for p in mod.parameters(recurse=False)}
+    decays = lambda p: p.dim() >= 2 and id(p) not in no_decay
     params = list(model.parameters())
-    decay = [p for p in params if p.dim() >= 2 and id(p) not in no_decay]
-    rest = [p for p in params if p.dim() < 2 or id(p) in no_decay]
-    groups = [{"params": decay, "weight_decay": float(cfg["training.weight_decay"])},
-              {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=float(cfg["training.lr"]), eps=float(cfg["training.eps"]), fused=fused,
+    groups = [{"params": [p for p in params if decays(p)], "weight_decay": float(cfg["training.weight_decay"])},
+              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=float(cfg["training.lr"]), eps=float(cfg["training.eps"]), fused=True,
                              betas=(float(cfg["training.beta1"]), float(cfg["training.beta2"])))
 
 
@@ -173,7 +172,7 @@ def main():
     model = GPT(m).to(dev)
     fpt = flops_per_token(model)
     nparams = sum(p.numel() for p in model.parameters())
-    opt = optimizer(model, cfg, fused=True)
+    opt = optimizer(model, cfg)
     step_model = model if a.no_compile else torch.compile(model)
     bf16, clip, accum = cfg["training.precision"] == "bf16", float(cfg["training.clip_grad"]), gb // B
     tokens = torch.randint(0, m["V"], (accum, B, m["T"] + 1), device=dev)
