@@ -126,9 +126,14 @@ struct CheckpointConfig {
 struct LoraConfig {
   int rank = 0;                         // adapter rank r (0: off, every weight is trained)
   double alpha = 16.0;                  // the adapters' update is scaled by alpha / rank
-  std::string targets = "qkv,proj,fc1,fc2"; // linear layers that get adapters: any of qkv, proj, fc1, fc2
+  std::string targets = "qkv,proj,fc1,fc2"; // linear layers that get adapters: any of qkv (or q, k, v: one each), proj, fc1 (or gate, up), fc2
   double dropout = 0.0;                 // dropout on the adapters' input (only 0 is supported)
 };
+
+// lora.targets as its set of names: qkv, proj, fc1, fc2 (one adapter per linear layer, the fused
+// qkv and SwiGLU's [gate; up] sharing one A), or q, k, v, gate, up in place of qkv / fc1 (an
+// adapter of its own on each of those projections, as PEFT's q_proj, ...). Fails naming the field.
+std::set<std::string> lora_target_set(const std::string& list);
 
 struct Config {
   ParallelConfig parallel;

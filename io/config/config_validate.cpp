@@ -41,6 +41,32 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return parts;
 }
 
+}  // namespace
+
+std::set<std::string> lora_target_set(const std::string& list) {
+  const char* names = "write a comma list of qkv (or q, k, v), proj, fc1 (or gate, up), fc2";
+  std::set<std::string> out;
+  for (std::string t : split(list, ',')) {
+    t.erase(0, t.find_first_not_of(" \t"));
+    t.erase(t.find_last_not_of(" \t") + 1);
+    static const std::set<std::string> known = {"qkv", "proj", "fc1", "fc2", "q", "k", "v", "gate", "up"};
+    if (!known.count(t)) fail("lora.targets = '{}': '{}' is not a linear layer LoRA adapts; {}", list, t, names);
+    out.insert(t);
+  }
+  if (out.empty()) fail("lora.targets = '{}' names no layer; {}", list, names);
+  auto both = [&](const char* fused, const char* shared_by, std::initializer_list<const char*> parts) {
+    for (const char* p : parts)
+      if (out.count(fused) && out.count(p))
+        fail("lora.targets = '{}' names both {} (one adapter shared by {}) and {} (an adapter of its own); write one "
+             "or the other", list, fused, shared_by, p);
+  };
+  both("qkv", "q, k and v", {"q", "k", "v"});
+  both("fc1", "gate and up", {"gate", "up"});
+  return out;
+}
+
+namespace {
+
 void check_no_decay(const std::string& list) {
   for (const std::string& kind : split(list, ','))
     if (kind != "norms" && kind != "biases" && kind != "embeddings")
@@ -349,20 +375,16 @@ void check_lora(const Config& c) {
   if (!(l.alpha > 0)) fail("lora.alpha = {} must be positive; the adapters' update is scaled by alpha / rank (e.g. 16)", l.alpha);
   if (l.dropout != 0)
     fail("lora.dropout = {} is not supported: the adapters train without dropout; set lora.dropout = 0", l.dropout);
-  const char* names = "write a comma list of qkv, proj, fc1, fc2";
-  int smallest = m.hidden;  // every target reads or writes the C channels; fc1 and fc2 also the F hidden units
-  bool any = false;
-  for (std::string t : split(l.targets, ',')) {
-    t.erase(0, t.find_first_not_of(" \t"));
-    t.erase(t.find_last_not_of(" \t") + 1);
-    if (t != "qkv" && t != "proj" && t != "fc1" && t != "fc2")
-      fail("lora.targets = '{}': '{}' is not a linear layer LoRA adapts; {}", l.targets, t, names);
-    if (t == "fc1" || t == "fc2") smallest = std::min(smallest, m.ffn_hidden);
-    if ((t == "fc1" || t == "fc2") && m.num_experts > 0 && m.moe_ffn_hidden > 0)  // one adapter per routed expert
-      smallest = std::min(smallest, m.moe_ffn_hidden);
-    any = true;
+  const std::set<std::string> targets = lora_target_set(l.targets);
+  int smallest = m.hidden;  // every target reads or writes the C channels; the MLP's also the F hidden units
+  for (const std::string& t : targets) {
+    if ((t == "gate" || t == "up") && m.family != "llama")
+      fail("lora.targets = '{}': '{}' is a projection of SwiGLU's MLP; a model.family = {} MLP has one up projection: "
+           "adapt it as fc1", l.targets, t, m.family);
+    if (t == "qkv" || t == "q" || t == "k" || t == "v" || t == "proj") continue;
+    smallest = std::min(smallest, m.ffn_hidden);
+    if (m.num_experts > 0 && m.moe_ffn_hidden > 0) smallest = std::min(smallest, m.moe_ffn_hidden);  // per expert
   }
-  if (!any) fail("lora.targets = '{}' names no layer; {}", l.targets, names);
   if (l.rank > smallest)
     fail("lora.rank = {} is larger than the smallest adapted layer's {} features (model.hidden = {}, model.ffn_hidden "
          "= {}{}): a low-rank update needs rank <= {}; lower lora.rank (e.g. 8 or 16)", l.rank, smallest, m.hidden,

@@ -269,8 +269,19 @@ TEST_CASE("config: validate names the field, the value and the fix: LoRA") {
   CHECK_NOTHROW(parsed({"--lora.dropout=0.1"}).validate(1));  // inert while lora.rank = 0
   CHECK_FAILS(parsed({"--lora.rank=-1"}).validate(1), "lora.rank = -1 must be at least 0");
   CHECK_FAILS(parsed({"--lora.rank=8", "--lora.targets=qkv,up_proj"}).validate(1),
-              "lora.targets = 'qkv,up_proj': 'up_proj' is not a linear layer LoRA adapts; write a comma list of qkv, "
-              "proj, fc1, fc2");
+              "lora.targets = 'qkv,up_proj': 'up_proj' is not a linear layer LoRA adapts; write a comma list of qkv "
+              "(or q, k, v), proj, fc1 (or gate, up), fc2");
+  // An adapter per projection: any of q, k, v in place of qkv, gate and up in place of fc1 (SwiGLU).
+  CHECK(mpigpt::lora_target_set(" v,q ,fc2") == std::set<std::string>{"q", "v", "fc2"});
+  CHECK_NOTHROW(parsed({"--lora.rank=8", "--family=llama", "--lora.targets=q,v,gate,up"}).validate(1));
+  CHECK_NOTHROW(parsed({"--lora.rank=8", "--lora.targets=k,fc1"}).validate(1));
+  CHECK_FAILS(parsed({"--lora.rank=8", "--lora.targets=qkv,v"}).validate(1),
+              "lora.targets = 'qkv,v' names both qkv (one adapter shared by q, k and v) and v (an adapter of its "
+              "own); write one or the other");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--family=llama", "--lora.targets=fc1,up"}).validate(1), "names both fc1 (one adapter shared by gate and up) and up");
+  CHECK_FAILS(parsed({"--lora.rank=8", "--lora.targets=q,gate"}).validate(1),
+              "lora.targets = 'q,gate': 'gate' is a projection of SwiGLU's MLP; a model.family = gpt2 MLP has one up "
+              "projection: adapt it as fc1");
   CHECK_FAILS(parsed({"--lora.rank=8", "--lora.targets", ""}).validate(1), "lora.targets = '' names no layer");
   CHECK_FAILS(parsed({"--lora.rank=8", "--lora.alpha=0"}).validate(1), "lora.alpha = 0 must be positive");
   CHECK_FAILS(parsed({"--lora.rank=8", "--lora.dropout=0.05"}).validate(1),

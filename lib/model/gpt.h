@@ -11,6 +11,7 @@
 #include "lib/kernels/buffer.h"
 #include "lib/kernels/ops.h"
 #include "lib/model/gpt_dims.h"
+#include "lib/model/lora.h"
 #include "lib/model/moe.h"
 #include "lib/model/params.h"
 #include "parallel/context_parallel.h"
@@ -246,7 +247,10 @@ class GPT {
   void mlp_backward(const Block& w, const Block& g, BlockActs& a, Tensor dres);
   // A layer's LoRA update (lib/model/lora.h) when it is adapted; nothing otherwise.
   void lora_forward(const Lora& w, Tensor out, Tensor u, Tensor x);
-  void lora_backward(const Lora& w, const Lora& g, Tensor dx, Tensor dout, Tensor x, Tensor u);
+  void lora_backward(const Lora& w, const Lora& g, Tensor dx, Tensor dout, Tensor x, Tensor u,
+                     const LoraParts& parts = LoraParts{});
+  // lora_mask_grad for each routed expert's fc B gradient (El, [gate; up] rows, width).
+  void expert_lora_mask(Tensor dB);
   double head_forward(Slot& s, float dloss);
   void head_backward(Slot& s);
 
@@ -290,6 +294,10 @@ class GPT {
   Arena arena_;  // shared by every chunk: positions and backward scratch
   Tensor positions_;
   Tensor dres_, dn_, full_, dqkv_, datt_, dfc_, dact_, dlora_, ce_max_, ce_sum_, ce_target_;
+  // Adapters per projection (lib/model/lora.h): this rank's row parts of qkv's and fc's B, and
+  // zeros to clear their gradients outside the blocks.
+  LoraParts lqkv_parts_, lfc_parts_;
+  Tensor lora_zeros_;
   // Sequence parallelism: a norm output gathered over tp for a column-parallel layer, shared by all
   // layers. The forward gathers into it and the backward gathers again (as Megatron-LM does), so a
   // layer keeps only its (Nl, C) shards.

@@ -203,6 +203,7 @@ void GPT::block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor 
   Tensor dn2;
   if (w.is_moe) {  // x_out = mid + moe(norm2(mid)), on this rank's rows
     moe_->backward(dn_, *m, dres, w.moe, g.moe, aux_scale_);
+    expert_lora_mask(g.moe.fc_lora_B);
     dn2 = dn_;
   } else {
     mlp_backward(w, g, a, dres);
@@ -223,7 +224,7 @@ void GPT::block_backward(int l, const Slot& s, BlockActs& a, MoeActs* m, Tensor 
   if (!d_.gpt2()) ops_.rope_backward(dqkv_, positions(s), nh_, nkv_, d_.HD(), d_.rope_theta);
   const Tensor n1 = tp_.column_input_forward(gathered_, a.n1);  // gathered again (sequence parallelism)
   ops_.linear_backward(full_, g.qkvw, g.qkvb, dqkv_, n1, w.qkvw);
-  lora_backward(w.lqkv, g.lqkv, full_, dqkv_, n1, a.uqkv);
+  lora_backward(w.lqkv, g.lqkv, full_, dqkv_, n1, a.uqkv, lqkv_parts_);
   Tensor dn1 = tp_.column_input_backward(dn_, full_);
   norm_backward(dres, g.n1w, g.n1b, dn1, x_in, a.n1_mean, a.n1_rstd, w.n1w);  // dres = d(x_in)
 }
@@ -247,16 +248,27 @@ void GPT::mlp_backward(const Block& w, const Block& g, BlockActs& a, Tensor dres
   }
   const Tensor n2 = tp_.column_input_forward(gathered_, a.n2);  // gathered again (sequence parallelism)
   ops_.linear_backward(full_, g.fcw, g.fcb, dfc_, n2, w.fcw);
-  lora_backward(w.lfc, g.lfc, full_, dfc_, n2, a.ufc);
+  lora_backward(w.lfc, g.lfc, full_, dfc_, n2, a.ufc, lfc_parts_);
 }
 
 void GPT::lora_forward(const Lora& w, Tensor out, Tensor u, Tensor x) {
   if (w.on()) mpigpt::lora_forward(ops_, out, u, x, w.A, w.B, d_.lora.scale());
 }
 
-void GPT::lora_backward(const Lora& w, const Lora& g, Tensor dx, Tensor dout, Tensor x, Tensor u) {
-  if (w.on()) mpigpt::lora_backward(ops_, dx, g.A, g.B, dlora_, dout, x, u, w.A, w.B, d_.lora.scale());
+void GPT::lora_backward(const Lora& w, const Lora& g, Tensor dx, Tensor dout, Tensor x, Tensor u,
+                        const LoraParts& parts) {
+  if (!w.on()) return;
+  Tensor du = dlora_.flat_slice(0, dout.size(0) * u.size(1)).view({dout.size(0), u.size(1)});
+  mpigpt::lora_backward(ops_, dx, g.A, g.B, du, dout, x, u, w.A, w.B, d_.lora.scale());
+  lora_mask_grad(ops_, g.B, parts, d_.lora.rank, lora_zeros_);
 }
 
+void GPT::expert_lora_mask(Tensor dB) {
+  if (!dB.defined() || d_.gpt2() || !lfc_parts_.structured()) return;
+  const int64_t H = dB.size(1), w = dB.size(2);
+  const LoraParts parts{{H / 2, H / 2}, lfc_parts_.blocks};
+  for (int64_t e = 0; e < dB.size(0); ++e)
+    lora_mask_grad(ops_, dB.flat_slice(e * H * w, H * w).view({H, w}), parts, d_.lora.rank, lora_zeros_);
+}
 
 }  // namespace mpigpt

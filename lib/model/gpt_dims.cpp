@@ -1,9 +1,44 @@
 // FLOP and parameter counts of a GPT shape.
 #include "lib/model/gpt_dims.h"
 
+#include <algorithm>
+
 #include "lib/model/params.h"
 
 namespace mpigpt {
+
+namespace {
+
+// The bits that adapt layer t: its shared adapter's, then its projections' own in row order.
+std::vector<unsigned> lora_bits(LoraTarget t) {
+  if (t == kLoraQkv) return {kLoraQkv, kLoraQ, kLoraK, kLoraV};
+  if (t == kLoraFc1) return {kLoraFc1, kLoraGate, kLoraUp};
+  return {t};
+}
+
+}  // namespace
+
+bool LoraDims::adapts(LoraTarget t) const {
+  unsigned any = 0;
+  for (unsigned b : lora_bits(t)) any |= b;
+  return on() && (targets & any) != 0;
+}
+
+std::vector<int> LoraDims::part_blocks(LoraTarget t, int nparts) const {
+  const std::vector<unsigned> bits = lora_bits(t);
+  if ((targets & bits[0]) || bits.size() == 1 || size_t(nparts) != bits.size() - 1)  // shared, or one projection
+    return std::vector<int>(size_t(nparts), adapts(t) ? 0 : -1);
+  std::vector<int> blocks;
+  int next = 0;
+  for (int p = 0; p < nparts; ++p) blocks.push_back((targets & bits[size_t(p) + 1]) ? next++ : -1);
+  return blocks;
+}
+
+int64_t LoraDims::width(LoraTarget t, int nparts) const {
+  int blocks = 0;
+  for (int b : part_blocks(t, nparts)) blocks = std::max(blocks, b + 1);
+  return int64_t(blocks) * rank;
+}
 
 std::vector<int> slot_kind(const GptDims& d, int first, int end, bool embed, bool head) {
   std::vector<int> k = {end - first, embed, head};

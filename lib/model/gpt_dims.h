@@ -28,14 +28,26 @@ struct MoeDims {
 
 // LoRA adapters (lib/model/lora.h): which linear layers of every block carry them, their rank and
 // scale. rank 0: none, every parameter is trained; else only the adapters are, the rest is frozen.
-enum LoraTarget : unsigned { kLoraQkv = 1, kLoraProj = 2, kLoraFc1 = 4, kLoraFc2 = 8 };
+// kLoraQkv / kLoraFc1 adapt the fused qkv / SwiGLU [gate; up] layer with one A; kLoraQ, K, V, Gate,
+// Up give each of those projections an adapter of its own (r rows of A and r columns of B each).
+enum LoraTarget : unsigned {
+  kLoraQkv = 1, kLoraProj = 2, kLoraFc1 = 4, kLoraFc2 = 8, kLoraQ = 16, kLoraK = 32, kLoraV = 64, kLoraGate = 128,
+  kLoraUp = 256
+};
 struct LoraDims {
   int rank = 0;                                                    // r
   float alpha = 16.0f;                                             // the update is scaled by alpha / r
   unsigned targets = kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2;  // LoraTarget bits
   bool on() const { return rank > 0; }
-  bool adapts(LoraTarget t) const { return on() && (targets & t) != 0; }
+  // Whether layer `t` (kLoraQkv, kLoraProj, kLoraFc1, kLoraFc2) has an adapter, shared or per projection.
+  bool adapts(LoraTarget t) const;
   float scale() const { return alpha / float(rank); }
+  // The adapter block of each of layer t's `nparts` row parts (qkv: q, k, v; fc1: gate, up, or
+  // GPT-2's one): 0 for all under one shared adapter; else the adapted projections' blocks in
+  // order and -1 for a projection without one. The layer's A has width(t) = rank x blocks rows,
+  // B as many columns, part p's rows of B non-zero only in block p's r columns.
+  std::vector<int> part_blocks(LoraTarget t, int nparts) const;
+  int64_t width(LoraTarget t, int nparts = 1) const;
 };
 
 struct GptDims {

@@ -31,6 +31,29 @@ inline GptDims tiny_gpt_dims(Family f) {
   return d;
 }
 
+// Whether element g (global flat index) of parameter p may be non-zero: false only in a LoRA B
+// outside its structure (an adapter per projection, LoraDims::part_blocks: a row of projection i
+// lives in block i's r columns only).
+inline bool lora_b_live(const GptDims& d, const ParamInfo& p, int64_t g) {
+  if (!d.lora.on() || !p.name.ends_with("lora_B.weight")) return true;
+  const int n = p.global.ndim;
+  const int64_t w = p.global[n - 1], H = p.global[n - 2], row = g / w % H, block = g % w / d.lora.rank;
+  std::vector<int64_t> rows;
+  std::vector<int> blocks;
+  if (p.name.find(".attn.qkv.") != std::string::npos) {
+    rows = {int64_t(d.NH) * d.HD(), int64_t(d.NKV) * d.HD(), int64_t(d.NKV) * d.HD()};
+    blocks = d.lora.part_blocks(kLoraQkv, 3);
+  } else if (p.name.find(".fc.") != std::string::npos && !d.gpt2()) {
+    rows = {H / 2, H / 2};
+    blocks = d.lora.part_blocks(kLoraFc1, 2);
+  } else {
+    return true;
+  }
+  for (size_t i = 0, r0 = 0; i < rows.size(); r0 += size_t(rows[i++]))
+    if (row < int64_t(r0) + rows[i]) return blocks[i] == block;
+  return false;
+}
+
 // tiny_gpt_dims with LoRA adapters of rank 3 (scale 2) on `targets` (LoraTarget bits); `moe`: GPT-2
 // a dense layer below a MoE layer of 4 experts, Llama both MoE with a shared expert (not adapted).
 inline GptDims lora_dims(Family fam, unsigned targets, bool moe = false) {
@@ -58,7 +81,10 @@ inline void randomize_lora_b(GPT& m) {
     const ParamInfo& p = m.params()[i];
     if (!p.name.ends_with("lora_B.weight")) continue;
     float* w = m.param(int(i)).f32();
-    for (int64_t k = 0; k < p.numel(); ++k) w[k] = 0.3f * normal_at(13, stream_of(p.name), uint64_t(p.global_index(k)));
+    for (int64_t k = 0; k < p.numel(); ++k) {
+      const int64_t g = p.global_index(k);
+      w[k] = lora_b_live(m.dims(), p, g) ? 0.3f * normal_at(13, stream_of(p.name), uint64_t(g)) : 0.0f;
+    }
   }
 }
 

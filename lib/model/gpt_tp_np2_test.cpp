@@ -21,16 +21,20 @@ void perturb(GPT& m) {
     const ParamInfo& p = m.params()[i];
     if (p.kind != ParamKind::Norm && p.kind != ParamKind::Bias && !p.name.ends_with("lora_B.weight")) continue;
     float* w = m.param(int(i)).f32();
-    for (int64_t k = 0; k < p.numel(); ++k) w[k] += 0.2f * normal_at(9, stream_of(p.name), uint64_t(p.global_index(k)));
+    for (int64_t k = 0; k < p.numel(); ++k)  // B's structure (an adapter per projection) kept
+      if (testing::lora_b_live(m.dims(), p, p.global_index(k)))
+        w[k] += 0.2f * normal_at(9, stream_of(p.name), uint64_t(p.global_index(k)));
   }
 }
 
-void check_tp(Family fam, bool sp, int lora_rank = 0) {
+void check_tp(Family fam, bool sp, int lora_rank = 0, unsigned lora_targets = LoraDims{}.targets) {
   CAPTURE(int(fam));
   CAPTURE(sp);
   CAPTURE(lora_rank);
+  CAPTURE(lora_targets);
   GptDims d = testing::tiny_gpt_dims(fam);
   d.lora.rank = lora_rank;
+  d.lora.targets = lora_targets;
   const int B = 2;
   auto ops = make_cpu_ops();
   Comm comm(MPI_COMM_WORLD);
@@ -106,4 +110,8 @@ TEST_CASE("tp=2 shards reproduce the single-rank loss and gradient slices (both 
 TEST_CASE("tp=2 shards of LoRA adapters (A and B split as their layer) reproduce the single-rank loss and gradients") {
   for (Family fam : {Family::GPT2, Family::Llama})
     for (bool sp : {false, true}) check_tp(fam, sp, 3);
+  // An adapter per projection: each rank's q, k, v (gate, up) rows of B in their own blocks.
+  check_tp(Family::Llama, true, 3, kLoraQ | kLoraV | kLoraProj | kLoraGate | kLoraUp | kLoraFc2);
+  check_tp(Family::Llama, false, 3, kLoraK | kLoraUp);
+  check_tp(Family::GPT2, true, 3, kLoraQ | kLoraK | kLoraV | kLoraFc1);
 }

@@ -1,29 +1,12 @@
 // LoRA's adapted linear layer, written against ops.h.
 #include "lib/model/lora.h"
 
-#include <sstream>
+#include <algorithm>
+#include <numeric>
 
 #include "lib/core/error.h"
-#include "lib/model/gpt_dims.h"
 
 namespace mpigpt {
-
-unsigned parse_lora_targets(const std::string& list) {
-  unsigned bits = 0;
-  std::stringstream ss(list);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    if (item == "qkv") bits |= kLoraQkv;
-    else if (item == "proj") bits |= kLoraProj;
-    else if (item == "fc1") bits |= kLoraFc1;
-    else if (item == "fc2") bits |= kLoraFc2;
-    else fail("lora.targets = '{}': '{}' is not a linear layer LoRA adapts; write a comma list of qkv, proj, fc1, fc2", list, item);
-  }
-  if (bits == 0) fail("lora.targets = '{}' names no layer; write a comma list of qkv, proj, fc1, fc2", list);
-  return bits;
-}
 
 void lora_forward(Ops& ops, Tensor out, Tensor u, Tensor x, Tensor A, Tensor B, float s) {
   ops.linear_forward(u, x, A, Tensor());  // u = x A^T
@@ -38,6 +21,27 @@ void lora_backward(Ops& ops, Tensor dx, Tensor dA, Tensor dB, Tensor du, Tensor 
   ops.scale(du, s);
   ops.linear_backward(Tensor(), dA, Tensor(), du, x, A);  // dA += du^T x
   if (dx.defined()) ops.gemm(dx, du, A, false, false, 1.0f, 1.0f);  // dx += du A
+}
+
+bool LoraParts::structured() const {
+  return std::any_of(blocks.begin(), blocks.end(), [](int b) { return b != 0; });
+}
+
+void lora_mask_grad(Ops& ops, Tensor dB, const LoraParts& parts, int64_t r, Tensor zeros) {
+  if (!parts.structured()) return;
+  const int64_t width = dB.size(-1);
+  const int64_t rows = std::accumulate(parts.rows.begin(), parts.rows.end(), int64_t(0));
+  MPIGPT_CHECK(rows == dB.size(0) && width % r == 0, "lora_mask_grad: B's gradient {} is not {} rows in blocks of {}",
+               dB.str(), rows, r);
+  int64_t row0 = 0;
+  for (size_t p = 0; p < parts.rows.size(); ++p) {
+    const int64_t n = parts.rows[p];
+    const Tensor part = dB.flat_slice(row0 * width, n * width).view({n, width});
+    const Tensor zero = zeros.flat_slice(0, n * r).view({n, r});
+    for (int64_t col = 0; col < width; col += r)
+      if (col / r != parts.blocks[p]) ops.copy_cols(part, col, zero, 0, r);
+    row0 += n;
+  }
 }
 
 }  // namespace mpigpt

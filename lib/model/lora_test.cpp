@@ -84,11 +84,26 @@ TEST_CASE("lora: forward and backward equal the merged weight's, in double preci
   CHECK(rel_err(dB, gB.data()) < 1e-5);
 }
 
-TEST_CASE("lora: targets parse, and a bad one names the field") {
-  CHECK(parse_lora_targets("qkv,proj,fc1,fc2") == (kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2));
-  CHECK(parse_lora_targets(" fc2 ") == kLoraFc2);
-  CHECK_THROWS_WITH(parse_lora_targets("qkv,up"), doctest::Contains("lora.targets = 'qkv,up': 'up' is not"));
-  CHECK_THROWS_WITH(parse_lora_targets(""), doctest::Contains("names no layer"));
+TEST_CASE("lora: a fused layer's adapter blocks, shared or one per projection") {
+  LoraDims l;
+  l.rank = 4;
+  l.targets = kLoraQkv | kLoraFc2;
+  CHECK(l.part_blocks(kLoraQkv, 3) == std::vector<int>{0, 0, 0});
+  CHECK(l.width(kLoraQkv, 3) == 4);
+  CHECK(l.part_blocks(kLoraFc1, 2) == std::vector<int>{-1, -1});
+  CHECK_FALSE(l.adapts(kLoraFc1));
+  l.targets = kLoraQ | kLoraV | kLoraUp;
+  CHECK(l.adapts(kLoraQkv));
+  CHECK(l.part_blocks(kLoraQkv, 3) == std::vector<int>{0, -1, 1});
+  CHECK(l.width(kLoraQkv, 3) == 8);
+  CHECK(l.part_blocks(kLoraFc1, 2) == std::vector<int>{-1, 0});
+  CHECK(l.width(kLoraFc1, 2) == 4);
+  CHECK(l.width(kLoraProj) == 0);
+  l.targets = kLoraQ | kLoraK | kLoraV | kLoraGate | kLoraUp;
+  CHECK(l.part_blocks(kLoraQkv, 3) == std::vector<int>{0, 1, 2});
+  CHECK(l.width(kLoraQkv, 3) == 12);
+  CHECK(l.part_blocks(kLoraFc1, 2) == std::vector<int>{0, 1});
+  CHECK(l.part_blocks(kLoraFc1, 1) == std::vector<int>{0});  // GPT-2's one up projection
 }
 
 namespace {
@@ -116,25 +131,31 @@ void check_merged(Family fam, unsigned target, const char* layer, bool moe = fal
   base.init_weights(7);
   testing::randomize_lora_b(lm);
   const double s = dl.lora.scale();
-  const int64_t r = dl.lora.rank;
-  // Weight, A and B of layer l: (E, OUT, IN), (E, r, IN), (E, OUT, r), E = 1 for a dense layer.
+  // Weight, A and B of layer l: (E, OUT, IN), (E, r, IN), (E, OUT, r), E = 1 for a dense layer; r
+  // the layer's width (rank x blocks with an adapter per projection).
   struct Mats {
     int iw, ia, ib;
-    int64_t E, OUT, IN;
+    int64_t E, OUT, IN, r;
   };
   auto mats = [&](int l) {
     const std::string pre = adapted(d, l, layer);
     Mats m{index_of(base, pre + ".weight"), index_of(lm, pre + ".lora_A.weight"), index_of(lm, pre + ".lora_B.weight"),
-           1, 0, 0};
+           1, 0, 0, 0};
     const Shape w = base.params()[m.iw].shape;
     const int n = w.ndim;
-    m.E = n == 3 ? w[0] : 1, m.OUT = w[n - 2], m.IN = w[n - 1];
+    m.E = n == 3 ? w[0] : 1, m.OUT = w[n - 2], m.IN = w[n - 1], m.r = lm.params()[m.ia].shape[n - 2];
+    const int64_t r = m.r;
+    const std::string name = layer;
+    REQUIRE(r == (name == "attn.qkv" ? dl.lora.width(kLoraQkv, 3)
+                  : name == "mlp.fc" ? dl.lora.width(kLoraFc1, dl.gpt2() ? 1 : 2)
+                                     : dl.lora.rank));
     REQUIRE(lm.params()[m.ia].shape == (n == 3 ? Shape{m.E, r, m.IN} : Shape{r, m.IN}));
     REQUIRE(lm.params()[m.ib].shape == (n == 3 ? Shape{m.E, m.OUT, r} : Shape{m.OUT, r}));
     return m;
   };
   for (int l = 0; l < d.L; ++l) {  // merge, in double
     const Mats m = mats(l);
+    const int64_t r = m.r;
     for (int64_t e = 0; e < m.E; ++e) {
       float* W = base.param(m.iw).f32() + e * m.OUT * m.IN;
       const float *A = lm.param(m.ia).f32() + e * r * m.IN, *B = lm.param(m.ib).f32() + e * m.OUT * r;
@@ -159,6 +180,7 @@ void check_merged(Family fam, unsigned target, const char* layer, bool moe = fal
   for (int l = 0; l < d.L; ++l) {
     CAPTURE(l);
     const Mats m = mats(l);
+    const int64_t r = m.r;
     for (int64_t e = 0; e < m.E; ++e) {
       CAPTURE(e);
       const float* dW = base.grad(m.iw).f32() + e * m.OUT * m.IN;
@@ -170,6 +192,9 @@ void check_merged(Family fam, unsigned target, const char* layer, bool moe = fal
             dA[k * m.IN + i] += s * double(B[o * r + k]) * dW[o * m.IN + i];
             dB[o * r + k] += s * double(dW[o * m.IN + i]) * A[k * m.IN + i];
           }
+      // An adapter per projection: B's entries outside its blocks get no gradient (they stay zero).
+      for (int64_t k = 0; k < m.OUT * r; ++k)
+        if (!testing::lora_b_live(dl, lm.params()[m.ib], e * m.OUT * r + k)) dB[size_t(k)] = 0;
       CHECK(rel_err(dA, lm.grad(m.ia).f32() + e * r * m.IN) < 1e-4);
       CHECK(rel_err(dB, lm.grad(m.ib).f32() + e * m.OUT * r) < 1e-4);
     }
@@ -188,7 +213,15 @@ TEST_CASE("lora: each target of the GPT equals the merged weight, forward and ba
     check_merged(fam, kLoraQkv, "attn.qkv", true);
     check_merged(fam, kLoraFc1, "mlp.fc", true);
     check_merged(fam, kLoraFc2, "mlp.proj", true);
+    // An adapter of its own per projection: q and v (k not adapted), all three, one alone.
+    check_merged(fam, kLoraQ | kLoraV, "attn.qkv");
+    check_merged(fam, kLoraQ | kLoraK | kLoraV, "attn.qkv", true);
+    check_merged(fam, kLoraK, "attn.qkv");
   }
+  check_merged(Family::Llama, kLoraGate | kLoraUp, "mlp.fc");
+  check_merged(Family::Llama, kLoraUp, "mlp.fc");
+  check_merged(Family::Llama, kLoraGate | kLoraUp, "mlp.fc", true);  // per routed expert
+  check_merged(Family::Llama, kLoraGate, "mlp.fc", true);
 }
 
 TEST_CASE("lora: the adapters' gradients match finite differences (both families, every target, dense and MoE)") {

@@ -105,8 +105,8 @@ struct TableBuilder {
   // (`parts`: its row blocks) has A replicated and B split as its rows; a row-parallel base
   // (empty `parts`) has A split on the input columns as its own, B replicated. A is
   // Kaiming-uniform with a = sqrt(5) (as PEFT's), bound 1/sqrt(in) from the GLOBAL fan-in; B zero.
-  void add_lora(const std::string& base, int64_t in, int64_t out, const std::vector<int64_t>& parts) {
-    const int64_t r = d.lora.rank;
+  // r: A's rows, the layer's LoraDims::width.
+  void add_lora(const std::string& base, int64_t in, int64_t out, const std::vector<int64_t>& parts, int64_t r) {
     const float bound = 1.0f / std::sqrt(float(in));
     if (!parts.empty()) {
       add_full(base + ".lora_A.weight", {r, in}, ParamKind::Weight).init_bound = bound;
@@ -151,8 +151,7 @@ struct TableBuilder {
   // features each, split as the base: fc (`hidden_parts` > 0 blocks of rows) has A replicated over
   // expert_tp and B split as its rows; proj (-1) has A split on its input columns (the hidden
   // units) and B replicated. ep splits whole experts. A's bound is from the GLOBAL fan-in.
-  void add_expert_lora(const std::string& base, int64_t E, int64_t in, int64_t out, int hidden_parts) {
-    const int64_t r = d.lora.rank;
+  void add_expert_lora(const std::string& base, int64_t E, int64_t in, int64_t out, int hidden_parts, int64_t r) {
     const float bound = 1.0f / std::sqrt(float(in));
     const bool fc = hidden_parts > 0;
     add_expert(base + ".lora_A.weight", {E, r, in}, ParamKind::Weight, 0, fc ? 0 : -1).init_bound = bound;
@@ -214,15 +213,16 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
         b.add_cols(p + "mlp.proj.weight", {d.C, F}, ParamKind::Weight, out_std);
         if (g) b.add_full(p + "mlp.proj.bias", {d.C}, ParamKind::Bias);
       }
-      if (d.lora.adapts(kLoraQkv)) b.add_lora(p + "attn.qkv", d.C, q + 2 * kv, {q, kv, kv});
-      if (d.lora.adapts(kLoraProj)) b.add_lora(p + "attn.proj", q, d.C, {});
+      const LoraDims& lo = d.lora;
+      const int64_t r = lo.rank, rqkv = lo.width(kLoraQkv, 3), rfc = lo.width(kLoraFc1, g ? 1 : 2);
+      if (lo.adapts(kLoraQkv)) b.add_lora(p + "attn.qkv", d.C, q + 2 * kv, {q, kv, kv}, rqkv);
+      if (lo.adapts(kLoraProj)) b.add_lora(p + "attn.proj", q, d.C, {}, r);
       // A MoE layer's fc1/fc2 adapters are one per routed expert; the shared expert is not adapted.
       const int64_t E = d.moe.E, Fe = d.moe.F;
-      if (d.lora.adapts(kLoraFc1) && moe) b.add_expert_lora(p + "mlp.experts.fc", E, d.C, g ? Fe : 2 * Fe, g ? 1 : 2);
-      if (d.lora.adapts(kLoraFc1) && !moe)
-        b.add_lora(p + "mlp.fc", d.C, g ? F : 2 * F, g ? parts_t{F} : parts_t{F, F});
-      if (d.lora.adapts(kLoraFc2) && moe) b.add_expert_lora(p + "mlp.experts.proj", E, Fe, d.C, -1);
-      if (d.lora.adapts(kLoraFc2) && !moe) b.add_lora(p + "mlp.proj", F, d.C, {});
+      if (lo.adapts(kLoraFc1) && moe) b.add_expert_lora(p + "mlp.experts.fc", E, d.C, g ? Fe : 2 * Fe, g ? 1 : 2, rfc);
+      if (lo.adapts(kLoraFc1) && !moe) b.add_lora(p + "mlp.fc", d.C, g ? F : 2 * F, g ? parts_t{F} : parts_t{F, F}, rfc);
+      if (lo.adapts(kLoraFc2) && moe) b.add_expert_lora(p + "mlp.experts.proj", E, Fe, d.C, -1, r);
+      if (lo.adapts(kLoraFc2) && !moe) b.add_lora(p + "mlp.proj", F, d.C, {}, r);
     }
   if (pl.last_stage) {
     b.add_full("final_norm.weight", {d.C}, ParamKind::Norm);

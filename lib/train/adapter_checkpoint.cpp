@@ -13,7 +13,6 @@
 #include "io/formats/llmc_model.h"
 #include "io/formats/peft_format.h"
 #include "lib/core/error.h"
-#include "lib/model/lora.h"
 #include "lib/model/params.h"
 #include "lib/train/checkpointing.h"
 #include "lib/train/trainer.h"
@@ -137,7 +136,7 @@ void check_adapter_load(const CheckpointReader& in, const std::string& file, Mod
   };
   if (rank != l.rank) refuse("lora.rank", std::to_string(rank), std::to_string(l.rank));
   if (alpha != l.alpha) refuse("lora.alpha", fmt::format("{}", alpha), fmt::format("{}", l.alpha));
-  if (parse_lora_targets(targets) != parse_lora_targets(l.targets)) refuse("lora.targets", targets, l.targets);
+  if (lora_target_set(targets) != lora_target_set(l.targets)) refuse("lora.targets", targets, l.targets);
   const AdapterBase saved{in.attr_string("lora.base_format"), in.attr_string("lora.base_path")};
   const std::string want = in.attr_string("lora.base_checksum"), have = base_checksum(r);
   if (want != have)
@@ -199,7 +198,7 @@ void adopt_peft_lora(Config& cfg) {
   };
   if (l.rank != peft.rank) refuse("lora.rank", std::to_string(l.rank), std::to_string(peft.rank));
   if (l.alpha != peft.alpha) refuse("lora.alpha", fmt::format("{}", l.alpha), fmt::format("{}", peft.alpha));
-  if (parse_lora_targets(l.targets) != parse_lora_targets(peft.targets)) refuse("lora.targets", l.targets, peft.targets);
+  if (lora_target_set(l.targets) != lora_target_set(peft.targets)) refuse("lora.targets", l.targets, peft.targets);
 }
 
 TensorMap load_base_tensors(const AdapterBase& base, const Config& cfg, const GptDims& d) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <csignal>
 #include <thread>
 #include <cmath>
@@ -18,7 +19,6 @@
 #include "io/formats/peft_format.h"
 #include "lib/core/log.h"
 #include "lib/core/rng.h"
-#include "lib/model/lora.h"
 #include "lib/optim/adamw.h"
 #include "lib/optim/lr_schedule.h"
 #include "lib/train/checkpointing.h"
@@ -76,7 +76,11 @@ GptDims make_dims(const Config& cfg, int vocab_size) {
   if (cfg.lora.rank > 0) {
     d.lora.rank = cfg.lora.rank;
     d.lora.alpha = float(cfg.lora.alpha);
-    d.lora.targets = parse_lora_targets(cfg.lora.targets);
+    static const std::map<std::string, LoraTarget> bits = {
+        {"qkv", kLoraQkv}, {"proj", kLoraProj}, {"fc1", kLoraFc1}, {"fc2", kLoraFc2}, {"q", kLoraQ},
+        {"k", kLoraK},     {"v", kLoraV},       {"gate", kLoraGate}, {"up", kLoraUp}};
+    d.lora.targets = 0;
+    for (const std::string& t : lora_target_set(cfg.lora.targets)) d.lora.targets |= bits.at(t);
   }
   return d;
 }

@@ -17,14 +17,17 @@ using testing::to_host;
 namespace {
 
 // The same weights (random B) on the CPU and on the GPU, one forward and backward on each: the
-// loss within `tol` (relative), every adapter's gradient within tol x its largest CPU element.
-void check_against_cpu(Family fam, bool moe, DType act, double tol) {
+// loss within `tol` (relative), every adapter's gradient within tol x its largest CPU element, and
+// exactly zero outside B's structure (an adapter per projection).
+void check_against_cpu(Family fam, bool moe, DType act, double tol,
+                       unsigned targets = kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2) {
   CAPTURE(int(fam));
   CAPTURE(moe);
   CAPTURE(act == DType::BF16);
+  CAPTURE(targets);
   auto gpu = testing::cuda_ops_or_skip();
   auto cpu = make_cpu_ops();
-  const GptDims d = testing::lora_dims(fam, kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2, moe);
+  const GptDims d = testing::lora_dims(fam, targets, moe);
   GptDims dg = d;
   dg.act = act;
   const int B = 2;
@@ -53,10 +56,13 @@ void check_against_cpu(Family fam, bool moe, DType act, double tol) {
     const std::vector<float> g = to_host(*gpu, m.grad(int(i)));
     REQUIRE(int64_t(g.size()) == r.numel());
     double scale = 0, diff = 0;
+    int64_t stray = 0;
     for (int64_t k = 0; k < r.numel(); ++k) {
       scale = std::max(scale, double(std::abs(r.f32()[k])));
       diff = std::max(diff, double(std::abs(g[size_t(k)] - r.f32()[k])));
+      stray += !testing::lora_b_live(d, ref.params()[i], ref.params()[i].global_index(k)) && g[size_t(k)] != 0;
     }
+    CHECK(stray == 0);
     CHECK(scale > 0);
     CHECK(diff <= tol * scale);
   }
@@ -68,6 +74,9 @@ void check_against_cpu(Family fam, bool moe, DType act, double tol) {
 TEST_CASE("cuda lora: fp32 equals the CPU backend, dense and MoE (both families)") {
   for (Family fam : {Family::GPT2, Family::Llama})
     for (bool moe : {false, true}) check_against_cpu(fam, moe, DType::F32, 1e-4);
+  // An adapter per projection (q and v; gate and up of the dense and the routed experts' MLPs).
+  for (bool moe : {false, true})
+    check_against_cpu(Family::Llama, moe, DType::F32, 1e-4, kLoraQ | kLoraV | kLoraProj | kLoraGate | kLoraUp);
 }
 
 // bf16 rounds activations and compute weights to 8 bits of mantissa (~4e-3 relative), and the
