@@ -6,7 +6,9 @@ For each family (gpt2; llama with grouped-query heads; mixtral, a llama-family M
 tiny model on DATA, exports it, trains LoRA adapters on it and exports them, then computes the
 mean token loss over four fixed sequences of English text with mpigpt (fp32, CPU backend; the
 adapters read back through --init-from-peft) and with transformers (fp32, CPU, eager attention;
-the adapters through peft's PeftModel). |ours - theirs| must be at most TOL. Needs python3 with
+the adapters through peft's PeftModel). For llama the adapters are one per projection (q, v, gate,
+up), and an adapter that peft itself made (its own random A and B for q_proj, v_proj and up_proj,
+lora_dropout 0.05) is read by --init-from-peft too. |ours - theirs| must be at most TOL. Needs python3 with
 torch, transformers and peft; exits 77 (skipped) without them, 1 when a comparison fails.
 
   hf_check.py --mpigpt "build/mpigpt" --data PREFIX --out DIR [--families gpt2,llama,mixtral]
@@ -35,6 +37,8 @@ FAMILIES = {
                 "--model.num_experts", "4", "--model.moe_top_k", "2", "--model.moe_norm_topk_prob", "true"],
 }
 SHAPE = ["--model.num_layers", "2", "--model.hidden", "64"]
+# mpigpt's LoRA targets per family: llama an adapter per projection, as peft trains them.
+TARGETS = {"gpt2": "qkv,proj,fc1,fc2", "llama": "q,v,proj,gate,up,fc2", "mixtral": "qkv,proj,fc1,fc2"}
 TRAIN = ["--model.seq_len", str(T), "--training.micro_batch", "8", "--training.global_batch", "8",
          "--training.warmup_iters", "5", "--training.eval_interval", "0", "--training.log_interval", "10"]
 
@@ -97,7 +101,7 @@ def check_family(fam, args, mpigpt, libs):
          "--checkpoint.save", base], log)
     run(mpigpt + ["convert", "--to", "hf", base, hf], log)
     run(mpigpt + ["train"] + TRAIN + ["--init-from-checkpoint", base, "--lora.rank", "4", "--lora.alpha", "8",
-                                      "--data.path", args.data, "--training.lr", "1e-2",
+                                      "--lora.targets", TARGETS[fam], "--data.path", args.data, "--training.lr", "1e-2",
                                       "--training.train_iters", "30", "--checkpoint.save", lora], log)
     run(mpigpt + ["convert", "--to", "peft", lora, peft_dir], log)
     ours = mpigpt_loss(mpigpt, out, "base_loss", ["--init-from-checkpoint", base], out / "tokens.bin", log)
@@ -110,6 +114,8 @@ def check_family(fam, args, mpigpt, libs):
         ok &= compare(fam, "transformers", ours, hf_loss(torch, model.eval(), tokens))
         adapted = peft.PeftModel.from_pretrained(model, peft_dir)
         ok &= compare(fam, "peft", ours_lora, hf_loss(torch, adapted.eval(), tokens))
+        if fam == "llama":
+            ok &= check_peft_made(torch, transformers, peft, hf, base, out, mpigpt, tokens, log)
     except Exception as e:  # noqa: BLE001
         print(f"hf_check: {fam}: {type(e).__name__}: {e}")
         return False
@@ -117,6 +123,21 @@ def check_family(fam, args, mpigpt, libs):
         print(f"hf_check: {fam}: the adapters barely change the loss ({ours} -> {ours_lora}): nothing was checked")
         ok = False
     return ok
+
+
+def check_peft_made(torch, transformers, peft, hf, base, out, mpigpt, tokens, log):
+    """An adapter as peft makes one (its own A per projection, q_proj and v_proj only, dropout; B
+    random, init_lora_weights=False, so that it is no no-op) read by mpigpt --init-from-peft."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj", "up_proj"],
+                          init_lora_weights=False, task_type="CAUSAL_LM")
+    adapted = peft.get_peft_model(model, cfg)
+    made = out / "peft_made"
+    adapted.save_pretrained(str(made))
+    ours = mpigpt_loss(mpigpt, out, "peft_made_loss", ["--init-from-checkpoint", base, "--init-from-peft", str(made)],
+                       out / "tokens.bin", log)
+    return compare("llama", "peft-made adapter", ours, hf_loss(torch, adapted.eval(), tokens))
 
 
 def main():

@@ -1,10 +1,14 @@
 // PEFT adapter interchange: ours -> PEFT -> ours bit-identical for GPT-2 and Llama, PEFT's names
-// and config fields, and the adapters mpigpt cannot represent refused naming the key or field.
+// and config fields, a PEFT-trained adapter (an A per projection), and the adapters mpigpt cannot
+// represent refused naming the key or field.
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <random>
+#include <set>
 
 #include "io/formats/hf_testing.h"
 #include "io/formats/peft_format.h"
@@ -26,27 +30,45 @@ LoraConfig lora(int r, double alpha, const std::string& targets) {
   return l;
 }
 
-// Random adapters of every adapted layer of `m` (B non-zero, as after training).
+// Random adapters of every adapted layer of `m` (B non-zero, as after training; with an adapter
+// per projection (q, k, v, gate, up) each projection's rows of B in its own block of columns).
 TensorMap random_adapters(const ModelConfig& m, const LoraConfig& l, uint32_t seed) {
   std::mt19937 gen(seed);
   std::normal_distribution<float> n(0.f, 0.3f);
+  const std::set<std::string> want = lora_target_set(l.targets);
   const int64_t C = m.hidden, kv = (m.num_kv_heads > 0 ? m.num_kv_heads : m.num_heads) * (C / m.num_heads);
-  const int64_t F = m.ffn_hidden > 0 ? m.ffn_hidden : 4 * C;
+  const int64_t F = m.ffn_hidden > 0 ? m.ffn_hidden : 4 * C, r = l.rank;
   const bool g = m.family == "gpt2";
   const int64_t E = m.num_experts, Fe = m.moe_ffn_hidden;  // Mixtral: every layer's MLP is E experts
   const char *fc = E ? "mlp.experts.fc" : "mlp.fc", *proj = E ? "mlp.experts.proj" : "mlp.proj";
+  const int64_t H = E ? Fe : F;
+  struct Layer {
+    std::string target, stem;
+    int64_t in;
+    std::vector<int64_t> rows;
+    std::vector<std::string> own;  // the projections' own targets (none: one projection)
+  };
   TensorMap out;
   for (int layer = 0; layer < m.num_layers; ++layer)
-    for (auto [target, stem, in, o] : {std::tuple{"qkv", "attn.qkv", C, C + 2 * kv}, std::tuple{"proj", "attn.proj", C, C},
-                                       std::tuple{"fc1", fc, C, E ? 2 * Fe : g ? F : 2 * F},
-                                       std::tuple{"fc2", proj, E ? Fe : F, C}}) {
-      if (l.targets.find(target) == std::string::npos) continue;
-      const std::string p = "layers." + std::to_string(layer) + "." + stem;
-      const bool expert = std::string(stem).find("experts") != std::string::npos;
-      const Shape sa = expert ? Shape{E, l.rank, in} : Shape{l.rank, in}, sb = expert ? Shape{E, o, l.rank} : Shape{o, l.rank};
+    for (const Layer& a : {Layer{"qkv", "attn.qkv", C, {C, kv, kv}, {"q", "k", "v"}}, Layer{"proj", "attn.proj", C, {C}, {}},
+                           g ? Layer{"fc1", fc, C, {F}, {}} : Layer{"fc1", fc, C, {H, H}, {"gate", "up"}},
+                           Layer{"fc2", proj, H, {C}, {}}}) {
+      std::vector<int> block(a.rows.size(), want.count(a.target) ? 0 : -1);
+      int blocks = want.count(a.target) ? 1 : 0;
+      for (size_t i = 0; i < a.own.size() && !want.count(a.target); ++i)
+        if (want.count(a.own[i])) block[i] = blocks++;
+      if (blocks == 0) continue;
+      const int64_t w = blocks * r, o = std::accumulate(a.rows.begin(), a.rows.end(), int64_t(0));
+      const std::string p = "layers." + std::to_string(layer) + "." + a.stem;
+      const bool expert = a.stem.find("experts") != std::string::npos;
+      const Shape sa = expert ? Shape{E, w, a.in} : Shape{w, a.in}, sb = expert ? Shape{E, o, w} : Shape{o, w};
       HostTensor A{sa, std::vector<float>(size_t(sa.numel()))}, B{sb, std::vector<float>(size_t(sb.numel()))};
       for (float& x : A.data) x = n(gen);
-      for (float& x : B.data) x = n(gen);
+      for (int64_t k = 0; k < sb.numel(); ++k) {
+        int64_t row = k / w % o, part = 0;
+        while (row >= a.rows[size_t(part)]) row -= a.rows[size_t(part++)];
+        if (k % w / r == block[size_t(part)]) B.data[size_t(k)] = n(gen);
+      }
       out[p + ".lora_A.weight"] = std::move(A);
       out[p + ".lora_B.weight"] = std::move(B);
     }
@@ -69,8 +91,11 @@ void write_json(const std::string& path, const json& j) { std::ofstream(path) <<
 }  // namespace
 
 TEST_CASE("peft: ours -> PEFT files -> ours is bit-identical (GPT-2 and Llama, all and some targets)") {
-  for (const ModelConfig& m : {tiny_gpt2(), tiny_llama()})
-    for (const char* targets : {"qkv,proj,fc1,fc2", "proj,fc1", "fc2"}) {
+  for (const ModelConfig& m : {tiny_gpt2(), tiny_llama()}) {
+    std::vector<std::string> lists = {"qkv,proj,fc1,fc2", "proj,fc1", "fc2"};
+    if (m.family == "llama")  // an adapter per projection (PEFT's default for Llama: q and v)
+      lists.insert(lists.end(), {"q,v,proj,gate,up,fc2", "k", "q,k,v,up"});
+    for (const std::string& targets : lists) {
       CAPTURE(m.family);
       CAPTURE(targets);
       const LoraConfig l = lora(4, 8, targets);
@@ -81,10 +106,11 @@ TEST_CASE("peft: ours -> PEFT files -> ours is bit-identical (GPT-2 and Llama, a
       const LoraConfig back = read_peft_config(tmp / "peft", m, &base);
       CHECK(back.rank == 4);
       CHECK(back.alpha == 8);
-      CHECK(back.targets == std::string(targets));
+      CHECK(back.targets == targets);
       CHECK(base == "/models/base");
       CHECK(bitwise_equal(load_peft_adapter(tmp / "peft", m, back), ours));
     }
+  }
 }
 
 TEST_CASE("peft: PEFT's key names, split qkv and [gate; up], config fields") {
@@ -154,21 +180,90 @@ TEST_CASE("peft: adapters mpigpt cannot represent are refused naming the key or 
   };
   refused("use_dora", true, "use_dora = true: mpigpt computes plain LoRA");
   refused("use_rslora", true, "use_rslora = true");
-  refused("lora_dropout", 0.05, "lora_dropout = 0.05");
+  refused("lora_dropout", 1.5, "lora_dropout = 1.5: expected a probability in [0, 1)");
   refused("bias", "all", "bias = \"all\"");
   refused("peft_type", "IA3", "peft_type = \"IA3\"");
   refused("rank_pattern", json{{"q_proj", 8}}, "rank_pattern = {\"q_proj\":8}");
   refused("modules_to_save", json{"lm_head"}, "modules_to_save = [\"lm_head\"]");
-  refused("target_modules", json{"q_proj", "k_proj"}, "adapts only some of the projections that mpigpt fuses into attn.qkv");
   refused("target_modules", json{"q_proj", "k_proj", "v_proj", "lm_head"}, "names lm_head, a module mpigpt has no LoRA adapter for");
   refused("target_modules", "all-linear", "mpigpt reads a list of module names");
   write_json(tmp / (std::string("a/") + kPeftConfigFile), json::object({{"peft_type", "LORA"}, {"r", 2}, {"lora_alpha", 4}, {"use_dora", true}}));
   CHECK_THROWS_WITH_AS(read_peft_config(tmp / "a", m), doctest::Contains("adapter_config.json: use_dora = true"), Error);
+  // Under a shared target (qkv) the projections' A must be equal; B is zero outside its blocks.
+  const LoraConfig split = lora(2, 4, "q,v");
+  TensorMap ours = random_adapters(m, split, 5);
+  ours.at("layers.0.attn.qkv.lora_B.weight").data[16 * 4 + 1] = 0.5f;  // a k row (k not adapted)
+  CHECK_THROWS_WITH_AS(to_peft(ours, m, split), doctest::Contains("to_peft: adapter layers.0.attn.qkv has B[16, 1] = "
+                                                                  "0.5 outside self_attn.k_proj's block"), Error);
+  CHECK_THROWS_WITH_AS(peft_config(tiny_gpt2(), split, ""),
+                       doctest::Contains("lora.targets = 'q,v' gives q, k and v adapters of their own, but a "
+                                         "model.family = gpt2 model computes them in one Hugging Face layer"), Error);
+}
+
+TEST_CASE("peft: a PEFT-trained adapter (an A per projection, q and v only, dropout) reads as adapters per projection") {
+  const ModelConfig m = tiny_llama();  // q 16, kv 8, F 24
+  const int64_t r = 2;
+  std::mt19937 gen(9);
+  std::normal_distribution<float> n(0.f, 0.3f);
+  TensorMap peft;  // as PEFT's LoraConfig(r=2, target_modules=["q_proj", "v_proj", "up_proj"]) trains it
+  auto put = [&](const std::string& key, int64_t rows) {
+    for (auto [f, shape] : {std::pair{".lora_A.weight", Shape{r, 16}}, std::pair{".lora_B.weight", Shape{rows, r}}}) {
+      HostTensor t{shape, std::vector<float>(size_t(shape.numel()))};
+      for (float& x : t.data) x = n(gen);
+      peft[key + f] = std::move(t);
+    }
+  };
+  for (int l = 0; l < m.num_layers; ++l) {
+    const std::string p = "base_model.model.model.layers." + std::to_string(l) + ".";
+    put(p + "self_attn.q_proj", 16);
+    put(p + "self_attn.v_proj", 8);
+    put(p + "mlp.up_proj", 24);
+  }
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "p");
+  write_safetensors(tmp / (std::string("p/") + kPeftWeightsFile), peft);
+  write_json(tmp / (std::string("p/") + kPeftConfigFile),
+             json{{"peft_type", "LORA"}, {"r", 2}, {"lora_alpha", 4}, {"lora_dropout", 0.05}, {"bias", "none"},
+                  {"target_modules", {"q_proj", "v_proj", "up_proj"}}, {"task_type", "CAUSAL_LM"}});
+  const LoraConfig l = read_peft_config(tmp / "p", m);
+  CHECK(l.targets == "q,v,up");
+  CHECK(l.rank == 2);
+  CHECK(l.dropout == 0.05);
+  const TensorMap ours = load_peft_adapter(tmp / "p", m, l);
+  CHECK(ours.at("layers.1.attn.qkv.lora_A.weight").shape == Shape{4, 16});
+  CHECK(ours.at("layers.1.attn.qkv.lora_B.weight").shape == Shape{32, 4});
+  CHECK(ours.at("layers.1.mlp.fc.lora_B.weight").shape == Shape{48, 2});
+  // Our B A is each projection's own B_p A_p in its rows (zero for k and gate), as PEFT computes.
+  auto product = [](const HostTensor& B, const HostTensor& A, int64_t row, int64_t col) {
+    double s = 0;
+    for (int64_t k = 0; k < A.shape[0]; ++k) s += double(B.data[size_t(row * A.shape[0] + k)]) * A.data[size_t(k * A.shape[1] + col)];
+    return s;
+  };
+  const std::string q = "base_model.model.model.layers.1.";
+  const HostTensor &A = ours.at("layers.1.attn.qkv.lora_A.weight"), &B = ours.at("layers.1.attn.qkv.lora_B.weight"),
+                   &Af = ours.at("layers.1.mlp.fc.lora_A.weight"), &Bf = ours.at("layers.1.mlp.fc.lora_B.weight");
+  double err = 0;
+  for (int64_t col = 0; col < 16; ++col) {
+    for (int64_t row = 0; row < 32; ++row) {
+      const double want = row < 16 ? product(peft.at(q + "self_attn.q_proj.lora_B.weight"), peft.at(q + "self_attn.q_proj.lora_A.weight"), row, col)
+                          : row < 24 ? 0.0
+                                     : product(peft.at(q + "self_attn.v_proj.lora_B.weight"), peft.at(q + "self_attn.v_proj.lora_A.weight"), row - 24, col);
+      err = std::max(err, std::abs(product(B, A, row, col) - want));
+    }
+    for (int64_t row = 0; row < 48; ++row) {
+      const double want = row < 24 ? 0.0 : product(peft.at(q + "mlp.up_proj.lora_B.weight"), peft.at(q + "mlp.up_proj.lora_A.weight"), row - 24, col);
+      err = std::max(err, std::abs(product(Bf, Af, row, col) - want));
+    }
+  }
+  CHECK(err < 1e-6);
+  CHECK(bitwise_equal(to_peft(ours, m, l), peft));  // and back to PEFT's tensors, bit for bit
+  const json c = peft_config(m, l, "");
+  CHECK(c["target_modules"] == json({"q_proj", "v_proj", "up_proj"}));
 }
 
 TEST_CASE("peft: Mixtral's routed experts: ours -> PEFT -> ours bit-identical, w1/w3/w2 per expert, errors") {
   const ModelConfig m = tiny_mixtral();  // C 16, E 4, expert F 12, every layer MoE
-  for (const char* targets : {"qkv,proj,fc1,fc2", "fc1", "proj,fc2"}) {
+  for (const char* targets : {"qkv,proj,fc1,fc2", "fc1", "proj,fc2", "q,v,gate,up", "up,fc2"}) {
     CAPTURE(targets);
     const LoraConfig l = lora(2, 4, targets);
     TempDir tmp;
@@ -204,19 +299,17 @@ TEST_CASE("peft: Mixtral's routed experts: ours -> PEFT -> ours bit-identical, w
   const json c = peft_config(m, l, "");
   CHECK(c["target_modules"] == json({"q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2"}));
   json c2 = c;
-  c2["target_modules"] = {"w2", "w3", "w1"};
-  CHECK(lora_config_from_peft(c2, m, "x").targets == "fc1,fc2");
+  c2["target_modules"] = {"w2", "w3", "w1"};  // read_peft_config finds their A shared (fc1)
+  CHECK(lora_config_from_peft(c2, m, "x").targets == "gate,up,fc2");
   c2["target_modules"] = {"w1", "w2"};
-  CHECK_THROWS_WITH_AS(lora_config_from_peft(c2, m, "x"),
-                       doctest::Contains("adapts only some of the projections that mpigpt fuses into mlp.experts.fc"),
-                       Error);
+  CHECK(lora_config_from_peft(c2, m, "x").targets == "gate,fc2");
 
   TensorMap t = p;
   t.at(x + "w3.lora_A.weight").data[1] += 1.0f;
   CHECK_THROWS_WITH_AS(from_peft(t, m, l, "f"),
                        doctest::Contains((x + "w3.lora_A.weight differs from " + x +
-                                          "w1.lora_A.weight: mpigpt fuses these projections into one adapter "
-                                          "(mlp.experts.fc of expert 2)").c_str()),
+                                          "w1.lora_A.weight: lora.targets = qkv,proj,fc1,fc2 gives mlp.experts.fc "
+                                          "of expert 2 one adapter whose A is shared").c_str()),
                        Error);
   t = p;
   t.erase(x + "w2.lora_B.weight");

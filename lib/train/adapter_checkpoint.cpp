@@ -13,6 +13,7 @@
 #include "io/formats/llmc_model.h"
 #include "io/formats/peft_format.h"
 #include "lib/core/error.h"
+#include "lib/core/log.h"
 #include "lib/model/params.h"
 #include "lib/train/checkpointing.h"
 #include "lib/train/trainer.h"
@@ -186,6 +187,11 @@ void adopt_peft_lora(Config& cfg) {
   if (cfg.checkpoint.init_from_peft.empty()) return;
   const LoraConfig peft = read_peft_config(cfg.checkpoint.init_from_peft, cfg.model);
   LoraConfig& l = cfg.lora;
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (peft.dropout != 0 && rank == 0)  // a training setting, not part of the adapter's function
+    log_line("lora: warning: the PEFT adapter {} was trained with lora_dropout = {}; mpigpt fine-tunes it without "
+             "dropout (lora.dropout = 0)", cfg.checkpoint.init_from_peft, peft.dropout);
   if (l.rank == 0) {
     l.rank = peft.rank;
     l.alpha = peft.alpha;
