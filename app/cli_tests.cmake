@@ -347,6 +347,10 @@ cli_test(plan_write ok "rank 63 = " "mkdir -p ${CLI_DIR} && ${PLAN} --gpus 64 --
 cli_test(plan_json ok "^5 layouts parsed, best tp[0-9]" "${PLAN} --gpus 64 --device h200 --top 5 --json | python3 -c \"print(*(lambda j: (len(j['layouts']), 'layouts parsed, best', j['layouts'][0]['layout']))(__import__('json').load(__import__('sys').stdin)))\"")
 cli_test(plan_fix ok "^ +1  tp8 sp cp1 pp2 " "${PLAN} --gpus 64 --device h100 --fix tp=8,pp=2 --top 3")
 # A 175B model on one node: nothing fits, and the planner says how many GPUs would.
+# LoRA: the frozen 1.24B base is held (fp32 and its bf16 copy), only the adapters get gradients and
+# AdamW state (the figures docs/performance.md measured on the CPU backend).
+cli_test(plan_lora ok "LoRA rank 16 on qkv,proj,fc1,fc2 \\(the rest frozen\\).*parameters 4751.3 MiB, gradients 37.0, optimizer 74.0"
+  "${BIN} plan --config ${PROJECT_SOURCE_DIR}/inputs/llama_1b_gpu.ini --gpus 1 --gpus-per-node 1 --device h100 --lora.rank 16 --top 1 | tr '\\n' ' '")
 cli_test(plan_impossible fail "fits on [0-9]+ GPUs \\([0-9]+ nodes of 8\\)" "${PLAN} --gpus 8 --device h100 --model.num_layers 96 --model.hidden 12288 --model.num_heads 96 --model.seq_len 2048 --model.max_position 2048")
 cli_test(plan_impossible_pinned fail "fits on 1 GPUs with engine.recompute = full" "${BIN} plan --config ${PROJECT_SOURCE_DIR}/inputs/gpt2_1p3b_gpu.ini --gpus 1 --gpus-per-node 1 --device h100 --fix recompute=none,mb=64")
 cli_test(plan_bad_device fail "--device = 'tpu' is not a known device" "${PLAN} --gpus 8 --device tpu")

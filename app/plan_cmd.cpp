@@ -106,8 +106,10 @@ std::string gib(double bytes) { return fmt::format("{:.1f} GiB", bytes / (1024.0
 void print_table(const PlanOptions& o, const PlanResult& res) {
   const PlanRequest& r = o.req;
   const ModelConfig& m = r.base.model;
-  fmt::print("mpigpt plan: {} {} layers x {} channels, {} heads, sequence {}, global batch {} on {} x {} ({} per node, "
-             "{} each)\n", m.family, m.num_layers, m.hidden, m.num_heads, m.seq_len, r.global_batch, r.gpus,
+  const LoraConfig& l = r.base.lora;
+  const std::string lora = l.rank > 0 ? fmt::format(", LoRA rank {} on {} (the rest frozen)", l.rank, l.targets) : "";
+  fmt::print("mpigpt plan: {} {} layers x {} channels, {} heads{}, sequence {}, global batch {} on {} x {} ({} per "
+             "node, {} each)\n", m.family, m.num_layers, m.hidden, m.num_heads, lora, m.seq_len, r.global_batch, r.gpus,
              r.device.name, r.per_node, gib(r.memory_bytes));
   std::string why;
   for (const auto& [k, n] : res.rejected) why += fmt::format("{}{} {}", why.empty() ? "" : ", ", k, n);

@@ -77,7 +77,8 @@ struct GptDims {
   int qkv_dim() const { return (NH + 2 * NKV) * HD(); }
   bool gpt2() const { return family == Family::GPT2; }
   // Model FLOPs of one training step (forward + backward = 3x forward) per token, counted as
-  // Megatron does: every GEMM, causal attention halved, the logits GEMM over Vp.
+  // Megatron does: every GEMM, causal attention halved, the logits GEMM over Vp. Under LoRA the
+  // frozen weights' GEMMs count 2x (no weight gradient), the adapters' 3x.
   double train_flops_per_token() const;
   int64_t num_params() const;
 };

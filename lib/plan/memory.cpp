@@ -23,6 +23,7 @@ struct Dims {
   int64_t act = 4;          // bytes per activation element (fp32 or bf16)
   bool gpt2 = true, sp = false, masked = false, cuda = false;
   bool selective = false, full = false;
+  int64_t lqkv = 0, lproj = 0, lfc = 0, lfp = 0;  // LoRA: each adapted layer's A rows (0: not adapted)
   bool drops_attention() const { return selective && !masked; }  // GPT::recomputes_attention
 };
 
@@ -42,6 +43,9 @@ Dims dims_of(const GptDims& d, const Config& cfg) {
   s.cuda = cfg.engine.backend == "cuda";
   s.selective = cfg.engine.recompute == "selective";
   s.full = cfg.engine.recompute == "full";
+  const LoraDims& lo = d.lora;
+  s.lqkv = lo.adapts(kLoraQkv) ? lo.width(kLoraQkv, 3) : 0, s.lproj = lo.adapts(kLoraProj) ? lo.rank : 0;
+  s.lfc = lo.adapts(kLoraFc1) ? lo.width(kLoraFc1, s.gpt2 ? 1 : 2) : 0, s.lfp = lo.adapts(kLoraFc2) ? lo.rank : 0;
   return s;
 }
 
@@ -74,6 +78,8 @@ LayerActivations layer_of(const Dims& s, bool dense, bool attention_state) {
   if (dense) {
     a.mlp = tensor(s.N * (s.gpt2 ? s.Fl : 2 * s.Fl), s.act) + tensor(s.N * s.Fl, s.act);
   }
+  for (int64_t w : {s.lqkv, s.lproj, dense ? s.lfc : 0, dense ? s.lfp : 0})
+    if (w > 0) a.lora += tensor(s.N * w, s.act);
   return a;
 }
 
@@ -95,8 +101,10 @@ int64_t backward_scratch(const Dims& s) {
   if (s.sp) n += tensor(s.N * s.C, s.act);                          // gathered (a norm output over tp)
   n += tensor(s.N * (s.nh + 2 * s.nkv) * s.HD, s.act) + tensor(s.N * s.nh * s.HD, s.act);  // dqkv, datt
   n += tensor(s.N * (s.gpt2 ? s.Fl : 2 * s.Fl), s.act);  // dfc
-  if (!s.gpt2) n += tensor(s.N * s.Fl, s.act);              // dact (SwiGLU)
-  return n + 3 * tensor(s.N, 4);                            // the vocabulary-parallel cross-entropy's rows
+  if (!s.gpt2 || s.lfp > 0) n += tensor(s.N * s.Fl, s.act);  // dact (SwiGLU, or a LoRA update on fc2)
+  const int64_t lora = std::max({s.lqkv, s.lproj, s.lfc, s.lfp});
+  if (lora > 0) n += tensor(s.N * lora, s.act);  // dlora
+  return n + 3 * tensor(s.N, 4);                  // the vocabulary-parallel cross-entropy's rows
 }
 
 // Context parallelism's buffers (ContextParallel::scratch_bytes): K/V blocks of this rank's
@@ -166,11 +174,17 @@ int64_t recompute_scratch(const GptDims& d, const Dims& s, const std::vector<std
 }
 
 // Parameters, gradients and optimizer state of one pipeline rank: its parameter table split into
-// the dense and the expert bucket plans (ModelRunner's), the most any of its data-parallel ranks holds.
+// the dense and the expert bucket plans (ModelRunner's), the most any of its data-parallel ranks
+// holds; a frozen parameter (LoRA's base) is held, fp32 and in the compute copy, but has no
+// gradient, no optimizer state and no bucket.
 void add_state(StageMemory& m, const GptDims& d, const Config& cfg, const ModelPlacement& pl, int dp_cp,
                int expert_dp) {
   std::vector<int64_t> numels[2];
-  for (const ParamInfo& p : build_param_table(d, pl)) numels[p.expert ? 1 : 0].push_back(p.numel());
+  int64_t frozen = 0;  // as ModelRunner::place_params lays them out: after the plans, each 16-aligned
+  for (const ParamInfo& p : build_param_table(d, pl)) {
+    if (p.frozen) frozen = (frozen + 15) / 16 * 16 + p.numel(), m.params += p.numel() * 4;
+    else numels[p.expert ? 1 : 0].push_back(p.numel());
+  }
   const bool dist = cfg.engine.distributed_optimizer;
   const int groups[2] = {dp_cp, expert_dp};
   int64_t total = 0;
@@ -182,6 +196,7 @@ void add_state(StageMemory& m, const GptDims& d, const Config& cfg, const ModelP
     m.params += most.params, m.grads += most.grads, m.optimizer += most.optimizer;
     total += layout.total;
   }
+  if (frozen > 0) total = (total + 15) / 16 * 16 + frozen;
   m.compute_params = d.act == DType::F32 ? 0 : total * int64_t(dtype_size(d.act));
 }
 

@@ -24,7 +24,8 @@ struct LayerActivations {
   int64_t residual = 0;         // mid: the residual after attention
   int64_t norm2 = 0;            // n2 and its mean/rstd
   int64_t mlp = 0;              // fc and the activation's output (dense layers)
-  int64_t total() const { return norm1 + qkv + attention_state + attention_out + residual + norm2 + mlp; }
+  int64_t lora = 0;             // the LoRA adapters' x A^T (tokens x rank, or the fused layer's width)
+  int64_t total() const { return norm1 + qkv + attention_state + attention_out + residual + norm2 + mlp + lora; }
 };
 
 // A layer's saved activations under `cfg` (micro-batch, tp, sequence parallelism, cp, recompute,

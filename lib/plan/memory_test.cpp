@@ -123,6 +123,40 @@ TEST_CASE("memory model: the GPU figures of docs/performance.md within 10%") {
   }
 }
 
+// docs/performance.md, "LoRA against full fine-tuning": the 1B-class Llama at sequence 128,
+// micro-batch 1, CPU backend (fp32), measured 2026-11-27 by mpirun -np N build/mpigpt bench
+// [--parallel.tp 2 --parallel.sequence_parallel true] [--lora.rank 16 --lora.alpha 32]. Under LoRA
+// the frozen base is held but has no gradient, no optimizer state and no bucket.
+TEST_CASE("memory model: LoRA's state is the frozen base plus the adapters' (measured, CPU)") {
+  struct Case {
+    std::vector<std::string> args;
+    int np;
+    double params, grads, optimizer, activations;  // MiB
+  };
+  const std::vector<std::string> shape = {"--engine.backend", "cpu", "--training.precision", "fp32",
+                                          "--model.seq_len", "128", "--training.micro_batch", "1",
+                                          "--training.global_batch", "1"};
+  const std::vector<std::string> lora = {"--lora.rank", "16", "--lora.alpha", "32"};
+  const std::vector<std::string> tp2 = {"--parallel.tp", "2", "--parallel.sequence_parallel", "true"};
+  auto join = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  for (const Case& c : {Case{join(shape, {}), 1, 4714.3, 4714.3, 9428.5, 410.1},
+                        Case{join(shape, lora), 1, 4751.3, 37.0, 74.0, 410.7},
+                        Case{join(join(shape, tp2), lora), 2, 2379.8, 22.5, 45.0, 208.1}}) {
+    const StageMemory m = estimate(config("llama_1b_gpu.ini", c.args), c.np).largest();
+    CAPTURE(c.args.size());
+    MESSAGE("params " << m.params / MiB << " (" << c.params << "), grads " << m.grads / MiB << " (" << c.grads
+                      << "), optimizer " << m.optimizer / MiB << " (" << c.optimizer << "), activations "
+                      << m.activations() / MiB << " (" << c.activations << ") MiB");
+    CHECK(m.params / MiB == doctest::Approx(c.params).epsilon(1e-3));
+    CHECK(m.grads / MiB == doctest::Approx(c.grads).epsilon(1e-2));
+    CHECK(m.optimizer / MiB == doctest::Approx(c.optimizer).epsilon(1e-2));
+    CHECK(error(m.activations() / MiB, c.activations) < 0.10);
+  }
+}
+
 TEST_CASE("memory model: the distributed optimizer divides the optimizer state by dp") {
   const MemoryEstimate plain = estimate(config("gpt2_parallel_bench.ini"), 4);
   const MemoryEstimate dist = estimate(config("gpt2_parallel_bench.ini", {"--engine.distributed_optimizer", "true"}), 4);

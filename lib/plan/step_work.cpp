@@ -100,7 +100,32 @@ void moe_forward(Work& w, const LocalShape& s, const GptDims& d, const ParallelC
   }
 }
 
-Work layer_forward(const LocalShape& s, const GptDims& d, const ParallelConfig& p, int l) {
+// LoRA's GEMMs in one layer (lib/model/lora.h): per adapted layer u = x A^T and out += u B^T, the
+// fused layers' A as wide as their adapters (LoraDims::width); a MoE layer's per routed expert.
+Work lora_forward(const LocalShape& s, const GptDims& d, const ParallelConfig& p, int l) {
+  Work w;
+  const LoraDims& lo = d.lora;
+  auto adapter = [&](int64_t rows, int64_t in, int64_t out, int64_t width, double count) {
+    w.gemm(rows, width, in, count);
+    w.gemm(rows, out, width, count);
+  };
+  if (lo.adapts(kLoraQkv)) adapter(s.N, s.C, (s.nh + 2 * s.nkv) * s.HD, lo.width(kLoraQkv, 3), 1);
+  if (lo.adapts(kLoraProj)) adapter(s.N, s.nh * s.HD, s.C, lo.rank, 1);
+  const int64_t fc_width = lo.width(kLoraFc1, s.gpt2 ? 1 : 2);
+  if (d.is_moe(l)) {
+    const MoeDims& m = d.moe;
+    const int64_t experts = m.E / p.ep, rows = s.N * m.K * p.ep * p.expert_tp / m.E, Fe = m.F / p.expert_tp;
+    if (lo.adapts(kLoraFc1)) adapter(rows, s.C, s.gpt2 ? Fe : 2 * Fe, fc_width, double(experts));
+    if (lo.adapts(kLoraFc2)) adapter(rows, Fe, s.C, lo.rank, double(experts));
+  } else {
+    if (lo.adapts(kLoraFc1)) adapter(s.N, s.C, s.gpt2 ? s.Fl : 2 * s.Fl, fc_width, 1);
+    if (lo.adapts(kLoraFc2)) adapter(s.N, s.Fl, s.C, lo.rank, 1);
+  }
+  return w;
+}
+
+// The layer's own GEMMs and ops (LoRA's apart).
+Work base_forward(const LocalShape& s, const GptDims& d, const ParallelConfig& p, int l) {
   Work w;
   w.gemm(s.N, (s.nh + 2 * s.nkv) * s.HD, s.C);  // QKV (the input gathered over tp with sp)
   w.attention_fwd += attention_flops(s);
@@ -118,10 +143,21 @@ Work layer_forward(const LocalShape& s, const GptDims& d, const ParallelConfig& 
   return w;
 }
 
+Work layer_forward(const LocalShape& s, const GptDims& d, const ParallelConfig& p, int l) {
+  Work w = base_forward(s, d, p, l);
+  w.add(lora_forward(s, d, p, l));
+  return w;
+}
+
+// Under LoRA the layer's weights are frozen: their GEMMs' backward computes the input gradient
+// only; the adapters' both.
 Work layer_backward(const LocalShape& s, const GptDims& d, const ParallelConfig& p, int l) {
   const Work f = layer_forward(s, d, p, l);
   Work w;
-  for (const GemmCall& g : f.gemms) w.gemm_backward(g.m, g.n, g.k, g.count);
+  for (const GemmCall& g : base_forward(s, d, p, l).gemms)
+    if (d.lora.on()) w.gemm(g.m, g.k, g.n, g.count);  // dX (m,k) = dY (m,n) @ W (n,k)
+    else w.gemm_backward(g.m, g.n, g.k, g.count);
+  for (const GemmCall& g : lora_forward(s, d, p, l).gemms) w.gemm_backward(g.m, g.n, g.k, g.count);
   w.attention_bwd = 2 * f.attention_fwd;
   w.masked = f.masked;
   w.scores_bwd = f.scores_fwd;
@@ -149,8 +185,9 @@ Work forward_work(const Config& cfg, const GptDims& d, int first, int end, bool 
 Work backward_work(const Config& cfg, const GptDims& d, int first, int end, bool embedding, bool head) {
   const LocalShape s = shape_of(cfg, d);
   Work w;
-  if (head) {
-    w.gemm_backward(s.N, s.Vl, s.C);
+  if (head) {  // the logits' input gradient, and their weight's gradient unless it is frozen (LoRA)
+    if (d.lora.on()) w.gemm(s.N, s.C, s.Vl);
+    else w.gemm_backward(s.N, s.Vl, s.C);
     w.elementwise += double(2 * s.Nl * s.C);
   }
   for (int l = first; l < end; ++l) w.add(layer_backward(s, d, cfg.parallel, l));

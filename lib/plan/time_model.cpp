@@ -88,7 +88,8 @@ struct After {
 After after_pipeline(const Ctx& x, const StageMemory& mem, int pp_rank, double last_backward, double first_forward) {
   const Config& cfg = x.cfg;
   const EngineConfig& e = cfg.engine;
-  const double held = double(mem.params) / 4, owned = double(mem.optimizer) / 8;
+  // The trained parameters' elements (LoRA: the adapters; the frozen base is neither reduced nor gathered).
+  const double held = double(mem.grads) / 4, owned = double(mem.optimizer) / 8;
   const double grad_bytes = held * (e.grad_accum_dtype == "bf16" ? 2 : 4);
   After a;
   if (e.distributed_optimizer) {

@@ -310,3 +310,26 @@ TEST_CASE("time model: the h200 profile reproduces the measured one-GPU steps wi
     CHECK(std::abs(t.step * 1e3 - ms) / ms < 0.15);
   }
 }
+
+// The planner's work and the FLOPs the trainer's MFU divides by count the same step: full training
+// (every weight gradient) and LoRA (no frozen weight's gradient; the adapters', a fused layer's
+// as wide as its adapters per projection), dense and MoE.
+TEST_CASE("step work: the GEMM and attention FLOPs are train_flops_per_token's, with and without LoRA") {
+  for (const char* family : {"gpt2", "llama"})
+    for (const char* lora : {"0", "8"})
+      for (const char* experts : {"0", "4"}) {
+        CAPTURE(family);
+        CAPTURE(lora);
+        CAPTURE(experts);
+        const std::string targets = std::string(family) == "llama" ? "q,v,proj,gate,up,fc2" : "qkv,fc1,fc2";
+        Config cfg = config("tiny.ini", {"--model.family", family, "--lora.rank", lora, "--lora.targets", targets,
+                                         "--model.num_experts", experts, "--model.moe_top_k", "2"});
+        cfg.validate(1);
+        const GptDims d = make_dims(cfg, cfg.model.vocab_size);
+        REQUIRE(d.moe.E == std::stoi(experts));
+        const Work w = step_work(cfg, d, 0, 1, 0, 0);
+        const double tokens = double(cfg.training.micro_batch) * d.T;
+        CHECK(w.gemm_flops() + w.attention_fwd + w.attention_bwd ==
+              doctest::Approx(d.train_flops_per_token() * tokens).epsilon(1e-12));
+      }
+}
