@@ -7,8 +7,8 @@ tiny model on DATA, exports it, trains LoRA adapters on it and exports them, the
 mean token loss over four fixed sequences of English text with mpigpt (fp32, CPU backend; the
 adapters read back through --init-from-peft) and with transformers (fp32, CPU, eager attention;
 the adapters through peft's PeftModel). For llama the adapters are one per projection (q, v, gate,
-up), and an adapter that peft itself made (its own random A and B for q_proj, v_proj and up_proj,
-lora_dropout 0.05) is read by --init-from-peft too. |ours - theirs| must be at most TOL. Needs python3 with
+up), and adapters that peft itself made (its own random A and B per projection, lora_dropout 0.05:
+on q_proj, v_proj and up_proj, and on "all-linear") are read by --init-from-peft too. |ours - theirs| must be at most TOL. Needs python3 with
 torch, transformers and peft; exits 77 (skipped) without them, 1 when a comparison fails.
 
   hf_check.py --mpigpt "build/mpigpt" --data PREFIX --out DIR [--families gpt2,llama,mixtral]
@@ -115,7 +115,8 @@ def check_family(fam, args, mpigpt, libs):
         adapted = peft.PeftModel.from_pretrained(model, peft_dir)
         ok &= compare(fam, "peft", ours_lora, hf_loss(torch, adapted.eval(), tokens))
         if fam == "llama":
-            ok &= check_peft_made(torch, transformers, peft, hf, base, out, mpigpt, tokens, log)
+            for targets in (["q_proj", "v_proj", "up_proj"], "all-linear"):
+                ok &= check_peft_made(torch, transformers, peft, (hf, base, out, mpigpt, tokens, log), targets)
     except Exception as e:  # noqa: BLE001
         print(f"hf_check: {fam}: {type(e).__name__}: {e}")
         return False
@@ -125,19 +126,21 @@ def check_family(fam, args, mpigpt, libs):
     return ok
 
 
-def check_peft_made(torch, transformers, peft, hf, base, out, mpigpt, tokens, log):
-    """An adapter as peft makes one (its own A per projection, q_proj and v_proj only, dropout; B
-    random, init_lora_weights=False, so that it is no no-op) read by mpigpt --init-from-peft."""
+def check_peft_made(torch, transformers, peft, run_args, targets):
+    """An adapter as peft makes one on `targets` (its own A per projection, dropout; B random,
+    init_lora_weights=False, so that it is no no-op; "all-linear" saved as full module names) read
+    by mpigpt --init-from-peft."""
+    hf, base, out, mpigpt, tokens, log = run_args
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj", "up_proj"],
-                          init_lora_weights=False, task_type="CAUSAL_LM")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=targets, init_lora_weights=False,
+                          task_type="CAUSAL_LM")
     adapted = peft.get_peft_model(model, cfg)
-    made = out / "peft_made"
-    adapted.save_pretrained(str(made))
-    ours = mpigpt_loss(mpigpt, out, "peft_made_loss", ["--init-from-checkpoint", base, "--init-from-peft", str(made)],
+    name = "peft_made_" + ("all_linear" if targets == "all-linear" else "_".join(targets))
+    adapted.save_pretrained(str(out / name))
+    ours = mpigpt_loss(mpigpt, out, name + "_loss", ["--init-from-checkpoint", base, "--init-from-peft", str(out / name)],
                        out / "tokens.bin", log)
-    return compare("llama", "peft-made adapter", ours, hf_loss(torch, adapted.eval(), tokens))
+    return compare("llama", f"peft-made adapter on {targets}", ours, hf_loss(torch, adapted.eval(), tokens))
 
 
 def main():

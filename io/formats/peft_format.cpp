@@ -195,18 +195,29 @@ LoraConfig lora_config_from_peft(const json& j, const ModelConfig& m, const std:
     if (!t.is_string()) fail("{}: target_modules holds {}, not a module name", where, t.dump());
     named.insert(t.get<std::string>());
   }
-  // Every named projection of a fused layer (q/k/v, gate/up) its own adapter, as PEFT trains them;
-  // read_peft_config finds the adapters mpigpt wrote with one shared A.
+  // PEFT adapts a module whose name (in the model: "model.layers.3.self_attn.q_proj") is an entry
+  // or ends in "." and one ("q_proj", "self_attn.q_proj"; "all-linear" is saved as every full name).
+  // mpigpt adapts the same projections in every layer and expert: the first layer's and expert's
+  // choice must hold for all. Every named projection of a fused layer (q/k/v, gate/up) gets its own
+  // adapter, as PEFT trains them; read_peft_config finds the adapters mpigpt wrote with one shared A.
   std::set<std::string> targets, used;
-  for (const Group& g : groups(m))
-    for (const Piece& p : g.pieces) {
-      const std::string short_name = p.module.substr(p.module.rfind('.') + 1);
-      for (const std::string& n : {p.module, short_name})
-        if (named.count(n)) {
-          used.insert(n);
-          targets.insert(p.own.empty() ? g.target : p.own);
-          break;
-        }
+  std::map<std::string, std::pair<std::vector<bool>, std::string>> first;  // our layer -> its pieces' choice, where seen
+  for (int layer = 0; layer < m.num_layers; ++layer)
+    for (const Group& g : groups(m)) {
+      std::vector<bool> chosen;
+      for (const Piece& p : g.pieces) {
+        const std::string full = layer_prefix(m, layer).substr(std::string("base_model.model.").size()) + p.module;
+        bool match = false;
+        for (const std::string& n : named)
+          if (full == n || full.ends_with("." + n)) used.insert(n), match = true;
+        chosen.push_back(match);
+        if (match) targets.insert(p.own.empty() ? g.target : p.own);
+      }
+      const std::string here = fmt::format("layer {}{}", layer, g.expert >= 0 ? fmt::format(" expert {}", g.expert) : "");
+      auto [it, fresh] = first.try_emplace(g.ours, chosen, here);
+      if (!fresh && it->second.first != chosen)
+        fail("{}: target_modules adapts other projections of {} in {} than in {}: mpigpt gives every layer (and "
+             "expert) the same adapters", where, g.ours, here, it->second.second);
     }
   for (const std::string& n : named)
     if (!used.count(n))

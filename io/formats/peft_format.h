@@ -19,8 +19,9 @@ inline constexpr const char* kPeftWeightsFile = "adapter_model.safetensors";
 // base_model_name_or_path (empty: null).
 nlohmann::json peft_config(const ModelConfig& m, const LoraConfig& l, const std::string& base_model);
 // The lora settings of a PEFT adapter_config.json for model `m`: rank, alpha, dropout, targets
-// (PEFT's target_modules as ours, every named projection of a fused layer with an adapter of its
-// own: q_proj -> q). Anything mpigpt does not compute (another peft_type, bias, rslora, DoRA, rank
+// (PEFT's target_modules as ours, matched as PEFT does: a module's full name or a suffix after a
+// dot, alike in every layer and expert; every named projection of a fused layer with an adapter
+// of its own: q_proj -> q). Anything mpigpt does not compute (another peft_type, bias, rslora, DoRA, rank
 // or alpha patterns, modules_to_save, layers_to_transform, a target module we have no adapter for)
 // is an error naming the field; `where` names the file. *base_model receives
 // base_model_name_or_path ("" when null).

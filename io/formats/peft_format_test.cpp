@@ -330,3 +330,35 @@ TEST_CASE("peft: Mixtral's routed experts: ours -> PEFT -> ours bit-identical, w
   CHECK_THROWS_WITH_AS(peft_config(g, l, ""), doctest::Contains("Hugging Face has no GPT-2 mixture-of-experts model"),
                        Error);
 }
+
+TEST_CASE("peft: target_modules as PEFT matches it: full names (a saved all-linear), suffixes; every layer alike") {
+  const ModelConfig m = tiny_llama();  // 2 layers
+  json c = peft_config(m, lora(2, 4, "qkv,proj,fc1,fc2"), "");
+  auto targets = [&](json list) {
+    c["target_modules"] = std::move(list);
+    return lora_config_from_peft(c, m, "cfg.json").targets;
+  };
+  // PEFT >= 0.14 saves target_modules="all-linear" as the full name of every linear layer but the head.
+  json all = json::array();
+  for (int l = 0; l < 2; ++l)
+    for (const char* p : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
+      all.push_back("model.layers." + std::to_string(l) + "." + p);
+  CHECK(targets(all) == "q,k,v,proj,gate,up,fc2");
+  CHECK(targets({"q_proj", "self_attn.v_proj", "mlp.down_proj"}) == "q,v,fc2");
+  CHECK(targets({"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}) == "q");
+  CHECK_THROWS_WITH_AS(targets({"model.layers.1.self_attn.q_proj"}),
+                       "cfg.json: target_modules adapts other projections of attn.qkv in layer 1 than in layer 0: "
+                       "mpigpt gives every layer (and expert) the same adapters", Error);
+  CHECK_THROWS_WITH_AS(targets({"proj"}), doctest::Contains("names proj, a module mpigpt has no LoRA adapter for"), Error);
+  // Mixtral: the router is a linear layer (all-linear takes it) that mpigpt does not adapt; experts alike.
+  const ModelConfig x = tiny_mixtral();
+  json cx = peft_config(x, lora(2, 4, "qkv"), "");
+  cx["target_modules"] = {"q_proj", "block_sparse_moe.gate"};
+  CHECK_THROWS_WITH_AS(lora_config_from_peft(cx, x, "x"), doctest::Contains("names block_sparse_moe.gate, a module"),
+                       Error);
+  cx["target_modules"] = {"model.layers.0.block_sparse_moe.experts.0.w1", "model.layers.1.block_sparse_moe.experts.0.w1"};
+  CHECK_THROWS_WITH_AS(lora_config_from_peft(cx, x, "x"),
+                       doctest::Contains("adapts other projections of mlp.experts.fc in layer 0 expert 1 than in layer "
+                                         "0 expert 0"), Error);
+}
