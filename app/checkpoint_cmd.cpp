@@ -48,8 +48,10 @@ int cmd_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi) {
                in.attr_int("model.num_layers"), in.attr_int("model.hidden"), in.attr_int("model.num_heads"),
                in.attr_int("model.num_kv_heads"), in.attr_int("model.ffn_hidden"), in.attr_int("model.vocab_size"));
     if (in.has_attr("lora.rank"))
-      fmt::print("LoRA adapters: rank {}, alpha {}, targets {}; base {} {} (checksum {})\n", in.attr_int("lora.rank"),
-                 in.attr_double("lora.alpha"), in.attr_string("lora.targets"), in.attr_string("lora.base_format"),
+      fmt::print("LoRA adapters: rank {}, alpha {}{}, targets {}; base {} {} (checksum {})\n", in.attr_int("lora.rank"),
+                 in.attr_double("lora.alpha"),
+                 in.has_attr("lora.rslora") && in.attr_int("lora.rslora") ? " (rank-stabilised)" : "",
+                 in.attr_string("lora.targets"), in.attr_string("lora.base_format"),
                  in.attr_string("lora.base_path"), in.attr_string("lora.base_checksum"));
     fmt::print("{:<58} {:>16} {:>10}  {}\n", "dataset", "shape", "MiB", "checksum");
   }

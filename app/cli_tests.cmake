@@ -251,6 +251,8 @@ ckpt_test(lora_adapter_other_base fail "holds LoRA adapters trained on the check
   "T=lb && ${LBASE} > /dev/null && ${BIN} train ${CK} --training.seed 7 --training.train_iters 2 --checkpoint.save ${CLI_DIR}/lb/other > /dev/null && ${BIN} train ${CK} ${LORA} --init-from-checkpoint ${CLI_DIR}/lb/other --checkpoint.load ${CLI_DIR}/lb/a --training.train_iters 5")
 ckpt_test(lora_adapter_other_rank fail "holds adapters of lora.rank = 4. this run has lora.rank = 8: resume with the lora settings"
   "T=lc && ${LBASE} > /dev/null && ${BIN} train ${CK} ${LORA} --lora.rank 8 --checkpoint.load ${CLI_DIR}/lc/a --training.train_iters 5")
+ckpt_test(lora_adapter_other_rslora fail "holds adapters of lora.rslora = false. this run has lora.rslora = true"
+  "T=lf && ${LBASE} > /dev/null && ${BIN} train ${CK} ${LORA} --lora.rslora true --checkpoint.load ${CLI_DIR}/lf/a --training.train_iters 5")
 ckpt_test(lora_adapter_load_full fail "holds a full model, not LoRA adapters: to fine-tune it with LoRA pass it as checkpoint.init_from_checkpoint"
   "rm -rf ${CLI_DIR}/ld && ${BIN} train ${CK} --training.train_iters 1 --checkpoint.save ${CLI_DIR}/ld/base > /dev/null && ${BIN} train ${CK} ${LORA} --checkpoint.load ${CLI_DIR}/ld/base --training.train_iters 2")
 ckpt_test(lora_adapter_to_hf fail "holds LoRA adapters \\(lora.rank = 4\\), not a model. merge them into their base first: mpigpt convert --merge-lora"

@@ -8,7 +8,7 @@ mean token loss over four fixed sequences of English text with mpigpt (fp32, CPU
 adapters read back through --init-from-peft) and with transformers (fp32, CPU, eager attention;
 the adapters through peft's PeftModel). For llama the adapters are one per projection (q, v, gate,
 up), and adapters that peft itself made (its own random A and B per projection, lora_dropout 0.05:
-on q_proj, v_proj and up_proj, and on "all-linear") are read by --init-from-peft too. |ours - theirs| must be at most TOL. Needs python3 with
+on q_proj, v_proj and up_proj, and rank-stabilised on "all-linear") are read by --init-from-peft too. |ours - theirs| must be at most TOL. Needs python3 with
 torch, transformers and peft; exits 77 (skipped) without them, 1 when a comparison fails.
 
   hf_check.py --mpigpt "build/mpigpt" --data PREFIX --out DIR [--families gpt2,llama,mixtral]
@@ -134,7 +134,7 @@ def check_peft_made(torch, transformers, peft, run_args, targets):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=targets, init_lora_weights=False,
-                          task_type="CAUSAL_LM")
+                          use_rslora=targets == "all-linear", task_type="CAUSAL_LM")
     adapted = peft.get_peft_model(model, cfg)
     name = "peft_made_" + ("all_linear" if targets == "all-linear" else "_".join(targets))
     adapted.save_pretrained(str(out / name))

@@ -165,6 +165,7 @@ const std::vector<Row>& rows() {
 
       MPIGPT_OPTION(lora, rank, "adapter rank r (0: off, every weight is trained)", {"lora_rank", "lora_dim"}),
       MPIGPT_OPTION(lora, alpha, "the adapters' update is scaled by alpha / rank", {"lora_alpha"}),
+      MPIGPT_OPTION(lora, rslora, "rank-stabilised LoRA: scale by alpha / sqrt(rank) instead", {"use_rslora"}),
       MPIGPT_OPTION(lora, targets, "linear layers that get adapters: any of qkv (or q, k, v: one each), proj, fc1 (or gate, up), fc2", {"target_modules", "lora_target_modules"}),
       MPIGPT_OPTION(lora, dropout, "dropout on the adapters' input (only 0 is supported)", {"lora_dropout"}),
   };

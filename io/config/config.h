@@ -126,6 +126,7 @@ struct CheckpointConfig {
 struct LoraConfig {
   int rank = 0;                         // adapter rank r (0: off, every weight is trained)
   double alpha = 16.0;                  // the adapters' update is scaled by alpha / rank
+  bool rslora = false;                  // rank-stabilised LoRA: scale by alpha / sqrt(rank) instead
   std::string targets = "qkv,proj,fc1,fc2"; // linear layers that get adapters: any of qkv (or q, k, v: one each), proj, fc1 (or gate, up), fc2
   double dropout = 0.0;                 // dropout on the adapters' input (only 0 is supported)
 };

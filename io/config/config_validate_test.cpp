@@ -273,6 +273,7 @@ TEST_CASE("config: validate names the field, the value and the fix: LoRA") {
               "(or q, k, v), proj, fc1 (or gate, up), fc2");
   // An adapter per projection: any of q, k, v in place of qkv, gate and up in place of fc1 (SwiGLU).
   CHECK(mpigpt::lora_target_set(" v,q ,fc2") == std::set<std::string>{"q", "v", "fc2"});
+  CHECK(parsed({"--lora.rank=8", "--lora.rslora", "true"}).lora.rslora);
   CHECK_NOTHROW(parsed({"--lora.rank=8", "--family=llama", "--lora.targets=q,v,gate,up"}).validate(1));
   CHECK_NOTHROW(parsed({"--lora.rank=8", "--lora.targets=k,fc1"}).validate(1));
   CHECK_FAILS(parsed({"--lora.rank=8", "--lora.targets=qkv,v"}).validate(1),

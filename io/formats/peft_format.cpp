@@ -143,7 +143,7 @@ json peft_config(const ModelConfig& m, const LoraConfig& l, const std::string& b
   j["bias"] = "none";
   j["target_modules"] = targets;
   j["fan_in_fan_out"] = m.family == "gpt2";  // GPT-2's Conv1D stores its weight (in, out)
-  j["use_rslora"] = false;
+  j["use_rslora"] = l.rslora;
   j["use_dora"] = false;
   j["init_lora_weights"] = true;
   j["inference_mode"] = true;
@@ -165,10 +165,11 @@ void check_unsupported(const json& j, const std::string& where) {
     fail("{}: lora_dropout = {}: expected a probability in [0, 1)", where, j.at("lora_dropout").dump());
   if (!absent_or_null(j, "bias") && j.at("bias") != "none")
     fail("{}: bias = {}: mpigpt's adapters have no bias terms; only bias \"none\" is read", where, j.at("bias").dump());
-  for (const char* flag : {"use_rslora", "use_dora"})
-    if (!absent_or_null(j, flag) && j.at(flag) != false)
-      fail("{}: {} = {}: mpigpt computes plain LoRA (W + alpha/r B A); {} adapters cannot be represented", where, flag,
-           j.at(flag).dump(), flag == std::string("use_dora") ? "DoRA" : "rank-stabilised");
+  if (!absent_or_null(j, "use_dora") && j.at("use_dora") != false)
+    fail("{}: use_dora = {}: mpigpt computes plain LoRA (W + s B A); DoRA adapters cannot be represented", where,
+         j.at("use_dora").dump());
+  if (!absent_or_null(j, "use_rslora") && !j.at("use_rslora").is_boolean())
+    fail("{}: use_rslora = {}: expected true or false", where, j.at("use_rslora").dump());
   for (const char* field : {"rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"})
     if (!empty_field(j, field))
       fail("{}: {} = {}: mpigpt gives every adapted layer of every block one rank and alpha and trains nothing "
@@ -226,6 +227,7 @@ LoraConfig lora_config_from_peft(const json& j, const ModelConfig& m, const std:
   if (targets.empty()) fail("{}: target_modules is empty", where);
   l.targets = target_list(targets);
   l.dropout = absent_or_null(j, "lora_dropout") ? 0.0 : j.at("lora_dropout").get<double>();
+  l.rslora = !absent_or_null(j, "use_rslora") && j.at("use_rslora").get<bool>();
   if (base_model) *base_model = absent_or_null(j, "base_model_name_or_path") ? "" : j.at("base_model_name_or_path").get<std::string>();
   return l;
 }

@@ -179,7 +179,7 @@ TEST_CASE("peft: adapters mpigpt cannot represent are refused naming the key or 
     CHECK_THROWS_WITH_AS(lora_config_from_peft(c, m, "cfg.json"), doctest::Contains(why), Error);
   };
   refused("use_dora", true, "use_dora = true: mpigpt computes plain LoRA");
-  refused("use_rslora", true, "use_rslora = true");
+  refused("use_rslora", "yes", "use_rslora = \"yes\": expected true or false");
   refused("lora_dropout", 1.5, "lora_dropout = 1.5: expected a probability in [0, 1)");
   refused("bias", "all", "bias = \"all\"");
   refused("peft_type", "IA3", "peft_type = \"IA3\"");
@@ -270,8 +270,13 @@ TEST_CASE("peft: Mixtral's routed experts: ours -> PEFT -> ours bit-identical, w
     save_peft_adapter(tmp / "peft", random_adapters(m, l, 11), m, l, "");
     const LoraConfig back = read_peft_config(tmp / "peft", m);
     CHECK(back.targets == std::string(targets));
+    CHECK_FALSE(back.rslora);
     CHECK(bitwise_equal(load_peft_adapter(tmp / "peft", m, back), random_adapters(m, l, 11)));
   }
+  LoraConfig rs = lora(2, 4, "q,v");  // rank-stabilised: PEFT's use_rslora
+  rs.rslora = true;
+  CHECK(peft_config(m, rs, "")["use_rslora"] == true);
+  CHECK(lora_config_from_peft(peft_config(m, rs, ""), m, "x").rslora);
   const LoraConfig l = lora(2, 4, "qkv,proj,fc1,fc2");
   const TensorMap ours = random_adapters(m, l, 5);
   const TensorMap p = to_peft(ours, m, l);

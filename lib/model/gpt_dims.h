@@ -1,6 +1,7 @@
 // The sizes of a GPT, resolved once (from io's ModelConfig by lib/train, or directly in tests):
 // everything lib/model needs to know about the network's shape, nothing about files or ranks.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -37,11 +38,13 @@ enum LoraTarget : unsigned {
 struct LoraDims {
   int rank = 0;                                                    // r
   float alpha = 16.0f;                                             // the update is scaled by alpha / r
+  bool rslora = false;                                             // rank-stabilised: alpha / sqrt(r)
   unsigned targets = kLoraQkv | kLoraProj | kLoraFc1 | kLoraFc2;  // LoraTarget bits
   bool on() const { return rank > 0; }
   // Whether layer `t` (kLoraQkv, kLoraProj, kLoraFc1, kLoraFc2) has an adapter, shared or per projection.
   bool adapts(LoraTarget t) const;
-  float scale() const { return alpha / float(rank); }
+  // The adapters' scale, rounded to float from double as PEFT's (lora_alpha / r or / math.sqrt(r)).
+  float scale() const { return float(double(alpha) / (rslora ? std::sqrt(double(rank)) : double(rank))); }
   // The adapter block of each of layer t's `nparts` row parts (qkv: q, k, v; fc1: gate, up, or
   // GPT-2's one): 0 for all under one shared adapter; else the adapted projections' blocks in
   // order and -1 for a projection without one. The layer's A has width(t) = rank x blocks rows,

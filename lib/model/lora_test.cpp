@@ -104,6 +104,13 @@ TEST_CASE("lora: a fused layer's adapter blocks, shared or one per projection") 
   CHECK(l.width(kLoraQkv, 3) == 12);
   CHECK(l.part_blocks(kLoraFc1, 2) == std::vector<int>{0, 1});
   CHECK(l.part_blocks(kLoraFc1, 1) == std::vector<int>{0});  // GPT-2's one up projection
+  l.alpha = 32;
+  l.rank = 16;
+  CHECK(l.scale() == 2.0f);
+  l.rslora = true;  // alpha / sqrt(r)
+  CHECK(l.scale() == 8.0f);
+  l.rank = 3;
+  CHECK(l.scale() == float(32.0 / std::sqrt(3.0)));
 }
 
 namespace {
@@ -117,11 +124,13 @@ std::string adapted(const GptDims& d, int l, const std::string& layer) {
 // The GPT with adapters on `target` against the plain GPT whose weight is W + s B A (per expert
 // W_e + s B_e A_e on a MoE layer): the same loss, and the adapters' gradients are the merged
 // weight's gradient dW projected: s B^T dW and s dW A^T.
-void check_merged(Family fam, unsigned target, const char* layer, bool moe = false) {
+void check_merged(Family fam, unsigned target, const char* layer, bool moe = false, bool rslora = false) {
   CAPTURE(int(fam));
   CAPTURE(layer);
   CAPTURE(moe);
-  const GptDims dl = testing::lora_dims(fam, target, moe);
+  CAPTURE(rslora);
+  GptDims dl = testing::lora_dims(fam, target, moe);
+  dl.lora.rslora = rslora;
   GptDims d = dl;
   d.lora = LoraDims{};
   const int Bsz = 2;
@@ -222,6 +231,9 @@ TEST_CASE("lora: each target of the GPT equals the merged weight, forward and ba
   check_merged(Family::Llama, kLoraUp, "mlp.fc");
   check_merged(Family::Llama, kLoraGate | kLoraUp, "mlp.fc", true);  // per routed expert
   check_merged(Family::Llama, kLoraGate, "mlp.fc", true);
+  // Rank-stabilised: the update scaled by alpha / sqrt(r), dense and per routed expert.
+  check_merged(Family::Llama, kLoraQkv, "attn.qkv", false, true);
+  check_merged(Family::Llama, kLoraFc2, "mlp.proj", true, true);
 }
 
 TEST_CASE("lora: the adapters' gradients match finite differences (both families, every target, dense and MoE)") {

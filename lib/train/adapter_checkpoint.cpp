@@ -120,6 +120,7 @@ void write_adapter_attrs(CheckpointWriter& w, const Config& cfg, const std::stri
   const AdapterBase b = base_of(cfg);
   w.attr("lora.rank", int64_t(cfg.lora.rank));
   w.attr("lora.alpha", cfg.lora.alpha);
+  w.attr("lora.rslora", int64_t(cfg.lora.rslora));
   w.attr("lora.targets", cfg.lora.targets);
   w.attr("lora.base_format", b.format);
   w.attr("lora.base_path", b.path);
@@ -137,6 +138,8 @@ void check_adapter_load(const CheckpointReader& in, const std::string& file, Mod
   };
   if (rank != l.rank) refuse("lora.rank", std::to_string(rank), std::to_string(l.rank));
   if (alpha != l.alpha) refuse("lora.alpha", fmt::format("{}", alpha), fmt::format("{}", l.alpha));
+  const bool rslora = in.has_attr("lora.rslora") && in.attr_int("lora.rslora") != 0;  // absent: saved before rsLoRA
+  if (rslora != l.rslora) refuse("lora.rslora", fmt::format("{}", rslora), fmt::format("{}", l.rslora));
   if (lora_target_set(targets) != lora_target_set(l.targets)) refuse("lora.targets", targets, l.targets);
   const AdapterBase saved{in.attr_string("lora.base_format"), in.attr_string("lora.base_path")};
   const std::string want = in.attr_string("lora.base_checksum"), have = base_checksum(r);
@@ -195,6 +198,7 @@ void adopt_peft_lora(Config& cfg) {
   if (l.rank == 0) {
     l.rank = peft.rank;
     l.alpha = peft.alpha;
+    l.rslora = peft.rslora;
     l.targets = peft.targets;
     return;
   }
@@ -204,6 +208,7 @@ void adopt_peft_lora(Config& cfg) {
   };
   if (l.rank != peft.rank) refuse("lora.rank", std::to_string(l.rank), std::to_string(peft.rank));
   if (l.alpha != peft.alpha) refuse("lora.alpha", fmt::format("{}", l.alpha), fmt::format("{}", peft.alpha));
+  if (l.rslora != peft.rslora) refuse("lora.rslora", fmt::format("{}", l.rslora), fmt::format("{}", peft.rslora));
   if (lora_target_set(l.targets) != lora_target_set(peft.targets)) refuse("lora.targets", l.targets, peft.targets);
 }
 

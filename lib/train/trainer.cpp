@@ -76,6 +76,7 @@ GptDims make_dims(const Config& cfg, int vocab_size) {
   if (cfg.lora.rank > 0) {
     d.lora.rank = cfg.lora.rank;
     d.lora.alpha = float(cfg.lora.alpha);
+    d.lora.rslora = cfg.lora.rslora;
     static const std::map<std::string, LoraTarget> bits = {
         {"qkv", kLoraQkv}, {"proj", kLoraProj}, {"fc1", kLoraFc1}, {"fc2", kLoraFc2}, {"q", kLoraQ},
         {"k", kLoraK},     {"v", kLoraV},       {"gate", kLoraGate}, {"up", kLoraUp}};
