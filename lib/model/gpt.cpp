@@ -223,7 +223,8 @@ void GPT::setup_arena() {
   if (!g || d_.lora.adapts(kLoraFc2)) arena_.plan(&dact_, {N_, Fl}, d_.act);
   const LoraDims& lo = d_.lora;
   if (lo.on()) {
-    const int64_t widest = std::max({lo.width(kLoraQkv, 3), int64_t(lo.rank), lo.width(kLoraFc1, g ? 1 : 2)});
+    const int64_t widest = std::max({d_.lora_width(kLoraQkv), d_.lora_width(kLoraProj), d_.lora_width(kLoraFc1),
+                                     d_.lora_width(kLoraFc2)});
     arena_.plan(&dlora_, {N_, widest}, d_.act);
     lqkv_parts_ = {{nh_ * HD, nkv_ * HD, nkv_ * HD}, lo.part_blocks(kLoraQkv, 3)};
     lfc_parts_ = g ? LoraParts{{Fl}, {0}} : LoraParts{{Fl, Fl}, lo.part_blocks(kLoraFc1, 2)};
@@ -321,12 +322,12 @@ void GPT::plan_block(Arena& A, BlockActs& a, bool dense, bool att_saved) const {
   if (g) A.plan(&a.n2_mean, {Nl_});
   A.plan(&a.n2_rstd, {Nl_});
   const LoraDims& lo = d_.lora;
-  if (lo.adapts(kLoraQkv)) A.plan(&a.uqkv, {N_, lo.width(kLoraQkv, 3)}, d_.act);
+  if (lo.adapts(kLoraQkv)) A.plan(&a.uqkv, {N_, d_.lora_width(kLoraQkv)}, d_.act);
   if (lo.adapts(kLoraProj)) A.plan(&a.uproj, {N_, lo.rank}, d_.act);
   if (!dense) return;
   A.plan(&a.fc, {N_, g ? Fl : 2 * Fl}, d_.act);
   A.plan(&a.act, {N_, Fl}, d_.act);
-  if (lo.adapts(kLoraFc1)) A.plan(&a.ufc, {N_, lo.width(kLoraFc1, g ? 1 : 2)}, d_.act);
+  if (lo.adapts(kLoraFc1)) A.plan(&a.ufc, {N_, d_.lora_width(kLoraFc1)}, d_.act);
   if (lo.adapts(kLoraFc2)) A.plan(&a.ufp, {N_, lo.rank}, d_.act);
 }
 

@@ -46,6 +46,10 @@ std::vector<int> slot_kind(const GptDims& d, int first, int end, bool embed, boo
   return k;
 }
 
+int64_t GptDims::lora_width(LoraTarget t) const {
+  return lora.width(t, t == kLoraQkv ? 3 : t == kLoraFc1 && !gpt2() ? 2 : 1);
+}
+
 double GptDims::train_flops_per_token() const {
   const double c = C, hd = HD(), f = F;
   const double glu = gpt2() ? 1 : 2;
@@ -54,17 +58,14 @@ double GptDims::train_flops_per_token() const {
   const double core = 2.0 * T * NH * hd;           // QK^T and PV, 2*2*T*NH*HD halved by the causal mask
   auto mlp = [&](double hidden) { return 2.0 * c * hidden * glu + 2.0 * hidden * c; };  // up (+gate), down
   // LoRA's update of a layer in -> out through `width` rows of A: x A^T, then (x A^T) B^T.
-  auto adapter = [&](LoraTarget t, double in, double out, int nparts) {
-    return lora.adapts(t) ? 2.0 * lora.width(t, nparts) * (in + out) : 0.0;
-  };
-  const int fc_parts = gpt2() ? 1 : 2;
+  auto adapter = [&](LoraTarget t, double in, double out) { return 2.0 * lora_width(t) * (in + out); };
   double weights = 2.0 * c * Vp, attention = 0, adapters = 0;  // weight GEMMs (from the logits), cores, LoRA
   for (int l = 0; l < L; ++l) {  // a MoE layer: router, K experts per token (each its adapters), shared expert
     weights += proj + (is_moe(l) ? 2.0 * c * moe.E + moe.K * mlp(moe.F) + mlp(moe.shared_F) : mlp(f));
     attention += core;
     const double hidden = is_moe(l) ? moe.F : f, per_token = is_moe(l) ? moe.K : 1;
-    adapters += adapter(kLoraQkv, c, qkv_dim(), 3) + adapter(kLoraProj, NH * hd, c, 1) +
-                per_token * (adapter(kLoraFc1, c, hidden * glu, fc_parts) + adapter(kLoraFc2, hidden, c, 1));
+    adapters += adapter(kLoraQkv, c, qkv_dim()) + adapter(kLoraProj, NH * hd, c) +
+                per_token * (adapter(kLoraFc1, c, hidden * glu) + adapter(kLoraFc2, hidden, c));
   }
   // Forward, input gradient and weight gradient: 3x the forward; under LoRA the frozen weights get
   // no gradient (2x) while the adapters do.

@@ -77,6 +77,9 @@ struct GptDims {
   bool is_moe(int l) const { return moe.E > 0 && l >= 0 && size_t(l) < moe.layers.size() && moe.layers[l]; }
 
   int HD() const { return C / NH; }
+  // Rows of layer t's LoRA A (0: not adapted): LoraDims::width over its row parts (qkv: q, k, v;
+  // fc1: SwiGLU's gate and up, GPT-2's one).
+  int64_t lora_width(LoraTarget t) const;
   int qkv_dim() const { return (NH + 2 * NKV) * HD(); }
   bool gpt2() const { return family == Family::GPT2; }
   // Model FLOPs of one training step (forward + backward = 3x forward) per token, counted as

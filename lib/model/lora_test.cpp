@@ -155,9 +155,7 @@ void check_merged(Family fam, unsigned target, const char* layer, bool moe = fal
     m.E = n == 3 ? w[0] : 1, m.OUT = w[n - 2], m.IN = w[n - 1], m.r = lm.params()[m.ia].shape[n - 2];
     const int64_t r = m.r;
     const std::string name = layer;
-    REQUIRE(r == (name == "attn.qkv" ? dl.lora.width(kLoraQkv, 3)
-                  : name == "mlp.fc" ? dl.lora.width(kLoraFc1, dl.gpt2() ? 1 : 2)
-                                     : dl.lora.rank));
+    REQUIRE(r == (name == "attn.qkv" ? dl.lora_width(kLoraQkv) : name == "mlp.fc" ? dl.lora_width(kLoraFc1) : dl.lora.rank));
     REQUIRE(lm.params()[m.ia].shape == (n == 3 ? Shape{m.E, r, m.IN} : Shape{r, m.IN}));
     REQUIRE(lm.params()[m.ib].shape == (n == 3 ? Shape{m.E, m.OUT, r} : Shape{m.OUT, r}));
     return m;

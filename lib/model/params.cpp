@@ -214,7 +214,7 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
         if (g) b.add_full(p + "mlp.proj.bias", {d.C}, ParamKind::Bias);
       }
       const LoraDims& lo = d.lora;
-      const int64_t r = lo.rank, rqkv = lo.width(kLoraQkv, 3), rfc = lo.width(kLoraFc1, g ? 1 : 2);
+      const int64_t r = lo.rank, rqkv = d.lora_width(kLoraQkv), rfc = d.lora_width(kLoraFc1);
       if (lo.adapts(kLoraQkv)) b.add_lora(p + "attn.qkv", d.C, q + 2 * kv, {q, kv, kv}, rqkv);
       if (lo.adapts(kLoraProj)) b.add_lora(p + "attn.proj", q, d.C, {}, r);
       // A MoE layer's fc1/fc2 adapters are one per routed expert; the shared expert is not adapted.

@@ -43,9 +43,8 @@ Dims dims_of(const GptDims& d, const Config& cfg) {
   s.cuda = cfg.engine.backend == "cuda";
   s.selective = cfg.engine.recompute == "selective";
   s.full = cfg.engine.recompute == "full";
-  const LoraDims& lo = d.lora;
-  s.lqkv = lo.adapts(kLoraQkv) ? lo.width(kLoraQkv, 3) : 0, s.lproj = lo.adapts(kLoraProj) ? lo.rank : 0;
-  s.lfc = lo.adapts(kLoraFc1) ? lo.width(kLoraFc1, s.gpt2 ? 1 : 2) : 0, s.lfp = lo.adapts(kLoraFc2) ? lo.rank : 0;
+  s.lqkv = d.lora_width(kLoraQkv), s.lproj = d.lora_width(kLoraProj);
+  s.lfc = d.lora_width(kLoraFc1), s.lfp = d.lora_width(kLoraFc2);
   return s;
 }
 

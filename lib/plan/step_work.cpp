@@ -109,9 +109,9 @@ Work lora_forward(const LocalShape& s, const GptDims& d, const ParallelConfig& p
     w.gemm(rows, width, in, count);
     w.gemm(rows, out, width, count);
   };
-  if (lo.adapts(kLoraQkv)) adapter(s.N, s.C, (s.nh + 2 * s.nkv) * s.HD, lo.width(kLoraQkv, 3), 1);
+  if (lo.adapts(kLoraQkv)) adapter(s.N, s.C, (s.nh + 2 * s.nkv) * s.HD, d.lora_width(kLoraQkv), 1);
   if (lo.adapts(kLoraProj)) adapter(s.N, s.nh * s.HD, s.C, lo.rank, 1);
-  const int64_t fc_width = lo.width(kLoraFc1, s.gpt2 ? 1 : 2);
+  const int64_t fc_width = d.lora_width(kLoraFc1);
   if (d.is_moe(l)) {
     const MoeDims& m = d.moe;
     const int64_t experts = m.E / p.ep, rows = s.N * m.K * p.ep * p.expert_tp / m.E, Fe = m.F / p.expert_tp;
