@@ -47,17 +47,17 @@ std::vector<Group> groups(const ModelConfig& in) {
   const int64_t C = m.hidden, HD = C / m.num_heads, q = m.num_heads * HD, kv = m.num_kv_heads * HD;
   const int64_t F = m.ffn_hidden;
   if (m.family == "gpt2")
-    return {{"qkv", "attn.qkv", C, q + 2 * kv, {{"attn.c_attn", 0, q + 2 * kv}}},
-            {"proj", "attn.proj", q, C, {{"attn.c_proj", 0, C}}},
-            {"fc1", "mlp.fc", C, F, {{"mlp.c_fc", 0, F}}},
-            {"fc2", "mlp.proj", F, C, {{"mlp.c_proj", 0, C}}}};
+    return {{"qkv", "attn.qkv", C, q + 2 * kv, {{"attn.c_attn", 0, q + 2 * kv, ""}}},
+            {"proj", "attn.proj", q, C, {{"attn.c_proj", 0, C, ""}}},
+            {"fc1", "mlp.fc", C, F, {{"mlp.c_fc", 0, F, ""}}},
+            {"fc2", "mlp.proj", F, C, {{"mlp.c_proj", 0, C, ""}}}};
   std::vector<Group> out = {
       {"qkv", "attn.qkv", C, q + 2 * kv,
        {{"self_attn.q_proj", 0, q, "q"}, {"self_attn.k_proj", q, kv, "k"}, {"self_attn.v_proj", q + kv, kv, "v"}}},
-      {"proj", "attn.proj", q, C, {{"self_attn.o_proj", 0, C}}}};
+      {"proj", "attn.proj", q, C, {{"self_attn.o_proj", 0, C, ""}}}};
   if (m.num_experts == 0) {
     out.push_back({"fc1", "mlp.fc", C, 2 * F, {{"mlp.gate_proj", 0, F, "gate"}, {"mlp.up_proj", F, F, "up"}}});
-    out.push_back({"fc2", "mlp.proj", F, C, {{"mlp.down_proj", 0, C}}});
+    out.push_back({"fc2", "mlp.proj", F, C, {{"mlp.down_proj", 0, C, ""}}});
     return out;
   }
   // Mixtral: expert e's w1 / w3 are the gate / up rows of our fc, w2 our proj (hf_format.cpp).
@@ -68,7 +68,7 @@ std::vector<Group> groups(const ModelConfig& in) {
   }
   for (int e = 0; e < m.num_experts; ++e)
     out.push_back(
-        {"fc2", "mlp.experts.proj", Fe, C, {{"block_sparse_moe.experts." + std::to_string(e) + ".w2", 0, C}}, e});
+        {"fc2", "mlp.experts.proj", Fe, C, {{"block_sparse_moe.experts." + std::to_string(e) + ".w2", 0, C, ""}}, e});
   return out;
 }
 
@@ -114,7 +114,10 @@ std::string target_module(const ModelConfig& m, const std::string& module) {
 std::string target_list(const std::set<std::string>& targets) {
   std::string out;
   for (const char* t : {"qkv", "q", "k", "v", "proj", "fc1", "gate", "up", "fc2"})
-    if (targets.count(t)) out += (out.empty() ? "" : ",") + std::string(t);
+    if (targets.count(t)) {
+      if (!out.empty()) out += ',';
+      out += t;
+    }
   return out;
 }
 

@@ -37,7 +37,9 @@ inline GptDims tiny_gpt_dims(Family f) {
 inline bool lora_b_live(const GptDims& d, const ParamInfo& p, int64_t g) {
   if (!d.lora.on() || !p.name.ends_with("lora_B.weight")) return true;
   const int n = p.global.ndim;
-  const int64_t w = p.global[n - 1], H = p.global[n - 2], row = g / w % H, block = g % w / d.lora.rank;
+  if (n < 2) return true;  // a vector: no factor B
+  const int64_t w = p.global.d[size_t(n - 1)], H = p.global.d[size_t(n - 2)], row = g / w % H,
+                block = g % w / d.lora.rank;
   std::vector<int64_t> rows;
   std::vector<int> blocks;
   if (p.name.find(".attn.qkv.") != std::string::npos) {

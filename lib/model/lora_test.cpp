@@ -151,8 +151,8 @@ void check_merged(Family fam, unsigned target, const char* layer, bool moe = fal
     Mats m{index_of(base, pre + ".weight"), index_of(lm, pre + ".lora_A.weight"), index_of(lm, pre + ".lora_B.weight"),
            1, 0, 0, 0};
     const Shape w = base.params()[m.iw].shape;
-    const int n = w.ndim;
-    m.E = n == 3 ? w[0] : 1, m.OUT = w[n - 2], m.IN = w[n - 1], m.r = lm.params()[m.ia].shape[n - 2];
+    const int n = w.ndim == 3 ? 3 : 2;  // an expert tensor (E, OUT, IN) or a matrix (OUT, IN)
+    m.E = n == 3 ? w[0] : 1, m.OUT = w[n - 2], m.IN = w[n - 1], m.r = lm.params()[m.ia].shape[n == 3 ? 1 : 0];
     const int64_t r = m.r;
     const std::string name = layer;
     REQUIRE(r == (name == "attn.qkv" ? dl.lora_width(kLoraQkv) : name == "mlp.fc" ? dl.lora_width(kLoraFc1) : dl.lora.rank));
