@@ -22,6 +22,7 @@ using h5::Handle, h5::Run, h5::watched;
 constexpr const char* kFormat = "mpigpt-checkpoint";
 constexpr int64_t kFormatVersion = 1;
 constexpr const char* kChecksumAlgorithm = "splitmix64-sum-v1";
+constexpr unsigned kMaxCompact = 65535;   // links and attributes an object header may hold (HDF5's most)
 constexpr hsize_t kAlign = 1 << 20;          // datasets of 1 MiB or more start on a 1 MiB boundary
 constexpr int64_t kKickBytes = 64 << 20;     // start the disk on every 64 MiB written
 constexpr int64_t kVerifyFloats = 16 << 20;  // verify() holds at most 64 MiB per rank
@@ -71,7 +72,7 @@ std::vector<Box> flat_range_boxes(int64_t rows, int64_t cols, int64_t begin, int
 struct CheckpointWriter::Impl {
   h5::Agreement ag;
   std::string path;
-  Handle file, dxpl, lcpl, dcpl;
+  Handle file, dxpl, gcpl, dcpl;
   bool node_leader = false;  // lowest rank of its node: fsyncs the file and kicks writeback
   int kick_fd = -1;
   int64_t unkicked = 0;  // dataset bytes written since the last kick
@@ -130,8 +131,19 @@ CheckpointWriter::CheckpointWriter(MPI_Comm comm, const std::string& path) : imp
   // Large datasets start on 1 MiB boundaries (file-system blocks and stripes), and small metadata
   // is gathered in 1 MiB blocks instead of being strewn between the tensors.
   H5Pset_alignment(fapl, kAlign, kAlign), H5Pset_meta_block_size(fapl, kAlign);
+  // Damaged metadata must be an error at the open, not libhdf5 acting on it (in the 1.6 formats a
+  // damaged attribute header crashed it): the 1.8 formats, whose object headers carry checksums,
+  // and every link and attribute held in its object's header (dense storage keeps them in heap
+  // blocks without one). Any HDF5 >= 1.8 reads the file.
+  H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_V18);
+  I.gcpl = Handle(H5Pcreate(H5P_GROUP_CREATE), H5Pclose);
+  H5Pset_link_phase_change(I.gcpl, kMaxCompact, kMaxCompact);
+  H5Pset_attr_phase_change(I.gcpl, kMaxCompact, kMaxCompact);
+  Handle fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+  H5Pset_link_phase_change(fcpl, kMaxCompact, kMaxCompact);
+  H5Pset_attr_phase_change(fcpl, kMaxCompact, kMaxCompact);
   I.file = watched(I.what("the creation (H5Fcreate)"),
-                   [&] { return Handle(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), H5Fclose); });
+                   [&] { return Handle(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, fcpl, fapl), H5Fclose); });
   I.ag.agree(I.file.ok() ? "" : fmt::format("cannot create checkpoint '{}' (H5Fcreate: {}); check that the directory "
                                             "is writable and on a file system every rank sees", path, h5::error()));
   MPI_Comm node;
@@ -141,8 +153,6 @@ CheckpointWriter::CheckpointWriter(MPI_Comm comm, const std::string& path) : imp
   I.node_leader = node_rank == 0;
   if (I.node_leader) I.kick_fd = ::open(path.c_str(), O_RDONLY);  // only for kick(): failure is harmless
   I.dxpl = h5::collective_dxpl();
-  I.lcpl = Handle(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
-  H5Pset_create_intermediate_group(I.lcpl, 1);
   // Contiguous, allocated at creation (parallel HDF5 needs that) and never filled: every element
   // is written by its owner, so a fill would write the whole checkpoint twice.
   I.dcpl = Handle(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
@@ -181,7 +191,12 @@ void CheckpointWriter::write(const std::string& name, const Shape& global, const
   Handle fspace(H5Screate_simple(global.ndim, dims, nullptr), H5Sclose);
   const std::string dataset = fmt::format("dataset '{}'", name);
   err = watched(I.what("the write of " + dataset), [&]() -> std::string {
-    Handle dset(H5Dcreate2(I.file, name.c_str(), H5T_IEEE_F32LE, fspace, I.lcpl, I.dcpl, H5P_DEFAULT), H5Dclose);
+    for (size_t p = name.find('/'); p != std::string::npos; p = name.find('/', p + 1))
+      if (const std::string g = name.substr(0, p); H5Lexists(I.file, g.c_str(), H5P_DEFAULT) == 0 &&
+                                                   !Handle(H5Gcreate2(I.file, g.c_str(), H5P_DEFAULT, I.gcpl,
+                                                                      H5P_DEFAULT), H5Gclose).ok())
+        return I.h5fail("H5Gcreate2", fmt::format("group '{}' of {}", g, dataset));
+    Handle dset(H5Dcreate2(I.file, name.c_str(), H5T_IEEE_F32LE, fspace, H5P_DEFAULT, I.dcpl, H5P_DEFAULT), H5Dclose);
     if (!dset.ok()) return I.h5fail("H5Dcreate2", dataset + " (written twice, or part of its path is a dataset?)");
     bool staged;
     float* buf = h5::runs_buffer(runs, count, I.staging, staged);
@@ -189,10 +204,9 @@ void CheckpointWriter::write(const std::string& name, const Shape& global, const
       for (int64_t o = 0; const Run& r : runs) std::memcpy(buf + o, r.ptr, size_t(r.n) * 4), o += r.n;
     if (std::string e = h5::transfer(true, dset, I.dxpl, global, boxes, buf, count); !e.empty())
       return h5::write_failure(I.path, dataset, count * 4, e);
-    Handle stype = h5::string_type();
-    const char* algo = kChecksumAlgorithm;
+    Handle algo = h5::string_type(kChecksumAlgorithm);
     if (!(h5::put_scalar(dset, "checksum", H5T_STD_U64LE, H5T_NATIVE_UINT64, &v.sum) &&
-          h5::put_scalar(dset, "checksum_algorithm", stype, stype, &algo)))
+          h5::put_scalar(dset, "checksum_algorithm", algo, algo, kChecksumAlgorithm)))
       return I.h5fail("H5Acreate2/H5Awrite", "the checksum of " + dataset);
     return "";
   });
@@ -201,9 +215,8 @@ void CheckpointWriter::write(const std::string& name, const Shape& global, const
 }
 
 void CheckpointWriter::attr(const std::string& key, const std::string& value) {
-  Handle t = h5::string_type();
-  const char* p = value.c_str();
-  impl_->put_attr(key, t, t, &p, attr_hash(Attr{Attr::Str, value}));
+  Handle t = h5::string_type(value);
+  impl_->put_attr(key, t, t, value.c_str(), attr_hash(Attr{Attr::Str, value}));
 }
 void CheckpointWriter::attr(const std::string& key, int64_t value) {
   impl_->put_attr(key, H5T_STD_I64LE, H5T_NATIVE_INT64, &value, attr_hash(Attr{Attr::Int, "", value}));
@@ -321,6 +334,7 @@ struct CheckpointReader::Impl {
     return it->second;
   }
   std::string build_index();
+  void check_root() const;
   void read(const std::string& name, const Shape* expected, const std::vector<Piece>& mine);
 };
 
@@ -386,24 +400,36 @@ CheckpointReader::CheckpointReader(MPI_Comm comm, const std::string& path) : imp
   const std::string opening = fmt::format("the opening of checkpoint '{}' (H5Fopen, its index)", path);
   I.file = watched(opening, [&] { return Handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl), H5Fclose); });
   I.ag.agree(I.file.ok() ? "" : fmt::format("cannot open checkpoint '{}' (H5Fopen: {})", path, h5::error()));
-  err = watched(opening, [&] { return I.build_index(); });
-  I.ag.agree(err.empty() ? "" : fmt::format("checkpoint '{}' is damaged: {}", path, err));
+  try {
+    err = watched(opening, [&] { return I.build_index(); });
+    I.ag.agree(err.empty() ? "" : fmt::format("checkpoint '{}' is damaged: {}", path, err));
+    I.check_root();
+  } catch (const Error&) {
+    // Every rank fails here alike (the index is the same on every rank), so the collective close
+    // is safe, and a process that goes on (a tool trying several files, a test) keeps no file open.
+        watched("the close of checkpoint '" + path + "'", [&] { return I.file.reset(); });
+    throw;
+  }
   I.dxpl = h5::collective_dxpl();
-  auto f = I.attrs.find("format");
-  if (f == I.attrs.end() || f->second.kind != Attr::Str || f->second.s != kFormat)
+}
+
+// The root attributes every reader checks: format, version and (since 2026-11-29) their checksum.
+void CheckpointReader::Impl::check_root() const {
+  auto f = attrs.find("format");
+  if (f == attrs.end() || f->second.kind != Attr::Str || f->second.s != kFormat)
     fail("'{}' is an HDF5 file but not an mpigpt checkpoint: its root attribute 'format' is {} (expected '{}')", path,
-         f == I.attrs.end() ? "missing" : f->second.kind == Attr::Str ? "'" + f->second.s + "'" : "not a string",
+         f == attrs.end() ? "missing" : f->second.kind == Attr::Str ? "'" + f->second.s + "'" : "not a string",
          kFormat);
-  auto v = I.attrs.find("format_version");
-  if (v == I.attrs.end() || v->second.kind != Attr::Int || v->second.i < 1)
+  auto v = attrs.find("format_version");
+  if (v == attrs.end() || v->second.kind != Attr::Int || v->second.i < 1)
     fail("checkpoint '{}': root attribute 'format_version' is missing or not a positive integer; the file is damaged",
          path);
   if (v->second.i > kFormatVersion)
     fail("checkpoint '{}' has format_version {}, this mpigpt reads version {} or older; it was written by a newer "
          "mpigpt: update mpigpt to read it", path, v->second.i, kFormatVersion);
-  if (auto c = I.attrs.find(kAttrsChecksum); c != I.attrs.end()) {  // saves before 2026-11-29 have none
+  if (auto c = attrs.find(kAttrsChecksum); c != attrs.end()) {
     uint64_t sum = 0;
-    for (const auto& [key, a] : I.attrs)
+    for (const auto& [key, a] : attrs)
       if (key != kAttrsChecksum) sum += h5::fnv1a(attr_hash(a), key.data(), key.size());
     if (c->second.kind != Attr::Int || c->second.u != sum)
       fail("checkpoint '{}' is damaged: its root attributes (iteration, data position, configuration) do not match "

@@ -126,6 +126,12 @@ Handle string_type() {
   return t;
 }
 
+Handle string_type(const std::string& value) {
+  Handle t(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(t, value.size() + 1), H5Tset_strpad(t, H5T_STR_NULLTERM), H5Tset_cset(t, H5T_CSET_UTF8);
+  return t;
+}
+
 bool put_scalar(hid_t loc, const std::string& key, hid_t file_type, hid_t mem_type, const void* value) {
   Handle space(H5Screate(H5S_SCALAR), H5Sclose);
   Handle a(H5Acreate2(loc, key.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);

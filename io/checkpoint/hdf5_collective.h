@@ -75,7 +75,11 @@ std::string write_failure(const std::string& path, const std::string& what, int6
 // calls) but carried out with each rank's own MPI-IO calls (see the .cpp for the measurements).
 Handle fapl_mpio(MPI_Comm comm);
 Handle collective_dxpl();
-Handle string_type();  // variable-length UTF-8
+Handle string_type();  // variable-length UTF-8: how saves before 2026-11-29 stored strings
+// The type strings are written as: fixed-length UTF-8 of the value's size, null-terminated. Its
+// bytes live in the attribute's header message, which carries a checksum, where a variable-length
+// string's lie in the global heap, which has none (and libhdf5 crashed on a damaged one).
+Handle string_type(const std::string& value);
 // A scalar attribute `key` on `loc`; false on failure (the HDF5 error stack says why).
 bool put_scalar(hid_t loc, const std::string& key, hid_t file_type, hid_t mem_type, const void* value);
 
