@@ -330,7 +330,10 @@ cli_test(gpu_check_steps ok "gpu_check check: ok" "${PROJECT_SOURCE_DIR}/scripts
 # `make bench-plan`'s script on one layout: the device profile it writes (with the masked attention's
 # rates) loads in `mpigpt plan`, and the layout's step time is reported.
 cli_test(bench_plan_script ok "^bench-plan: 2 [|] --parallel.pp 2 [|] [0-9.]+ [(][0-9.]+[)] masked 1 best 1$"
-  "mkdir -p ${CLI_DIR} && ROUNDS=1 STEPS=1 WARMUP=1 OUT=${CLI_DIR}/bp MPIGPT=${BIN} MPIRUN='${MPIRUN_STR}' ${PROJECT_SOURCE_DIR}/scripts/bench_plan_cpu.sh '2 --parallel.pp 2' > ${CLI_DIR}/bp.log && echo $(tail -1 ${CLI_DIR}/bp.log) masked $(grep -c masked_attention_fwd ${CLI_DIR}/bp/cpu_2core.json) best $(${BIN} plan --config ${PROJECT_SOURCE_DIR}/inputs/gpt2_parallel_bench.ini --gpus 4 --gpus-per-node 4 --device ${CLI_DIR}/bp/cpu_2core.json --top 1 | grep -c '^best:')")
+  "mkdir -p ${CLI_DIR} && (ROUNDS=1 STEPS=1 WARMUP=1 OUT=${CLI_DIR}/bp MPIGPT=${BIN} MPIRUN='${MPIRUN_STR}' ${PROJECT_SOURCE_DIR}/scripts/bench_plan_cpu.sh '2 --parallel.pp 2' > ${CLI_DIR}/bp.log 2>&1 || tail -n 4 ${CLI_DIR}/bp/profile.log ${CLI_DIR}/bp.log) && echo $(tail -1 ${CLI_DIR}/bp.log) masked $(grep -c masked_attention_fwd ${CLI_DIR}/bp/cpu_2core.json) best $(${BIN} plan --config ${PROJECT_SOURCE_DIR}/inputs/gpt2_parallel_bench.ini --gpus 4 --gpus-per-node 4 --device ${CLI_DIR}/bp/cpu_2core.json --top 1 | grep -c '^best:')")
+# It has failed now and then in full runs (ctest -j2) and never alone, with its output unseen:
+# the logs' tails are printed, the cores not shared with another test, the time limit raised.
+set_tests_properties(cli/bench_plan_script PROPERTIES TIMEOUT 300 PROCESSORS 2)
 # README.md's "Using it" commands run as written (two steps each), so that they cannot drift again.
 cli_test(readme_examples ok "readme check: ok" "MPIRUN='${MPIRUN_STR}' ${PROJECT_SOURCE_DIR}/scripts/readme_check.sh ${BIN} ${CLI_DIR}/readme")
 set_tests_properties(cli/readme_examples PROPERTIES TIMEOUT 600 PROCESSORS 2)
