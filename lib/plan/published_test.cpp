@@ -100,7 +100,7 @@ TEST_CASE("planner: Table 1 with the layout free: the published tp and pp rank n
   const nlohmann::json table = published();
   for (const auto& row : table["megatron_2104_04473_table1"]["rows"]) {
     PlanRequest r = request(row, a100);
-    r.fix = LayoutFix{};
+    r.fix.tp.reset(), r.fix.pp.reset(), r.fix.vpp.reset();  // the layout free
     r.fix.recompute = "full", r.fix.sp = false, r.fix.distopt = false, r.fix.overlap = false, r.fix.cp = 1;
     const PlanResult res = run_plan(r, dims);
     REQUIRE(!res.rows.empty());
