@@ -44,8 +44,9 @@ int cmd_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi) {
                in.attr_int("iteration"), in.attr_int("consumed_samples"), in.attr_int("consumed_tokens"),
                in.attr_int("optimizer.step"), in.attr_double("lr"));
     fmt::print("saved by: {}\n", in.attr_string("layout"));
-    fmt::print("model: {} {} layers, hidden {}, {} heads ({} kv), ffn {}, vocab {}\n", in.attr_string("model.family"),
-               in.attr_int("model.num_layers"), in.attr_int("model.hidden"), in.attr_int("model.num_heads"),
+    const bool qkv_bias = in.has_attr("model.qkv_bias") && in.attr_int("model.qkv_bias");
+    fmt::print("model: {}{} {} layers, hidden {}, {} heads ({} kv), ffn {}, vocab {}\n", in.attr_string("model.family"),
+               qkv_bias ? " with q/k/v biases" : "", in.attr_int("model.num_layers"), in.attr_int("model.hidden"), in.attr_int("model.num_heads"),
                in.attr_int("model.num_kv_heads"), in.attr_int("model.ffn_hidden"), in.attr_int("model.vocab_size"));
     if (in.has_attr("lora.rank"))
       fmt::print("LoRA adapters: rank {}, alpha {}{}, targets {}; base {} {} (checksum {})\n", in.attr_int("lora.rank"),

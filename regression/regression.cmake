@@ -56,7 +56,7 @@ set_tests_properties(regression/loss_curves PROPERTIES
 set(REGRESSION_CUDA_ARGS "--engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true")
 add_test(NAME regression/loss_curves_cuda COMMAND ${REGRESSION_RUN} --mpirun "${REGRESSION_MPIRUN}"
          --out ${REGRESSION_DIR}/cuda --require-gpu --with-one-rank --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$"
-         --families gpt2,llama,gpt2-moe,llama-moe --layout-args "${REGRESSION_CUDA_ARGS}")
+         --families gpt2,llama,qwen2,gpt2-moe,llama-moe --layout-args "${REGRESSION_CUDA_ARGS}")
 add_test(NAME regression/loss_curve_cuda_bf16 COMMAND ${REGRESSION_RUN} --mpirun "${REGRESSION_MPIRUN}"
          --out ${REGRESSION_DIR}/cuda_bf16 --require-gpu --with-one-rank --layouts "^(moe-ep2|tp2-dp2-distopt)$"
          --families gpt2,gpt2-moe,llama-moe --steps 50 --skip-reference --tol 2e-2

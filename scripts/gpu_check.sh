@@ -68,7 +68,7 @@ for part in "${parts[@]}"; do
               --require-gpu --with-one-rank)
       shared="--engine.backend cuda --engine.comm mpi --engine.allow_device_sharing true"
       step regression_fp32 "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" --out "$OUT/reg_fp32" \
-        --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$" --families gpt2,llama,gpt2-moe,llama-moe --layout-args "$shared"
+        --layouts "^(dp2|tp2|pp2|cp2|moe-ep2)$" --families gpt2,llama,qwen2,gpt2-moe,llama-moe --layout-args "$shared"
       step regression_bf16 "$B/run" python3 "$SRC/regression/run.py" "${common[@]}" --out "$OUT/reg_bf16" \
         --layouts "^(moe-ep2|tp2-dp2-distopt)$" --families gpt2,gpt2-moe,llama-moe --steps 50 --skip-reference \
         --tol 2e-2 --layout-args "$shared --training.precision bf16"

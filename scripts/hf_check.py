@@ -2,7 +2,8 @@
 """Our exports checked by the real libraries: `convert --to hf` loaded by transformers and
 `convert --to peft` loaded by peft must give mpigpt's loss on the same tokens.
 
-For each family (gpt2; llama with grouped-query heads; mixtral, a llama-family MoE) it trains a
+For each family (gpt2; llama with grouped-query heads; qwen2, llama with q/k/v biases and a tied
+head, exported as Qwen2ForCausalLM; mixtral, a llama-family MoE) it trains a
 tiny model on DATA, exports it, trains LoRA adapters on it and exports them, then computes the
 mean token loss over four fixed sequences of English text with mpigpt (fp32, CPU backend; the
 adapters read back through --init-from-peft) and with transformers (fp32, CPU, eager attention;
@@ -11,7 +12,7 @@ up), and adapters that peft itself made (its own random A and B per projection, 
 on q_proj, v_proj and up_proj, and rank-stabilised on "all-linear") are read by --init-from-peft too. |ours - theirs| must be at most TOL. Needs python3 with
 torch, transformers and peft; exits 77 (skipped) without them, 1 when a comparison fails.
 
-  hf_check.py --mpigpt "build/mpigpt" --data PREFIX --out DIR [--families gpt2,llama,mixtral]
+  hf_check.py --mpigpt "build/mpigpt" --data PREFIX --out DIR [--families gpt2,llama,qwen2,mixtral]
 """
 import argparse
 import json
@@ -33,12 +34,15 @@ TEXT = (b"It was the best of times, it was the worst of times, it was the age of
 FAMILIES = {
     "gpt2": ["--model.family", "gpt2", "--model.num_heads", "4"],
     "llama": ["--model.family", "llama", "--model.num_heads", "4", "--model.num_kv_heads", "2"],
+    "qwen2": ["--model.family", "llama", "--model.num_heads", "4", "--model.num_kv_heads", "2",
+              "--model.qkv_bias", "true", "--model.tie_embeddings", "true"],
     "mixtral": ["--model.family", "llama", "--model.num_heads", "4", "--model.num_kv_heads", "2",
                 "--model.num_experts", "4", "--model.moe_top_k", "2", "--model.moe_norm_topk_prob", "true"],
 }
 SHAPE = ["--model.num_layers", "2", "--model.hidden", "64"]
 # mpigpt's LoRA targets per family: llama an adapter per projection, as peft trains them.
-TARGETS = {"gpt2": "qkv,proj,fc1,fc2", "llama": "q,v,proj,gate,up,fc2", "mixtral": "qkv,proj,fc1,fc2"}
+TARGETS = {"gpt2": "qkv,proj,fc1,fc2", "llama": "q,v,proj,gate,up,fc2", "qwen2": "q,k,v,proj,gate,up,fc2",
+           "mixtral": "qkv,proj,fc1,fc2"}
 TRAIN = ["--model.seq_len", str(T), "--training.micro_batch", "8", "--training.global_batch", "8",
          "--training.warmup_iters", "5", "--training.eval_interval", "0", "--training.log_interval", "10"]
 

@@ -132,6 +132,7 @@ const std::vector<Row>& rows() {
       MPIGPT_OPTION(model, vocab_multiple, "pad the vocabulary to a multiple of this (times tp)", {"make_vocab_size_divisible_by"}),
       MPIGPT_OPTION(model, norm_eps, "epsilon of LayerNorm / RMSNorm", {"norm_epsilon", "layernorm_epsilon"}),
       MPIGPT_OPTION(model, rope_theta, "RoPE base (llama)", {"rotary_base"}),
+      MPIGPT_OPTION(model, qkv_bias, "llama: a bias on the query, key and value projections (Qwen2)", {"add_qkv_bias"}),
       MPIGPT_OPTION(model, init_std, "std of the normal weight init", {"init_method_std"}),
       MPIGPT_OPTION(model, tie_embeddings, "share input and output embedding (gpt2 default true, llama false)", {"untie_embeddings_and_output_weights"}),
       MPIGPT_OPTION(model, num_experts, "MoE experts E per MoE layer (0: dense MLP everywhere)", {"num_local_experts"}),
@@ -389,6 +390,7 @@ void Config::adopt_model(const ModelConfig& m, const std::string& source) {
   }
   take("norm_eps", model.norm_eps, m.norm_eps);
   take("rope_theta", model.rope_theta, m.rope_theta);
+  take("qkv_bias", model.qkv_bias, m.qkv_bias);
   take("tie_embeddings", model.tie_embeddings, m.tie_embeddings);
   take("num_experts", model.num_experts, m.num_experts);
   if (m.num_experts > 0) {  // the mixture-of-experts shape (a Mixtral import, a MoE checkpoint)

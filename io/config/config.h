@@ -84,6 +84,7 @@ struct ModelConfig {
   int vocab_multiple = 128;             // pad the vocabulary to a multiple of this (times tp)
   double norm_eps = 1e-5;               // epsilon of LayerNorm / RMSNorm
   double rope_theta = 10000.0;          // RoPE base (llama)
+  bool qkv_bias = false;                // llama: a bias on the query, key and value projections (Qwen2)
   double init_std = 0.02;               // std of the normal weight init
   bool tie_embeddings = true;           // share input and output embedding (gpt2 default true, llama false)
   int num_experts = 0;                  // MoE experts E per MoE layer (0: dense MLP everywhere)

@@ -261,6 +261,9 @@ void check_model_split(const ModelConfig& m, const ParallelConfig& p) {
   if (p.cp > 1 && m.seq_len % (2 * p.cp) != 0)
     fail("model.seq_len = {} is not divisible by 2 * parallel.cp = {}; context parallelism splits the "
          "sequence into 2*cp load-balanced chunks: make seq_len a multiple of {}", m.seq_len, 2 * p.cp, 2 * p.cp);
+  if (m.family == "gpt2" && m.qkv_bias)
+    fail("model.qkv_bias = true is for model.family = llama (Qwen2's biased query, key and value projections); "
+         "GPT-2 has a bias on every projection already: leave qkv_bias out");
   if (m.family == "gpt2" && m.max_position < m.seq_len)
     fail("model.max_position = {} is smaller than model.seq_len = {}; the learned position table needs a row "
          "per position: set max_position >= seq_len (or 0 for = seq_len)", m.max_position, m.seq_len);

@@ -178,6 +178,8 @@ TEST_CASE("config: validate names the field, the value and the fix: grid, engine
     CHECK_FAILS(parsed({"--cp=2", "--seq_len=6"}).validate(2), "model.seq_len = 6 is not divisible by 2 * parallel.cp = 4");
     CHECK_NOTHROW(parsed({"--seq_len=6"}).validate(1));
     CHECK_FAILS(parsed({"--max_position=128"}).validate(1), "model.max_position = 128 is smaller than model.seq_len = 256");
+    CHECK_FAILS(parsed({"--qkv_bias"}).validate(1), "model.qkv_bias = true is for model.family = llama");
+    CHECK_NOTHROW(parsed({"--family=llama", "--qkv_bias"}).validate(1));
   }
   SUBCASE("sequence parallelism") {
     CHECK_FAILS(parsed({"--ep=2", "--tp=2", "--global_batch=8"}).validate(4),

@@ -32,6 +32,8 @@ ModelConfig resolved(const ModelConfig& in) {
     fail("model.hidden = {} is not a multiple of model.num_heads = {}", m.hidden, m.num_heads);
   if (m.num_kv_heads <= 0 || m.num_heads % m.num_kv_heads != 0)
     fail("model.num_kv_heads = {} must divide model.num_heads = {}", m.num_kv_heads, m.num_heads);
+  if (m.family == "gpt2" && m.qkv_bias)
+    fail("model.qkv_bias = true is for model.family = llama; GPT-2 has a bias on every projection already");
   if (m.family == "gpt2" && m.num_kv_heads != m.num_heads)
     fail("model.num_kv_heads = {} differs from num_heads = {}: GPT2LMHeadModel has no grouped-query attention; "
          "use family llama or num_kv_heads = num_heads", m.num_kv_heads, m.num_heads);
@@ -73,6 +75,9 @@ ModelConfig resolved_for_hf(const ModelConfig& in) {
   if (m.moe_shared_expert_ffn > 0)
     fail("model.moe_shared_expert_ffn = {}: {} has no shared expert; train with model.moe_shared_expert_ffn = 0 to "
          "export", m.moe_shared_expert_ffn, not_mixtral);
+  if (m.qkv_bias)
+    fail("model.qkv_bias = true: {} has no bias on its query, key and value projections; train with "
+         "model.qkv_bias = false to export", not_mixtral);
   return m;
 }
 
@@ -138,27 +143,33 @@ json hf_config(const ModelConfig& in, int vocab) {
             {"tie_word_embeddings", m.tie_embeddings},
             {"use_cache", true},
             {"torch_dtype", "float32"}};
-  return {{"architectures", {"LlamaForCausalLM"}},
-          {"model_type", "llama"},
-          {"vocab_size", vocab},
-          {"hidden_size", m.hidden},
-          {"intermediate_size", m.ffn_hidden},
-          {"num_hidden_layers", m.num_layers},
-          {"num_attention_heads", m.num_heads},
-          {"num_key_value_heads", m.num_kv_heads},
-          {"head_dim", m.hidden / m.num_heads},
-          {"max_position_embeddings", maxT},
-          {"rms_norm_eps", m.norm_eps},
-          {"rope_theta", m.rope_theta},
-          {"rope_scaling", nullptr},
-          {"hidden_act", "silu"},
-          {"attention_bias", false},
-          {"attention_dropout", 0.0},
-          {"mlp_bias", false},
-          {"initializer_range", m.init_std},
-          {"tie_word_embeddings", m.tie_embeddings},
-          {"use_cache", true},
-          {"torch_dtype", "float32"}};
+  json j = {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"vocab_size", vocab},
+            {"hidden_size", m.hidden},
+            {"intermediate_size", m.ffn_hidden},
+            {"num_hidden_layers", m.num_layers},
+            {"num_attention_heads", m.num_heads},
+            {"num_key_value_heads", m.num_kv_heads},
+            {"head_dim", m.hidden / m.num_heads},
+            {"max_position_embeddings", maxT},
+            {"rms_norm_eps", m.norm_eps},
+            {"rope_theta", m.rope_theta},
+            {"rope_scaling", nullptr},
+            {"hidden_act", "silu"},
+            {"attention_bias", false},
+            {"attention_dropout", 0.0},
+            {"mlp_bias", false},
+            {"initializer_range", m.init_std},
+            {"tie_word_embeddings", m.tie_embeddings},
+            {"use_cache", true},
+            {"torch_dtype", "float32"}};
+  if (!m.qkv_bias) return j;
+  // Qwen2: Llama with biased q/k/v projections (Llama's attention_bias would bias o_proj too).
+  for (const char* k : {"head_dim", "attention_bias", "mlp_bias"}) j.erase(k);
+  j["architectures"] = {"Qwen2ForCausalLM"}, j["model_type"] = "qwen2";
+  j["use_sliding_window"] = false, j["sliding_window"] = nullptr, j["max_window_layers"] = m.num_layers;
+  return j;
 }
 
 namespace {
@@ -221,27 +232,50 @@ void gpt2_from_hf(const Fields& f, ModelConfig& m) {
   f.require("add_cross_attention", !f.boolean("add_cross_attention", false), "true", "decoder-only models only");
 }
 
-// LlamaForCausalLM's fields; MixtralForCausalLM is Llama with every MLP a mixture of experts
-// (modeling_mixtral.py).
-void llama_from_hf(const Fields& f, bool mixtral, ModelConfig& m) {
+// The sliding window of Mistral, Mixtral and Qwen2: refused, as mpigpt's attention is full causal.
+void no_sliding_window(const Fields& f, const std::string& type) {
+  const char* fix = "mpigpt's attention is full causal, without a sliding window (a window at least as long as every "
+                    "sequence you run changes nothing: then set it to null)";
+  if (type == "qwen2") {  // the window applies only with use_sliding_window (off in every released Qwen2)
+    f.require("use_sliding_window", !f.boolean("use_sliding_window", false), "true", fix);
+    if (f.has("layer_types"))  // transformers >= 4.53 spells the layers out
+      for (const json& t : f.j["layer_types"])
+        f.require("layer_types", t == "full_attention", t.dump(), fix);
+    return;
+  }
+  // MistralConfig's default is a window of 4096: only an explicit null means none.
+  const bool none = type == "mixtral" ? !f.has("sliding_window") : f.j.contains("sliding_window") && !f.has("sliding_window");
+  f.require("sliding_window", none, f.j.value("sliding_window", json(4096)).dump(), fix);
+}
+
+// LlamaForCausalLM's fields. MistralForCausalLM is Llama with a sliding window (none in Mistral
+// 7B v0.2 on), Qwen2ForCausalLM Llama with biased q/k/v projections, and MixtralForCausalLM Llama
+// with every MLP a mixture of experts (modeling_mistral.py, modeling_qwen2.py, modeling_mixtral.py).
+void llama_from_hf(const Fields& f, const std::string& type, ModelConfig& m) {
   const json& j = f.j;
   const std::string& where = f.where;
+  const bool mixtral = type == "mixtral";
   m.family = "llama";
+  m.qkv_bias = type == "qwen2";
   m.hidden = f.integer("hidden_size");
   m.num_layers = f.integer("num_hidden_layers");
   m.num_heads = f.integer("num_attention_heads");
   m.num_kv_heads = f.integer("num_key_value_heads", m.num_heads);
   m.ffn_hidden = f.integer("intermediate_size");
-  // transformers' defaults: LlamaConfig 2048 / 1e-6 / 1e4, MixtralConfig 4096 * 32 / 1e-5 / 1e6.
-  m.max_position = f.integer("max_position_embeddings", mixtral ? 4096 * 32 : 2048);
+  // transformers' defaults: LlamaConfig 2048 / 1e-6 / 1e4, MixtralConfig 4096 * 32 / 1e-5 / 1e6,
+  // MistralConfig 4096 * 32 / 1e-6 / 1e4, Qwen2Config 32768 / 1e-6 / 1e4.
+  m.max_position = f.integer("max_position_embeddings", type == "llama" ? 2048 : type == "qwen2" ? 32768 : 4096 * 32);
   m.seq_len = std::min(m.max_position, 2048);
   m.norm_eps = f.number("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
   m.rope_theta = f.number("rope_theta", mixtral ? 1e6 : 10000.0);
   m.tie_embeddings = f.boolean("tie_word_embeddings", false);
   const std::string act = f.text("hidden_act", "silu");
   f.require("hidden_act", act == "silu", "\"" + act + "\"", "the MLP is SwiGLU (silu)");
-  f.require("attention_bias", !f.boolean("attention_bias", false), "true", "Llama projections have no bias");
+  f.require("attention_bias", !f.boolean("attention_bias", false), "true",
+            "Llama's attention_bias also biases o_proj, which mpigpt's llama family has not (Qwen2's q/k/v biases "
+            "are read as model_type qwen2)");
   f.require("mlp_bias", !f.boolean("mlp_bias", false), "true", "Llama projections have no bias");
+  if (type != "llama") no_sliding_window(f, type);
   if (f.has("head_dim"))
     f.require("head_dim", f.integer("head_dim") * m.num_heads == m.hidden, j["head_dim"].dump(),
               "the head size must be hidden_size / num_attention_heads");
@@ -256,9 +290,6 @@ void llama_from_hf(const Fields& f, bool mixtral, ModelConfig& m) {
     if (r.contains("rope_theta")) m.rope_theta = Fields{r, where}.number("rope_theta", m.rope_theta);
   }
   if (mixtral) {
-    f.require("sliding_window", !f.has("sliding_window"), j.value("sliding_window", json()).dump(),
-              "mpigpt's attention is full causal, without a sliding window (a window at least as long as "
-              "every sequence you run changes nothing: then set it to null)");
     m.num_experts = f.integer("num_local_experts", 8);
     m.moe_top_k = f.integer("num_experts_per_tok", 2);
     if (m.moe_top_k > m.num_experts)
@@ -283,14 +314,14 @@ ModelConfig model_config_from_hf(const json& j, int* vocab, const std::string& w
   ModelConfig m;
   if (type == "gpt2") {
     gpt2_from_hf(f, m);
-  } else if (type == "llama" || type == "mixtral") {
-    llama_from_hf(f, type == "mixtral", m);
+  } else if (type == "llama" || type == "mixtral" || type == "mistral" || type == "qwen2") {
+    llama_from_hf(f, type, m);
   } else if (type == "qwen2_moe" || type == "deepseek_v2") {
     fail("{}: model_type \"{}\" is a mixture-of-experts model mpigpt does not read (shared experts, its own "
          "routing); mpigpt reads mixture-of-experts checkpoints as mixtral (MixtralForCausalLM)", where, type);
   } else {
-    fail("{}: model_type \"{}\" is not supported; mpigpt reads gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) "
-         "and mixtral (MixtralForCausalLM)", where, type);
+    fail("{}: model_type \"{}\" is not supported; mpigpt reads gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), "
+         "mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM) and mixtral (MixtralForCausalLM)", where, type);
   }
   m.vocab_size = f.integer("vocab_size");
   if (f.has("initializer_range")) m.init_std = f.number("initializer_range", m.init_std);

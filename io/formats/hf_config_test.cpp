@@ -1,4 +1,4 @@
-// Hugging Face config.json both ways: what we write for GPT-2, Llama and Mixtral, the hub's own
+// Hugging Face config.json both ways: what we write for GPT-2, Llama, Qwen2 and Mixtral, the hub's own
 // configs read back, transformers' defaults for what a config leaves out, and errors naming the field.
 #include <doctest/doctest.h>
 
@@ -155,4 +155,69 @@ TEST_CASE("hf: config.json of Mixtral read, with transformers' defaults") {
   fails(with(mx, "router_aux_loss_coef", -1), "field \"router_aux_loss_coef\" = -1 is not a number >= 0");
   fails(with(mx, "hidden_act", "gelu"), "field \"hidden_act\" = \"gelu\" is not supported");
   fails(with(mx, "rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}), "field \"rope_scaling\"");
+}
+
+TEST_CASE("hf: config.json of Qwen2 and Mistral read; q/k/v biases written as Qwen2") {
+  // The hub's configs of Qwen/Qwen2.5-0.5B and mistralai/Mistral-7B-v0.3.
+  const json qw = json::parse(R"({"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+    "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})");
+  int vocab = 0;
+  ModelConfig m = model_config_from_hf(qw, &vocab);
+  CHECK(vocab == 151936);
+  CHECK(m.family == "llama");
+  CHECK(m.qkv_bias);
+  CHECK(m.num_kv_heads == 2);
+  CHECK(m.tie_embeddings);
+  CHECK(m.rope_theta == 1e6);
+  CHECK(m.norm_eps == 1e-6);
+  CHECK(m.max_position == 32768);
+  json bare = qw;  // Qwen2Config's defaults
+  for (const char* k : {"rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings"}) bare.erase(k);
+  m = model_config_from_hf(bare);
+  CHECK(m.rope_theta == 10000.0);
+  CHECK(m.max_position == 32768);
+  CHECK_FALSE(m.tie_embeddings);
+  fails(with(qw, "use_sliding_window", true), "x/config.json: field \"use_sliding_window\" = true is not supported");
+  fails(with(qw, "layer_types", {"full_attention", "sliding_attention"}), "field \"layer_types\" = \"sliding_attention\"");
+  CHECK(model_config_from_hf(with(qw, "layer_types", {"full_attention", "full_attention"})).qkv_bias);
+
+  const json mi = json::parse(R"({"architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": null,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": true, "vocab_size": 32768})");
+  m = model_config_from_hf(mi, &vocab);
+  CHECK(vocab == 32768);
+  CHECK(m.family == "llama");
+  CHECK_FALSE(m.qkv_bias);
+  CHECK(m.num_kv_heads == 8);
+  CHECK(m.rope_theta == 1e6);
+  // Mistral 7B v0.1 attends within a window of 4096, and MistralConfig's default is that window.
+  fails(with(mi, "sliding_window", 4096), "field \"sliding_window\" = 4096 is not supported: mpigpt's attention is full");
+  json no_window = mi;
+  no_window.erase("sliding_window");
+  fails(no_window, "field \"sliding_window\" = 4096");
+
+  // Ours with q/k/v biases is Qwen2, and reads back as it was.
+  const json q = hf_config(tiny_qwen2(), 37);
+  CHECK(q["model_type"] == "qwen2");
+  CHECK(q["architectures"] == json({"Qwen2ForCausalLM"}));
+  CHECK(q["use_sliding_window"] == false);
+  CHECK(q["tie_word_embeddings"] == true);
+  m = model_config_from_hf(q);
+  CHECK(m.qkv_bias);
+  CHECK(m.num_kv_heads == 2);
+  CHECK(m.ffn_hidden == 24);
+  CHECK(m.rope_theta == 500000.0);
+  ModelConfig moe = tiny_mixtral();
+  moe.qkv_bias = true;
+  CHECK_THROWS_WITH_AS(hf_config(moe, 37), doctest::Contains("model.qkv_bias = true: MixtralForCausalLM"), Error);
+  ModelConfig gpt2 = tiny_gpt2();
+  gpt2.qkv_bias = true;
+  CHECK_THROWS_WITH_AS(hf_config(gpt2, 37), doctest::Contains("model.qkv_bias = true is for model.family = llama"),
+                       Error);
 }

@@ -78,6 +78,11 @@ std::vector<Link> links(const ModelConfig& m, int vocab) {
       add(h + "self_attn.q_proj.weight", p + "attn.qkv.weight", 0, q);
       add(h + "self_attn.k_proj.weight", p + "attn.qkv.weight", q, kv);
       add(h + "self_attn.v_proj.weight", p + "attn.qkv.weight", q + kv, kv);
+      if (m.qkv_bias) {  // Qwen2
+        add(h + "self_attn.q_proj.bias", p + "attn.qkv.bias", 0, q);
+        add(h + "self_attn.k_proj.bias", p + "attn.qkv.bias", q, kv);
+        add(h + "self_attn.v_proj.bias", p + "attn.qkv.bias", q + kv, kv);
+      }
       add(h + "self_attn.o_proj.weight", p + "attn.proj.weight", 0, C);
       add(h + "post_attention_layernorm.weight", p + "mlp_norm.weight", 0, C);
       if (m.num_experts > 0) {  // Mixtral: every layer MoE (resolved_for_hf)
@@ -110,7 +115,7 @@ bool ignorable_buffer(const std::string& name) {
 
 // The model_type of `m` (resolved) in Hugging Face terms, for messages.
 const char* hf_type(const ModelConfig& m) {
-  return m.family == "gpt2" ? "gpt2" : m.num_experts > 0 ? "mixtral" : "llama";
+  return m.family == "gpt2" ? "gpt2" : m.num_experts > 0 ? "mixtral" : m.qkv_bias ? "qwen2" : "llama";
 }
 
 // The tied head is the embedding's first `vocab` rows, bit for bit.
@@ -141,7 +146,7 @@ std::vector<std::pair<std::string, Shape>> param_shapes(const ModelConfig& in, i
     t.push_back({p + "attn_norm.weight", {C}});
     if (g) t.push_back({p + "attn_norm.bias", {C}});
     t.push_back({p + "attn.qkv.weight", {q + 2 * kv, C}});
-    if (g) t.push_back({p + "attn.qkv.bias", {q + 2 * kv}});
+    if (g || m.qkv_bias) t.push_back({p + "attn.qkv.bias", {q + 2 * kv}});
     t.push_back({p + "attn.proj.weight", {C, q}});
     if (g) t.push_back({p + "attn.proj.bias", {C}});
     t.push_back({p + "mlp_norm.weight", {C}});

@@ -36,7 +36,8 @@ TEST_CASE("hf: our forward on imported models matches a numpy forward of the HF 
   }
   struct Case { const char* family; const char* opts; };
   for (const Case c : {Case{"gpt2", ""}, Case{"gpt2", "--hub-style --dtype BF16 --shards 3"}, Case{"llama", ""},
-                       Case{"llama", "--dtype F16 --shards 2"}, Case{"mixtral", ""},
+                       Case{"llama", "--dtype F16 --shards 2"}, Case{"mistral", ""}, Case{"qwen2", ""},
+                       Case{"qwen2", "--dtype BF16 --shards 2"}, Case{"mixtral", ""},
                        Case{"mixtral", "--dtype BF16 --shards 3"}}) {
     const std::string what = std::string(c.family) + " " + c.opts;
     CAPTURE(what);
@@ -61,9 +62,10 @@ TEST_CASE("hf: a numpy forward of the models we export matches ours (oracle)") {
   }
   const int V = 37, Vp = 64;
   const std::vector<int32_t> tokens = {3, 36, 0, 17, 17, 5, 29, 11};
-  for (const ModelConfig& m : {tiny_gpt2(), tiny_llama(), tiny_mixtral()}) {
+  for (const ModelConfig& m : {tiny_gpt2(), tiny_llama(), tiny_qwen2(), tiny_mixtral()}) {
     CAPTURE(m.family);
     CAPTURE(m.num_experts);
+    CAPTURE(m.qkv_bias);
     TempDir tmp;
     std::ofstream(tmp / "tokens.i32", std::ios::binary)
         .write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * 4));

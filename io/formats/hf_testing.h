@@ -49,6 +49,13 @@ inline ModelConfig tiny_llama() {
 }
 
 // Llama with every MLP a mixture of 4 experts of width 12, top-2, renormalised: a Mixtral.
+inline ModelConfig tiny_qwen2() {  // Llama with biased q/k/v projections, tied as the small Qwen2.5
+  ModelConfig m = tiny_llama();
+  m.qkv_bias = true;
+  m.tie_embeddings = true;
+  return m;
+}
+
 inline ModelConfig tiny_mixtral() {
   ModelConfig m = tiny_llama();
   m.num_experts = 4;

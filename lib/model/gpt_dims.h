@@ -65,6 +65,7 @@ struct GptDims {
   int V = 257;        // real vocabulary
   int Vp = 384;       // padded vocabulary (rows of the embedding / logits columns)
   bool tied = true;   // output projection = input embedding
+  bool qkv_bias = false;  // llama: the q/k/v projections carry a bias (Qwen2); GPT-2's always do
   float eps = 1e-5f;  // norm epsilon
   // Activations and the compute copies of the weights (bf16 mixed precision: masters, gradients
   // and optimizer state stay fp32).
@@ -82,6 +83,7 @@ struct GptDims {
   int64_t lora_width(LoraTarget t) const;
   int qkv_dim() const { return (NH + 2 * NKV) * HD(); }
   bool gpt2() const { return family == Family::GPT2; }
+  bool has_qkv_bias() const { return gpt2() || qkv_bias; }
   // Model FLOPs of one training step (forward + backward = 3x forward) per token, counted as
   // Megatron does: every GEMM, causal attention halved, the logits GEMM over Vp. Under LoRA the
   // frozen weights' GEMMs count 2x (no weight gradient), the adapters' 3x.

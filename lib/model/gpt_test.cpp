@@ -20,8 +20,9 @@ GptDims tiny_dims(Family f) { return testing::tiny_gpt_dims(f); }
 using Batch = testing::TinyBatch;
 Batch make_batch(const GptDims& d, int B) { return testing::tiny_batch(d, B); }
 
-void check_gradients(Family fam) {
-  const GptDims d = tiny_dims(fam);
+void check_gradients(Family fam, bool qkv_bias = false) {
+  GptDims d = tiny_dims(fam);
+  d.qkv_bias = qkv_bias;
   const int B = 2;
   auto ops = make_cpu_ops();
   GPT model(d, *ops, B);
@@ -50,6 +51,10 @@ TEST_CASE("GPT-2 family: every parameter's gradient matches central finite diffe
 
 TEST_CASE("Llama family (RMSNorm, RoPE, SwiGLU, GQA, untied): gradients match finite differences") {
   check_gradients(Family::Llama);
+}
+
+TEST_CASE("Llama with q/k/v biases (Qwen2): gradients match finite differences") {
+  check_gradients(Family::Llama, true);
 }
 
 TEST_CASE("padded vocabulary rows stay zero and get no gradient") {

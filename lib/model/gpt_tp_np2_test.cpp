@@ -27,12 +27,15 @@ void perturb(GPT& m) {
   }
 }
 
-void check_tp(Family fam, bool sp, int lora_rank = 0, unsigned lora_targets = LoraDims{}.targets) {
+void check_tp(Family fam, bool sp, int lora_rank = 0, unsigned lora_targets = LoraDims{}.targets,
+              bool qkv_bias = false) {
   CAPTURE(int(fam));
   CAPTURE(sp);
   CAPTURE(lora_rank);
   CAPTURE(lora_targets);
+  CAPTURE(qkv_bias);
   GptDims d = testing::tiny_gpt_dims(fam);
+  d.qkv_bias = qkv_bias;
   d.lora.rank = lora_rank;
   d.lora.targets = lora_targets;
   const int B = 2;
@@ -105,6 +108,8 @@ void check_tp(Family fam, bool sp, int lora_rank = 0, unsigned lora_targets = Lo
 TEST_CASE("tp=2 shards reproduce the single-rank loss and gradient slices (both families, with/without SP)") {
   for (Family fam : {Family::GPT2, Family::Llama})
     for (bool sp : {false, true}) check_tp(fam, sp);
+  // Llama with Qwen2's q/k/v biases: each rank's bias holds its heads' rows, as the weight does.
+  for (bool sp : {false, true}) check_tp(Family::Llama, sp, 0, LoraDims{}.targets, true);
 }
 
 TEST_CASE("tp=2 shards of LoRA adapters (A and B split as their layer) reproduce the single-rank loss and gradients") {
@@ -114,4 +119,5 @@ TEST_CASE("tp=2 shards of LoRA adapters (A and B split as their layer) reproduce
   check_tp(Family::Llama, true, 3, kLoraQ | kLoraV | kLoraProj | kLoraGate | kLoraUp | kLoraFc2);
   check_tp(Family::Llama, false, 3, kLoraK | kLoraUp);
   check_tp(Family::GPT2, true, 3, kLoraQ | kLoraK | kLoraV | kLoraFc1);
+  check_tp(Family::Llama, true, 3, kLoraQ | kLoraV, true);  // the bias frozen with its weight
 }

@@ -181,7 +181,7 @@ std::vector<ParamInfo> build_param_table(const GptDims& d, const ModelPlacement&
       if (g) b.add_full(p + "attn_norm.bias", {d.C}, ParamKind::Bias);
       // A tp rank holds its query heads and the key/value heads they read: three row blocks.
       b.add_rows(p + "attn.qkv.weight", {q + 2 * kv, d.C}, ParamKind::Weight, d.init_std, {q, kv, kv});
-      if (g) b.add_rows(p + "attn.qkv.bias", {q + 2 * kv}, ParamKind::Bias, 0, {q, kv, kv});
+      if (d.has_qkv_bias()) b.add_rows(p + "attn.qkv.bias", {q + 2 * kv}, ParamKind::Bias, 0, {q, kv, kv});
       b.add_cols(p + "attn.proj.weight", {d.C, q}, ParamKind::Weight, out_std);
       if (g) b.add_full(p + "attn.proj.bias", {d.C}, ParamKind::Bias);
       b.add_full(p + "mlp_norm.weight", {d.C}, ParamKind::Norm);

@@ -230,6 +230,7 @@ void write_meta(CheckpointWriter& w, const CheckpointMeta& meta, const Config& c
   w.attr("data.sampler_position", meta.consumed_samples);
   w.attr("model.family", cfg.model.family);
   for (const auto& [k, v] : shape_attrs(d)) w.attr(k, v);
+  w.attr("model.qkv_bias", int64_t(d.qkv_bias));
   if (d.moe.E > 0)
     for (const auto& [k, v] : moe_shape_attrs(d)) w.attr(k, v);
   w.attr("config", cfg.to_ini());
@@ -398,6 +399,9 @@ CheckpointMeta load_checkpoint(const std::string& root, ModelRunner& r, const Co
       fail("checkpoint {} was saved with {} = {}; this run has {} = {}: use the same model settings to load it",
            file, k, saved, k, v);
   }
+  if (const int64_t saved = in.has_attr("model.qkv_bias") ? in.attr_int("model.qkv_bias") : 0; saved != d.qkv_bias)
+    fail("checkpoint {} was saved with model.qkv_bias = {}; this run has model.qkv_bias = {}: use the same model "
+         "settings to load it", file, saved ? "true" : "false", d.qkv_bias ? "true" : "false");
   for (const auto& [k, v] : moe_shape_attrs(d)) {
     const int64_t saved = in.has_attr(k) ? in.attr_int(k) : 0;
     if (saved != v)

@@ -59,6 +59,7 @@ GptDims make_dims(const Config& cfg, int vocab_size) {
   d.eps = float(m.norm_eps);
   d.act = cfg.training.precision == "bf16" ? DType::BF16 : DType::F32;
   d.rope_theta = float(m.rope_theta);
+  d.qkv_bias = m.qkv_bias;
   d.init_std = float(m.init_std);
   if (m.num_experts > 0) {
     d.moe.E = m.num_experts;
@@ -297,8 +298,8 @@ void TrainingRun::log_setup() const {
   if (!logs()) return;
   const GptDims& d = d_;
   log_line("mesh: {}", mesh_.describe());
-  log_line("model: {} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
-           "parameters", d.gpt2() ? "gpt2" : "llama", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
+  log_line("model: {}{} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
+           "parameters", d.gpt2() ? "gpt2" : "llama", d.qkv_bias ? " with q/k/v biases" : "", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
            d.num_params() / 1e6);
   if (moe_) {
     std::string layers;

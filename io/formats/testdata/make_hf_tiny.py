@@ -2,7 +2,7 @@
 """Independent oracle for io/formats/hf_oracle_test.cpp: tiny Hugging Face models and their
 logits, with nothing but numpy (no torch, no transformers).
 
-  make_hf_tiny.py make {gpt2,llama,mixtral} OUTDIR [--dtype F32|BF16|F16] [--shards N] [--hub-style]
+  make_hf_tiny.py make {gpt2,llama,mistral,qwen2,mixtral} OUTDIR [--dtype F32|BF16|F16] [--shards N] [--hub-style]
       writes OUTDIR/config.json, the weights (model.safetensors, or N shards + index) under
       transformers' names and layouts (GPT-2 Conv1D weights stored (in, out)), OUTDIR/tokens.i32
       (T int32) and OUTDIR/logits.f64 (T x V float64) of a float64 forward pass over those tokens.
@@ -15,8 +15,9 @@ logits, with nothing but numpy (no torch, no transformers).
       router margin as text (inf for a dense model).
 
 The forward passes follow transformers' modeling_gpt2.py (LayerNorm, gelu_new, causal attention,
-tied head), modeling_llama.py (RMSNorm, rotate_half RoPE, repeat_kv GQA, SwiGLU, lm_head) and
-modeling_mixtral.py (Llama attention; every MLP a mixture of experts: router logits = h @ gate^T,
+tied head), modeling_llama.py (RMSNorm, rotate_half RoPE, repeat_kv GQA, SwiGLU, lm_head; the
+same for modeling_mistral.py without a sliding window, and modeling_qwen2.py, whose q/k/v
+projections add a bias) and modeling_mixtral.py (Llama attention; every MLP a mixture of experts: router logits = h @ gate^T,
 softmax over all E experts, top-k, the k weights renormalised to sum 1, out = sum_k w_k *
 w2(silu(w1 h) * w3 h)). The router margin is the smallest gap, over every token and layer,
 between the k-th and (k+1)-th largest router logit: a top-k choice that float32 rounding
@@ -201,9 +202,11 @@ def llama_logits(cfg, w, tokens, margins):
     for l in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{l}."
         h = rms(x, p + "input_layernorm.weight")
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, NH, HD).transpose(1, 0, 2)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, NKV, HD).transpose(1, 0, 2)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, NKV, HD).transpose(1, 0, 2)
+        def proj(n, heads):  # nn.Linear, with a bias where the model has one (Qwen2's q/k/v)
+            y = h @ w[p + f"self_attn.{n}.weight"].T + w.get(p + f"self_attn.{n}.bias", 0.0)
+            return y.reshape(T, heads, HD).transpose(1, 0, 2)
+
+        q, k, v = proj("q_proj", NH), proj("k_proj", NKV), proj("v_proj", NKV)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = np.repeat(k, NH // NKV, axis=0), np.repeat(v, NH // NKV, axis=0)  # repeat_kv
         x = x + causal_attention(q, k, v) @ w[p + "self_attn.o_proj.weight"].T
@@ -249,7 +252,8 @@ def make(family, outdir, dtype, shards, hub_style):
 
 def draw(family, dtype, hub_style, attempt):
     """config.json, the weights, the tokens and the stored dtypes of one random tiny model."""
-    rng = np.random.default_rng({"gpt2": 1234, "llama": 4321, "mixtral": 8765}[family] + 1000 * attempt)
+    rng = np.random.default_rng({"gpt2": 1234, "llama": 4321, "mistral": 5432, "qwen2": 6543, "mixtral": 8765}[family]
+                                + 1000 * attempt)
     V, C, L, T = 37, 16, 2, 8
     rnd = lambda *s, std=0.2: (rng.standard_normal(s) * std).astype(np.float32)
     w = {}
@@ -274,13 +278,20 @@ def draw(family, dtype, hub_style, attempt):
                 w[h + "attn.masked_bias"] = np.array(-1e4, dtype=np.float32)
         w[pre + "ln_f.weight"] = 1 + rnd(C, std=0.1)
         w[pre + "ln_f.bias"] = rnd(C, std=0.1)
-    elif family == "llama":
+    elif family in ("llama", "mistral", "qwen2"):
         NH, NKV, F = 4, 2, 24
         HD = C // NH
         cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": C,
                "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": NH, "num_key_value_heads": NKV,
                "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 1000.0, "rope_scaling": None,
                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+        if family == "mistral":  # as Mistral 7B v0.2 on: no sliding window
+            cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+            del cfg["attention_bias"], cfg["mlp_bias"]
+        if family == "qwen2":  # as Qwen2.5 0.5B: tied, the window off
+            cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
+                       use_sliding_window=False, sliding_window=4096, max_window_layers=L)
+            del cfg["attention_bias"], cfg["mlp_bias"]
         w["model.embed_tokens.weight"] = rnd(V, C, std=0.5)
         for l in range(L):
             h = f"model.layers.{l}."
@@ -288,10 +299,13 @@ def draw(family, dtype, hub_style, attempt):
             w[h + "post_attention_layernorm.weight"] = 1 + rnd(C, std=0.1)
             for n, o, i in (("q_proj", NH * HD, C), ("k_proj", NKV * HD, C), ("v_proj", NKV * HD, C), ("o_proj", C, C)):
                 w[h + "self_attn." + n + ".weight"] = rnd(o, i, std=0.4)  # nn.Linear: (out, in)
+                if family == "qwen2" and n != "o_proj":
+                    w[h + "self_attn." + n + ".bias"] = rnd(o, std=0.3)
             for n, o, i in (("gate_proj", F, C), ("up_proj", F, C), ("down_proj", C, F)):
                 w[h + "mlp." + n + ".weight"] = rnd(o, i, std=0.3)
         w["model.norm.weight"] = 1 + rnd(C, std=0.1)
-        w["lm_head.weight"] = rnd(V, C, std=0.5)
+        if not cfg["tie_word_embeddings"]:
+            w["lm_head.weight"] = rnd(V, C, std=0.5)
     else:  # mixtral: 4 experts of width 12, top-2, GQA
         NH, NKV, F, E, K = 4, 2, 12, 4, 2
         HD = C // NH
