@@ -413,7 +413,7 @@ CheckpointReader::CheckpointReader(MPI_Comm comm, const std::string& path) : imp
   I.dxpl = h5::collective_dxpl();
 }
 
-// The root attributes every reader checks: format, version and (since 2026-11-29) their checksum.
+// The root attributes every reader checks: format, version and (where saved) their checksum.
 void CheckpointReader::Impl::check_root() const {
   auto f = attrs.find("format");
   if (f == attrs.end() || f->second.kind != Attr::Str || f->second.s != kFormat)

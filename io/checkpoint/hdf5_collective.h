@@ -75,7 +75,7 @@ std::string write_failure(const std::string& path, const std::string& what, int6
 // calls) but carried out with each rank's own MPI-IO calls (see the .cpp for the measurements).
 Handle fapl_mpio(MPI_Comm comm);
 Handle collective_dxpl();
-Handle string_type();  // variable-length UTF-8: how saves before 2026-11-29 stored strings
+Handle string_type();  // variable-length UTF-8: how earlier saves stored strings (still read)
 // The type strings are written as: fixed-length UTF-8 of the value's size, null-terminated. Its
 // bytes live in the attribute's header message, which carries a checksum, where a variable-length
 // string's lie in the global heap, which has none (and libhdf5 crashed on a damaged one).
