@@ -8,7 +8,7 @@ tiny model on DATA, exports it, trains LoRA adapters on it and exports them, the
 mean token loss over four fixed sequences of English text with mpigpt (fp32, CPU backend; the
 adapters read back through --init-from-peft) and with transformers (fp32, CPU, eager attention;
 the adapters through peft's PeftModel). For llama the adapters are one per projection (q, v, gate,
-up), and adapters that peft itself made (its own random A and B per projection, lora_dropout 0.05:
+up), and for llama and qwen2 adapters that peft itself made (its own random A and B per projection, lora_dropout 0.05:
 on q_proj, v_proj and up_proj, and rank-stabilised on "all-linear") are read by --init-from-peft too. |ours - theirs| must be at most TOL. Needs python3 with
 torch, transformers and peft; exits 77 (skipped) without them, 1 when a comparison fails.
 
@@ -118,9 +118,9 @@ def check_family(fam, args, mpigpt, libs):
         ok &= compare(fam, "transformers", ours, hf_loss(torch, model.eval(), tokens))
         adapted = peft.PeftModel.from_pretrained(model, peft_dir)
         ok &= compare(fam, "peft", ours_lora, hf_loss(torch, adapted.eval(), tokens))
-        if fam == "llama":
+        if fam in ("llama", "qwen2"):
             for targets in (["q_proj", "v_proj", "up_proj"], "all-linear"):
-                ok &= check_peft_made(torch, transformers, peft, (hf, base, out, mpigpt, tokens, log), targets)
+                ok &= check_peft_made(torch, transformers, peft, (fam, hf, base, out, mpigpt, tokens, log), targets)
     except Exception as e:  # noqa: BLE001
         print(f"hf_check: {fam}: {type(e).__name__}: {e}")
         return False
@@ -134,7 +134,7 @@ def check_peft_made(torch, transformers, peft, run_args, targets):
     """An adapter as peft makes one on `targets` (its own A per projection, dropout; B random,
     init_lora_weights=False, so that it is no no-op; "all-linear" saved as full module names) read
     by mpigpt --init-from-peft."""
-    hf, base, out, mpigpt, tokens, log = run_args
+    fam, hf, base, out, mpigpt, tokens, log = run_args
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=targets, init_lora_weights=False,
@@ -144,7 +144,7 @@ def check_peft_made(torch, transformers, peft, run_args, targets):
     adapted.save_pretrained(str(out / name))
     ours = mpigpt_loss(mpigpt, out, name + "_loss", ["--init-from-checkpoint", base, "--init-from-peft", str(out / name)],
                        out / "tokens.bin", log)
-    return compare("llama", f"peft-made adapter on {targets}", ours, hf_loss(torch, adapted.eval(), tokens))
+    return compare(fam, f"peft-made adapter on {targets}", ours, hf_loss(torch, adapted.eval(), tokens))
 
 
 def main():
