@@ -191,11 +191,12 @@ void CheckpointWriter::write(const std::string& name, const Shape& global, const
   Handle fspace(H5Screate_simple(global.ndim, dims, nullptr), H5Sclose);
   const std::string dataset = fmt::format("dataset '{}'", name);
   err = watched(I.what("the write of " + dataset), [&]() -> std::string {
-    for (size_t p = name.find('/'); p != std::string::npos; p = name.find('/', p + 1))
-      if (const std::string g = name.substr(0, p); H5Lexists(I.file, g.c_str(), H5P_DEFAULT) == 0 &&
-                                                   !Handle(H5Gcreate2(I.file, g.c_str(), H5P_DEFAULT, I.gcpl,
-                                                                      H5P_DEFAULT), H5Gclose).ok())
+    for (size_t p = name.find('/'); p != std::string::npos; p = name.find('/', p + 1)) {
+      const std::string g = name.substr(0, p);  // each group on the path, with the compact links
+      if (H5Lexists(I.file, g.c_str(), H5P_DEFAULT) != 0) continue;  // there, or a dataset: H5Dcreate2 says so
+      if (!Handle(H5Gcreate2(I.file, g.c_str(), H5P_DEFAULT, I.gcpl, H5P_DEFAULT), H5Gclose).ok())
         return I.h5fail("H5Gcreate2", fmt::format("group '{}' of {}", g, dataset));
+    }
     Handle dset(H5Dcreate2(I.file, name.c_str(), H5T_IEEE_F32LE, fspace, H5P_DEFAULT, I.dcpl, H5P_DEFAULT), H5Dclose);
     if (!dset.ok()) return I.h5fail("H5Dcreate2", dataset + " (written twice, or part of its path is a dataset?)");
     bool staged;
@@ -407,7 +408,7 @@ CheckpointReader::CheckpointReader(MPI_Comm comm, const std::string& path) : imp
   } catch (const Error&) {
     // Every rank fails here alike (the index is the same on every rank), so the collective close
     // is safe, and a process that goes on (a tool trying several files, a test) keeps no file open.
-        watched("the close of checkpoint '" + path + "'", [&] { return I.file.reset(); });
+    watched("the close of checkpoint '" + path + "'", [&] { return I.file.reset(); });
     throw;
   }
   I.dxpl = h5::collective_dxpl();
