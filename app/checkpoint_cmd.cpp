@@ -46,8 +46,9 @@ int cmd_checkpoint(const std::vector<std::string>& args, const MpiEnv& mpi) {
     fmt::print("saved by: {}\n", in.attr_string("layout"));
     const bool qkv_bias = in.has_attr("model.qkv_bias") && in.attr_int("model.qkv_bias");
     fmt::print("model: {}{} {} layers, hidden {}, {} heads ({} kv), ffn {}, vocab {}\n", in.attr_string("model.family"),
-               qkv_bias ? " with q/k/v biases" : "", in.attr_int("model.num_layers"), in.attr_int("model.hidden"), in.attr_int("model.num_heads"),
-               in.attr_int("model.num_kv_heads"), in.attr_int("model.ffn_hidden"), in.attr_int("model.vocab_size"));
+               qkv_bias ? " with q/k/v biases" : "", in.attr_int("model.num_layers"), in.attr_int("model.hidden"),
+               in.attr_int("model.num_heads"), in.attr_int("model.num_kv_heads"), in.attr_int("model.ffn_hidden"),
+               in.attr_int("model.vocab_size"));
     if (in.has_attr("lora.rank"))
       fmt::print("LoRA adapters: rank {}, alpha {}{}, targets {}; base {} {} (checksum {})\n", in.attr_int("lora.rank"),
                  in.attr_double("lora.alpha"),

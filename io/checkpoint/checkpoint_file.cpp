@@ -137,11 +137,9 @@ CheckpointWriter::CheckpointWriter(MPI_Comm comm, const std::string& path) : imp
   // blocks without one). Any HDF5 >= 1.8 reads the file.
   H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_V18);
   I.gcpl = Handle(H5Pcreate(H5P_GROUP_CREATE), H5Pclose);
-  H5Pset_link_phase_change(I.gcpl, kMaxCompact, kMaxCompact);
-  H5Pset_attr_phase_change(I.gcpl, kMaxCompact, kMaxCompact);
-  Handle fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
-  H5Pset_link_phase_change(fcpl, kMaxCompact, kMaxCompact);
-  H5Pset_attr_phase_change(fcpl, kMaxCompact, kMaxCompact);
+  Handle fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);  // the root group's
+  for (hid_t pl : {hid_t(I.gcpl), hid_t(fcpl)})
+    H5Pset_link_phase_change(pl, kMaxCompact, kMaxCompact), H5Pset_attr_phase_change(pl, kMaxCompact, kMaxCompact);
   I.file = watched(I.what("the creation (H5Fcreate)"),
                    [&] { return Handle(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, fcpl, fapl), H5Fclose); });
   I.ag.agree(I.file.ok() ? "" : fmt::format("cannot create checkpoint '{}' (H5Fcreate: {}); check that the directory "

@@ -243,8 +243,8 @@ void no_sliding_window(const Fields& f, const std::string& type) {
         f.require("layer_types", t == "full_attention", t.dump(), fix);
     return;
   }
-  // MistralConfig's default is a window of 4096: only an explicit null means none.
-  const bool none = type == "mixtral" ? !f.has("sliding_window") : f.j.contains("sliding_window") && !f.has("sliding_window");
+  // A missing field is MixtralConfig's default, no window, but MistralConfig's, a window of 4096.
+  const bool none = !f.has("sliding_window") && (type == "mixtral" || f.j.contains("sliding_window"));
   f.require("sliding_window", none, f.j.value("sliding_window", json(4096)).dump(), fix);
 }
 

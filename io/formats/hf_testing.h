@@ -48,14 +48,15 @@ inline ModelConfig tiny_llama() {
   return m;
 }
 
-// Llama with every MLP a mixture of 4 experts of width 12, top-2, renormalised: a Mixtral.
-inline ModelConfig tiny_qwen2() {  // Llama with biased q/k/v projections, tied as the small Qwen2.5
+// Llama with biased q/k/v projections, tied as the small Qwen2.5 models are: a Qwen2.
+inline ModelConfig tiny_qwen2() {
   ModelConfig m = tiny_llama();
   m.qkv_bias = true;
   m.tie_embeddings = true;
   return m;
 }
 
+// Llama with every MLP a mixture of 4 experts of width 12, top-2, renormalised: a Mixtral.
 inline ModelConfig tiny_mixtral() {
   ModelConfig m = tiny_llama();
   m.num_experts = 4;

@@ -299,8 +299,8 @@ void TrainingRun::log_setup() const {
   const GptDims& d = d_;
   log_line("mesh: {}", mesh_.describe());
   log_line("model: {}{} {} layers, {} channels, {} heads ({} kv), ffn {}, seq {}, vocab {} (padded {}), {:.2f}M "
-           "parameters", d.gpt2() ? "gpt2" : "llama", d.qkv_bias ? " with q/k/v biases" : "", d.L, d.C, d.NH, d.NKV, d.F, d.T, d.V, d.Vp,
-           d.num_params() / 1e6);
+           "parameters", d.gpt2() ? "gpt2" : "llama", d.qkv_bias ? " with q/k/v biases" : "", d.L, d.C, d.NH, d.NKV,
+           d.F, d.T, d.V, d.Vp, d.num_params() / 1e6);
   if (moe_) {
     std::string layers;
     for (int l = 0; l < d.L; ++l)
